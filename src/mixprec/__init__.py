@@ -1,0 +1,64 @@
+"""mixprec: mixed-precision training for PyTorch that works as written, on every device.
+
+The public API is re-exported here and imported lazily, so ``import mixprec`` stays light: torch and the
+optional libraries (transformers, matplotlib, tensorboard) load only when the names that need them are used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> submodule that defines it
+_EXPORTS: dict[str, str] = {
+    # primitives
+    "GradScaler": "mixprec.scaling.scaler",
+    "LossScaler": "mixprec.scaling.scaler",
+    "ConsecutiveSkipsError": "mixprec.scaling.scaler",
+    "ScaleRecord": "mixprec.scaling.record",
+    "Precision": "mixprec.precision.base",
+    "PrecisionNotSupportedError": "mixprec.precision.base",
+    "resolve_precision": "mixprec.precision.registry",
+    "available_precisions": "mixprec.precision.registry",
+    # mid level
+    "Accelerator": "mixprec.accelerator.accelerator",
+    # high level
+    "Trainer": "mixprec.trainer.trainer",
+    "TrainingArguments": "mixprec.trainer.args",
+    "TrainerCallback": "mixprec.trainer.callbacks",
+    "TrainerControl": "mixprec.trainer.callbacks",
+    "TrainerState": "mixprec.trainer.state",
+    "EvalPrediction": "mixprec.trainer.state",
+    # tools
+    "diagnose": "mixprec.diagnostics.diagnose",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mixprec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: the next lookup skips __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from mixprec.accelerator.accelerator import Accelerator
+    from mixprec.diagnostics.diagnose import diagnose
+    from mixprec.precision.base import Precision, PrecisionNotSupportedError
+    from mixprec.precision.registry import available_precisions, resolve_precision
+    from mixprec.scaling.record import ScaleRecord
+    from mixprec.scaling.scaler import ConsecutiveSkipsError, GradScaler, LossScaler
+    from mixprec.trainer.args import TrainingArguments
+    from mixprec.trainer.callbacks import TrainerCallback, TrainerControl
+    from mixprec.trainer.state import EvalPrediction, TrainerState
+    from mixprec.trainer.trainer import Trainer
