@@ -1,0 +1,81 @@
+"""The one place a precision name is parsed.
+
+Every layer (GradScaler users, the Accelerator, TrainingArguments, the command line) hands its string here
+and gets back a :class:`~mixprec.precision.base.Precision` strategy. New modes ("bf16-pure", "fp8") are new
+classes registered with :func:`register_precision`, not new branches in callers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.precision.base import Precision, PrecisionNotSupportedError
+from mixprec.precision.full import FullPrecision
+from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
+
+_STRATEGIES: dict[str, type[Precision]] = {}
+_ALIASES: dict[str, str] = {}
+AUTO = "auto"
+
+
+def register_precision(cls: type[Precision], aliases: tuple[str, ...] = ()) -> type[Precision]:
+    """Make ``cls.name`` (and ``aliases``) valid precision names. Returns ``cls`` so it can decorate."""
+    _STRATEGIES[cls.name] = cls
+    for alias in aliases:
+        _ALIASES[alias] = cls.name
+    return cls
+
+
+register_precision(FullPrecision, aliases=("no", "32", "float32", "32-true"))
+register_precision(Fp16MixedPrecision, aliases=("16", "float16", "half", "16-mixed", "fp16-mixed"))
+register_precision(Bf16MixedPrecision, aliases=("bfloat16", "bf16-mixed"))
+
+
+def available_precisions() -> list[str]:
+    """The names users are shown: "no" first (HF's spelling of fp32), then each mode, then "auto"."""
+    return ["no", *_STRATEGIES, AUTO]
+
+
+def canonical_name(name: str) -> str:
+    """Normalise ``name`` to "fp32", "fp16", "bf16", ... or "auto"; raise ValueError listing the valid ones."""
+    if not isinstance(name, str):
+        raise TypeError(f"precision must be a string, got {type(name).__name__}: {name!r}")
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key in _STRATEGIES or key == AUTO:
+        return key
+    raise ValueError(f"unknown precision {name!r}; choose one of: {', '.join(available_precisions())}")
+
+
+def resolve_precision(name: str = AUTO, device: torch.device | str | None = None) -> Precision:
+    """Return the strategy for ``name`` on ``device`` (default: CUDA if available, else CPU).
+
+    "auto" chooses for the device and records why in ``.reason``: on CUDA bf16 where the GPU supports it,
+    else fp16; on a CPU the fastest of fp32/bf16/fp16 by a cached training-step probe (first call on a CPU
+    costs about 0.2 s). Raises :class:`PrecisionNotSupportedError` for a mode the device cannot run.
+    """
+    key = canonical_name(name)
+    dev = torch.device(device) if device is not None else None
+    if dev is None:
+        dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if key == AUTO:
+        key, reason = _choose_auto(dev)
+        return _STRATEGIES[key](dev, reason=reason)
+    return _STRATEGIES[key](dev)
+
+
+def _choose_auto(device: torch.device) -> tuple[str, str]:
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return "bf16", "auto on cuda: the GPU supports bf16, which needs no loss scaling"
+        return "fp16", "auto on cuda: no native bf16 on this GPU, so fp16 with loss scaling"
+    if device.type == "cpu":
+        from mixprec.precision.probe import cpu_probe
+
+        result = cpu_probe()
+        return result.chosen, result.explain()
+    try:
+        Fp16MixedPrecision.check_supported(device)
+    except PrecisionNotSupportedError:
+        return "fp32", f"auto on {device.type}: torch has no autocast here, so fp32"
+    return "fp16", f"auto on {device.type}: fp16 autocast with loss scaling"

@@ -1,0 +1,79 @@
+"""A public, per-step record of what the loss scaler did.
+
+Schedulers, loggers and EMA need to know whether the optimizer really stepped. The record is written on
+the host by :meth:`GradScaler.update` from the skip decision the step already synced, so reading it never
+forces a device sync, and it is right for fused optimizers (which skip on the device) as for the rest.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """One optimizer step: its index (from 0), the loss scale it ran with, and whether it was skipped."""
+
+    step: int
+    scale: float
+    skipped: bool
+
+
+@dataclass
+class ScaleRecord:
+    """Counters and a bounded history of recent steps (``history_size`` entries at most)."""
+
+    history_size: int = 1000
+    steps: int = 0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    last_step_skipped: bool = False
+    scale: float = 1.0
+    history: deque[StepEntry] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if self.history_size < 1:
+            raise ValueError(f"history_size must be >= 1, got {self.history_size}")
+        self.history = deque(self.history, maxlen=self.history_size)
+
+    def add(self, scale_used: float, skipped: bool, scale_after: float) -> StepEntry:
+        entry = StepEntry(self.steps, scale_used, skipped)
+        self.history.append(entry)
+        self.steps += 1
+        self.last_step_skipped = skipped
+        self.scale = scale_after
+        if skipped:
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+        else:
+            self.consecutive_skips = 0
+        return entry
+
+    @property
+    def applied_steps(self) -> int:
+        """Steps whose update reached the parameters."""
+        return self.steps - self.skipped_steps
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-ready: plain ints, floats, bools and lists."""
+        return {
+            "history_size": self.history_size,
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips,
+            "last_step_skipped": self.last_step_skipped,
+            "scale": self.scale,
+            "history": [[e.step, e.scale, e.skipped] for e in self.history],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history_size = int(state.get("history_size", self.history_size))
+        self.steps = int(state["steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.consecutive_skips = int(state["consecutive_skips"])
+        self.last_step_skipped = bool(state["last_step_skipped"])
+        self.scale = float(state["scale"])
+        entries = (StepEntry(int(s), float(sc), bool(sk)) for s, sc, sk in state.get("history", []))
+        self.history = deque(entries, maxlen=self.history_size)

@@ -1,0 +1,464 @@
+"""Dynamic loss scaling that works on every device: a drop-in for ``torch.amp.GradScaler``.
+
+What it adds to torch's scaler (whose kernels it uses for the work itself):
+
+- no device argument needed: the scale lives on the device of the first loss it scales
+  (``torch.amp.GradScaler()`` defaults to CUDA and disables itself on a CPU-only machine);
+- hysteresis: tolerate ``hysteresis`` overflowing steps before backing off (as DeepSpeed and Megatron);
+- bounds: the scale stays within ``[min_scale, max_scale]`` (torch's reaches 0.0 after enough non-finite
+  steps and training silently stops), and ``max_consecutive_skips`` skipped steps in a row raise
+  :class:`ConsecutiveSkipsError` naming the parameters whose gradients were non-finite;
+- a public :class:`~mixprec.scaling.record.ScaleRecord` of every step, right for fused optimizers too;
+- calls out of order raise an error that names the call.
+
+Host syncs: ``step()`` syncs once to read the inf check (as torch's does) unless the optimizer is fused, in
+which case ``update()`` syncs once instead. Nothing else on the step path syncs; ``get_scale()`` reads a
+host mirror of the scale.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from mixprec.scaling.record import ScaleRecord
+
+
+class ConsecutiveSkipsError(RuntimeError):
+    """Too many optimizer steps in a row were skipped for non-finite gradients."""
+
+
+class _Stage(Enum):
+    READY = "ready"
+    UNSCALED = "unscaled"
+    STEPPED = "stepped"
+
+
+@dataclass
+class _OptimizerState:
+    optimizer: torch.optim.Optimizer
+    stage: _Stage = _Stage.READY
+    found_inf: torch.Tensor | None = None  # on the scale's device; > 0 means skip
+    found_inf_host: bool | None = None  # set when step() already synced it
+
+
+def _fp32(x: float) -> float:
+    """Round to fp32 as the device-side scale tensor does, so the host mirror matches it exactly."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+class GradScaler:
+    """Loss scaler with torch's interface and defaults (init 2^16, x2 every 2000 clean steps, x0.5 on overflow).
+
+    Args:
+        device: where the scale lives. Optional: by default the device of the first scaled loss.
+        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as ``torch.amp.GradScaler``.
+        hysteresis: overflowing steps tolerated before the scale backs off (1 = torch's behaviour). The
+            count is restored when the scale grows or backs off, as in Megatron-LM.
+        min_scale, max_scale: bounds the scale never leaves.
+        max_consecutive_skips: raise :class:`ConsecutiveSkipsError` after this many skipped steps in a row
+            (``None`` never raises).
+        history_size: how many recent steps :attr:`record` keeps.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        max_consecutive_skips: int | None = 100,
+        history_size: int = 1000,
+    ) -> None:
+        if isinstance(device, (int, float)) and not isinstance(device, bool):
+            raise TypeError(
+                f"GradScaler's first argument is the device, got {device!r}; pass init_scale={device!r}"
+            )
+        _check(init_scale > 0, "init_scale", init_scale, "must be > 0")
+        _check(growth_factor > 1.0, "growth_factor", growth_factor, "must be > 1.0")
+        _check(0.0 < backoff_factor < 1.0, "backoff_factor", backoff_factor, "must be in (0, 1)")
+        _check(
+            int(growth_interval) == growth_interval >= 1, "growth_interval", growth_interval, "must be >= 1"
+        )
+        _check(int(hysteresis) == hysteresis >= 1, "hysteresis", hysteresis, "must be an integer >= 1")
+        _check(0.0 < min_scale <= max_scale, "min_scale", min_scale, f"must be in (0, max_scale={max_scale}]")
+        _check(
+            min_scale <= init_scale <= max_scale,
+            "init_scale",
+            init_scale,
+            f"must lie within [min_scale={min_scale}, max_scale={max_scale}]",
+        )
+        _check(
+            max_consecutive_skips is None or max_consecutive_skips >= 1,
+            "max_consecutive_skips",
+            max_consecutive_skips,
+            "must be >= 1 or None",
+        )
+        self._device = _check_device(device) if device is not None else None
+        self._enabled = bool(enabled)
+        self._init_scale = float(init_scale)
+        self._growth_factor = float(growth_factor)
+        self._backoff_factor = float(backoff_factor)
+        self._growth_interval = int(growth_interval)
+        self.hysteresis = int(hysteresis)
+        self.min_scale = float(min_scale)
+        self.max_scale = float(max_scale)
+        self.max_consecutive_skips = max_consecutive_skips
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        # Host mirrors of the device state: the skip decision is known on the host every step, so these
+        # follow the kernel's arithmetic exactly and reading them costs no sync.
+        self._scale_host = _fp32(self._init_scale)
+        self._clean_streak = 0
+        self._hysteresis_left = self.hysteresis
+        self._states: dict[int, _OptimizerState] = {}
+        self._scaled_since_update = False
+        self._found_inf_reducer: Callable[[torch.Tensor], None] | None = None
+        self._param_names: dict[int, str] = {}
+        self.record = ScaleRecord(history_size=history_size, scale=self.get_scale())
+
+    # -- configuration -------------------------------------------------------------------------------
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def set_found_inf_reducer(self, reducer: Callable[[torch.Tensor], None] | None) -> None:
+        """Install an in-place reduction (e.g. an all-reduce MAX) applied to each inf check, so every
+        process makes the same skip decision when gradients are sharded (FSDP)."""
+        self._found_inf_reducer = reducer
+
+    def register_param_names(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
+        """Tell the scaler parameter names, so errors and logs can say which gradients were non-finite."""
+        self._param_names.update({id(p): name for name, p in named_parameters})
+
+    def get_scale(self) -> float:
+        """The current scale (1.0 when disabled). No host sync."""
+        return self._scale_host if self._enabled else 1.0
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._growth_factor = float(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._backoff_factor = float(new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._growth_interval = int(new_interval)
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def scale(self, outputs: Any) -> Any:
+        """Multiply a loss (or nested tensors) by the scale. No host sync."""
+        if not self._enabled:
+            return outputs
+        first = _first_tensor(outputs)
+        if first is None:
+            raise TypeError(f"scale() takes a tensor or tensors, got {type(outputs).__name__}")
+        self._lazy_init(first.device)
+        self._scaled_since_update = True
+        return _apply(outputs, lambda t: t * self._scale.to(device=t.device, non_blocking=True))
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale in place and check them for inf/NaN (no host sync).
+
+        Call it at most once per step, before clipping; ``step()`` calls it when you have not.
+        """
+        if not self._enabled:
+            return
+        self._require_scaled("unscale_")
+        state = self._state(optimizer)
+        if state.stage is _Stage.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update(); "
+                "call it once per step, before clipping"
+            )
+        if state.stage is _Stage.STEPPED:
+            raise RuntimeError("unscale_() was called after step(); call it before step()")
+        # fp64 reciprocal: an fp32 division is inexact under some compile options (as torch does).
+        inv_scale = self._scale.double().reciprocal().float()
+        state.found_inf = self._unscale_grads(optimizer, inv_scale, allow_fp16=False)
+        state.stage = _Stage.UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless done), then ``optimizer.step()`` unless a gradient is inf/NaN.
+
+        Syncs once to read the inf check, except for fused optimizers (``fused=True``), which take the
+        scale and the check as tensors and skip on the device; ``update()`` syncs for those instead.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("step(closure=...) is not supported while loss scaling is enabled")
+        self._require_scaled("step")
+        state = self._state(optimizer)
+        if state.stage is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called on this optimizer since the last update()")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._fused_step(optimizer, state, *args, **kwargs)
+        if state.stage is _Stage.READY:
+            self.unscale_(optimizer)
+        state.found_inf_host = bool(state.found_inf.item())  # the one host sync of the step
+        state.stage = _Stage.STEPPED
+        return None if state.found_inf_host else optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Back off on overflow (after ``hysteresis`` of them), grow after ``growth_interval`` clean steps,
+        keep the scale within its bounds, and record the step. Syncs once only after a fused step."""
+        if not self._enabled:
+            self.record.add(1.0, False, 1.0)
+            return
+        if new_scale is not None:
+            self._set_scale(new_scale)
+            return
+        stepped = [s for s in self._states.values() if s.stage is _Stage.STEPPED]
+        if not stepped:
+            raise RuntimeError(
+                "update() was called without scaler.step(optimizer) since the last update(); "
+                "call scaler.step(optimizer) first"
+            )
+        found_inf = stepped[0].found_inf
+        for s in stepped[1:]:
+            found_inf = found_inf + s.found_inf
+        known = [s.found_inf_host for s in stepped]
+        skipped = any(known) if None not in known else bool(found_inf.item())
+        scale_used = self._scale_host
+        self._advance(found_inf, skipped)
+        self.record.add(scale_used, skipped, self._scale_host)
+        optimizers = [s.optimizer for s in stepped]
+        self._states = {}
+        self._scaled_since_update = False
+        limit = self.max_consecutive_skips
+        if skipped and limit is not None and self.record.consecutive_skips >= limit:
+            names = [n for opt in optimizers for n in self.nonfinite_grad_names(opt)]
+            raise ConsecutiveSkipsError(
+                f"{self.record.consecutive_skips} optimizer steps in a row were skipped for non-finite "
+                f"gradients (loss scale {self._scale_host:g}, floor {self.min_scale:g}). Non-finite "
+                f"gradients in: {', '.join(names[:20]) or 'none left (were they zeroed?)'}"
+                f"{' ...' if len(names) > 20 else ''}. The forward pass likely overflows: check the inputs "
+                "and learning rate, try precision='bf16', or run `mixprec diagnose`."
+            )
+
+    def nonfinite_grad_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        """Names of ``optimizer``'s parameters whose gradient holds inf/NaN. One host sync: for the rare
+        path (a skipped step), not for every step."""
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not params:
+            return []
+        with torch.no_grad():
+            flags = torch.stack([~torch.isfinite(p.grad).all().to(params[0].device) for p in params])
+        position = {
+            id(p): f"param_groups[{i}][{j}]"
+            for i, g in enumerate(optimizer.param_groups)
+            for j, p in enumerate(g["params"])
+        }
+        return [
+            self._param_names.get(id(p), position[id(p)]) for p, bad in zip(params, flags.tolist()) if bad
+        ]
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's keys (so torch's scaler can load it) plus the bounds, hysteresis and the record."""
+        return {
+            "scale": self.get_scale() if self._enabled else self._scale_host,
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": self._clean_streak,
+            "hysteresis": self.hysteresis,
+            "_hysteresis_left": self._hysteresis_left,
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+            "record": self.record.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load our own state dict or one from ``torch.amp.GradScaler`` (missing keys keep their values)."""
+        if not state_dict:
+            raise RuntimeError("the scaler state dict is empty: it was saved by a disabled torch GradScaler")
+        self._scale_host = _fp32(float(state_dict["scale"]))
+        self._growth_factor = float(state_dict["growth_factor"])
+        self._backoff_factor = float(state_dict["backoff_factor"])
+        self._growth_interval = int(state_dict["growth_interval"])
+        self._clean_streak = int(state_dict["_growth_tracker"])
+        self.hysteresis = int(state_dict.get("hysteresis", self.hysteresis))
+        self._hysteresis_left = int(state_dict.get("_hysteresis_left", self.hysteresis))
+        self.min_scale = float(state_dict.get("min_scale", self.min_scale))
+        self.max_scale = float(state_dict.get("max_scale", self.max_scale))
+        if "record" in state_dict:
+            self.record.load_state_dict(state_dict["record"])
+        if self._scale is not None:
+            self._scale.fill_(self._scale_host)
+            self._growth_tracker.fill_(self._clean_streak)
+
+    # -- internals -----------------------------------------------------------------------------------
+
+    def _lazy_init(self, device: torch.device) -> None:
+        if self._scale is not None:
+            return
+        if self._device is not None and self._device.type != device.type:
+            raise RuntimeError(
+                f"GradScaler(device={str(self._device)!r}) was asked to scale a loss on {device}; "
+                "omit device= and the scaler takes it from the loss"
+            )
+        self._scale = torch.full((), self._scale_host, dtype=torch.float32, device=device)
+        self._growth_tracker = torch.full((), self._clean_streak, dtype=torch.int32, device=device)
+
+    def _require_scaled(self, call: str) -> None:
+        if self._scale is None or not self._scaled_since_update:
+            raise RuntimeError(
+                f"{call}() was called before scale() in this step: call scaler.scale(loss).backward() "
+                f"first, so the gradients {call}() divides by the scale were multiplied by it"
+            )
+
+    def _state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
+        return self._states.setdefault(id(optimizer), _OptimizerState(optimizer))
+
+    def _unscale_grads(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, allow_fp16: bool
+    ) -> torch.Tensor:
+        """One fused check-and-unscale kernel per (device, dtype) group; returns found_inf on the scale's
+        device. No host sync."""
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if not allow_fp16 and param.grad.dtype == torch.float16:
+                    name = self._param_names.get(id(param), "a parameter")
+                    raise ValueError(
+                        f"{name} has fp16 gradients, which cannot be unscaled safely: keep master weights in "
+                        "fp32 (don't call model.half()) and let autocast run the fp16 compute"
+                    )
+                grad = param.grad
+                if grad.is_sparse:
+                    grad = grad.coalesce() if grad.dtype is torch.float16 else grad
+                    param.grad = grad
+                    grad = grad._values()
+                groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        with torch.no_grad():
+            for (device, _), grads in groups.items():
+                local_inf = torch.zeros((), dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, local_inf, inv_scale.to(device))
+                found_inf += local_inf.to(found_inf.device)
+        if self._found_inf_reducer is not None:
+            self._found_inf_reducer(found_inf)
+        return found_inf
+
+    def _fused_step(
+        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, *args: Any, **kwargs: Any
+    ) -> Any:
+        # The fused optimizer unscales and skips on the device; we give it the scale (or None when the
+        # gradients were unscaled already) and an inf check made with inv_scale 1.
+        if state.stage is _Stage.READY:
+            one = torch.ones((), dtype=torch.float32, device=self._scale.device)
+            state.found_inf = self._unscale_grads(optimizer, one, allow_fp16=True)
+        optimizer.grad_scale = None if state.stage is _Stage.UNSCALED else self._scale
+        optimizer.found_inf = state.found_inf
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+            state.stage = _Stage.STEPPED
+
+    def _advance(self, found_inf: torch.Tensor, skipped: bool) -> None:
+        """Move the scale one step: torch's update kernel on the device, the same arithmetic on the host."""
+        if skipped:
+            self._hysteresis_left -= 1
+            if self._hysteresis_left > 0:  # tolerated overflow: the step is skipped, the scale holds
+                self._clean_streak = 0
+                self._growth_tracker.zero_()
+                return
+            self._hysteresis_left = self.hysteresis
+            self._clean_streak = 0
+            self._scale_host = _fp32(self._scale_host * self._backoff_factor)
+        else:
+            self._clean_streak += 1
+            if self._clean_streak == self._growth_interval:
+                self._clean_streak = 0
+                self._hysteresis_left = self.hysteresis
+                self._scale_host = _fp32(self._scale_host * self._growth_factor)
+        torch._amp_update_scale_(
+            self._scale,
+            self._growth_tracker,
+            found_inf,
+            self._growth_factor,
+            self._backoff_factor,
+            self._growth_interval,
+        )
+        clamped = min(max(self._scale_host, self.min_scale), self.max_scale)
+        if clamped != self._scale_host:
+            self._scale_host = _fp32(clamped)
+            self._scale.clamp_(self.min_scale, self.max_scale)
+
+    def _set_scale(self, new_scale: float | torch.Tensor) -> None:
+        value = float(new_scale.item() if isinstance(new_scale, torch.Tensor) else new_scale)
+        _check(value > 0, "new_scale", value, "must be > 0")
+        self._scale_host = _fp32(min(max(value, self.min_scale), self.max_scale))
+        if self._scale is not None:
+            self._scale.fill_(self._scale_host)
+        self._states = {}
+        self._scaled_since_update = False
+
+
+LossScaler = GradScaler
+
+
+def _check(ok: bool, name: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"GradScaler({name}={value!r}): {name} {rule}")
+
+
+def _check_device(device: torch.device | str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "GradScaler(device='cuda'): CUDA is not available on this machine; omit device= and the scaler "
+            "takes the device from the loss (torch's GradScaler would silently disable itself here)"
+        )
+    return dev
+
+
+def _first_tensor(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, dict):
+        obj = obj.values()
+    if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
+        for item in obj:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _apply(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return type(obj)({k: _apply(v, fn) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_apply(v, fn) for v in obj)
+    if isinstance(obj, Iterable):
+        return map(lambda v: _apply(v, fn), obj)
+    raise TypeError(f"scale() takes tensors, got {type(obj).__name__}")
