@@ -80,7 +80,7 @@ def measure_cpu() -> ProbeResult:
     x = torch.randn(_BATCH, _WIDTH, generator=torch.Generator().manual_seed(1))
     modes: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     samples: dict[str, list[float]] = {name: [] for name in modes}
-    for name, dtype in modes.items():  # warm-up: first calls pay for kernel selection and allocation
+    for dtype in modes.values():  # warm-up: first calls pay for kernel selection and allocation
         _step(model, x, dtype)
     racing = dict(modes)
     for round_ in range(_ROUNDS):  # interleaved, so a noisy neighbour hurts every mode alike

@@ -82,15 +82,11 @@ class GradScaler:
         history_size: int = 1000,
     ) -> None:
         if isinstance(device, (int, float)) and not isinstance(device, bool):
-            raise TypeError(
-                f"GradScaler's first argument is the device, got {device!r}; pass init_scale={device!r}"
-            )
+            raise TypeError(f"GradScaler's first argument is the device, got {device!r}; pass init_scale={device!r}")
         _check(init_scale > 0, "init_scale", init_scale, "must be > 0")
         _check(growth_factor > 1.0, "growth_factor", growth_factor, "must be > 1.0")
         _check(0.0 < backoff_factor < 1.0, "backoff_factor", backoff_factor, "must be in (0, 1)")
-        _check(
-            int(growth_interval) == growth_interval >= 1, "growth_interval", growth_interval, "must be >= 1"
-        )
+        _check(int(growth_interval) == growth_interval >= 1, "growth_interval", growth_interval, "must be >= 1")
         _check(int(hysteresis) == hysteresis >= 1, "hysteresis", hysteresis, "must be an integer >= 1")
         _check(0.0 < min_scale <= max_scale, "min_scale", min_scale, f"must be in (0, max_scale={max_scale}]")
         _check(
@@ -270,9 +266,7 @@ class GradScaler:
             for i, g in enumerate(optimizer.param_groups)
             for j, p in enumerate(g["params"])
         }
-        return [
-            self._param_names.get(id(p), position[id(p)]) for p, bad in zip(params, flags.tolist()) if bad
-        ]
+        return [self._param_names.get(id(p), position[id(p)]) for p, bad in zip(params, flags.tolist()) if bad]
 
     # -- state ---------------------------------------------------------------------------------------
 
@@ -365,9 +359,7 @@ class GradScaler:
             self._found_inf_reducer(found_inf)
         return found_inf
 
-    def _fused_step(
-        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, *args: Any, **kwargs: Any
-    ) -> Any:
+    def _fused_step(self, optimizer: torch.optim.Optimizer, state: _OptimizerState, *args: Any, **kwargs: Any) -> Any:
         # The fused optimizer unscales and skips on the device; we give it the scale (or None when the
         # gradients were unscaled already) and an inf check made with inv_scale 1.
         if state.stage is _Stage.READY:
