@@ -1,0 +1,76 @@
+"""`mixprec`: the command line. One file per subcommand; this file only dispatches.
+
+Each subcommand module exposes ``register(subparsers)`` (adds its parser, with examples in the epilog, and
+sets ``func``). Errors a user can fix (:class:`CliError`, ValueError, FileNotFoundError) become one line on
+stderr and exit code 2 — never a traceback (set MIXPREC_DEBUG=1 to see one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+from mixprec import __version__
+
+# subcommand -> module; imported only when that subcommand runs, so `mixprec --help` stays fast
+SUBCOMMANDS: dict[str, str] = {
+    "train": "mixprec.cli.train",
+    "diagnose": "mixprec.cli.diagnose",
+    "bench": "mixprec.cli.bench",
+}
+
+EPILOG = """\
+examples:
+  mixprec train                         train the built-in GPT on the embedded corpus (precision auto)
+  mixprec train --precision fp16 --max-steps 200
+  mixprec diagnose                      how much of the gradients fp16 would flush to zero
+  mixprec bench --steps 5               fp32, fp16, bf16 and auto side by side
+  mixprec <command> --help              flags and examples for one command
+"""
+
+
+class CliError(Exception):
+    """A problem with the user's input: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mixprec",
+        description="Mixed-precision training for PyTorch that works as written, on CPU and GPU.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="<command>")
+    for name, module in SUBCOMMANDS.items():
+        try:
+            importlib.import_module(module).register(subparsers)
+        except ModuleNotFoundError as exc:  # a subcommand still being written: keep the others usable
+            if exc.name != module:
+                raise
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("mixprec: interrupted", file=sys.stderr)
+        return 130
+    except (CliError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+        if os.environ.get("MIXPREC_DEBUG"):  # developers: see the traceback
+            raise
+        print(f"mixprec {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
