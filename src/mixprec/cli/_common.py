@@ -1,0 +1,277 @@
+"""What ``mixprec train``, ``diagnose`` and ``bench`` share: the --data/--model flags and what they build.
+
+``add_data_model_args(parser)`` adds --data, --text-field, --model, --seq-len, --batch-size, --seed and
+--precision; ``load_model_and_data(args)`` turns them into ``(model, train_dataset, eval_dataset, info)``:
+
+- the model: a built-in GPT preset (``mixprec.models.GPT_PRESETS``: tiny, small, gpt2), or a local Hugging
+  Face model folder / ``config.json`` when transformers is installed (weights are loaded when the folder has
+  them, else the model is initialised from the config). Nothing is ever downloaded: a name that is neither
+  a preset nor an existing path is an error.
+- the data: the embedded corpus (the Python standard library's source, ``mixprec.data.stdlib_corpus``) or
+  --data (a text file, a folder of them, or JSONL), byte-tokenized, the last 10% held out for validation,
+  cut into non-overlapping chunks of --seq-len tokens (``CausalLMDataset``).
+
+Every mistake a user can make here raises :class:`CliError` (or FileNotFoundError/ValueError with a message
+naming the flag), which the dispatcher prints as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.cli._config import track_explicit
+from mixprec.cli.main import CliError
+from mixprec.data import VOCAB_SIZE, CausalLMDataset, load_corpus, unigram_entropy
+from mixprec.models import GPT, GPT_PRESETS
+from mixprec.precision.registry import available_precisions, canonical_name
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "DEFAULT_SEQ_LEN",
+    "VAL_FRACTION",
+    "DataModelInfo",
+    "add_data_model_args",
+    "build_model",
+    "check_precision",
+    "load_model_and_data",
+    "positive_int",
+]
+
+DEFAULT_MODEL = "small"
+"""The built-in preset every subcommand uses without --model."""
+DEFAULT_SEQ_LEN = 256
+"""--seq-len when not given: this, or the model's block size if smaller."""
+VAL_FRACTION = 0.1
+"""Share of the corpus (its tail) held out for validation."""
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _seq_len(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:  # one token leaves no next-token target after the shift
+        raise argparse.ArgumentTypeError(f"must be at least 2, got {value}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def add_data_model_args(
+    parser: argparse.ArgumentParser, *, batch_size: int = 16, precision: str = "auto", seed: int = 42
+) -> None:
+    """Add --data, --text-field, --model, --seq-len, --batch-size, --seed and --precision to ``parser``.
+
+    The keyword arguments are this subcommand's defaults. Flags added here are tracked for ``--config``
+    (see ``mixprec.cli._config``), so a subcommand may add ``--config`` too.
+    """
+    track_explicit(parser)
+    presets = ", ".join(GPT_PRESETS)
+    group = parser.add_argument_group("model and data")
+    group.add_argument(
+        "--data",
+        metavar="PATH",
+        default=None,
+        help="a text file, a folder of text files, or a .jsonl file (one JSON object per line); "
+        "default: the embedded corpus (this Python's standard library source, no download)",
+    )
+    group.add_argument(
+        "--text-field", metavar="NAME", default="text", help="field holding the text in a .jsonl file (default: text)"
+    )
+    group.add_argument(
+        "--model",
+        metavar="NAME|PATH",
+        default=DEFAULT_MODEL,
+        help=f"a built-in GPT ({presets}; default: {DEFAULT_MODEL}) or a local Hugging Face model folder or "
+        f"config.json (needs transformers; nothing is downloaded)",
+    )
+    group.add_argument(
+        "--seq-len",
+        metavar="N",
+        type=_seq_len,
+        default=None,
+        help=f"tokens (bytes) per training sequence (default: {DEFAULT_SEQ_LEN}, or the model's block size if smaller)",
+    )
+    group.add_argument(
+        "--batch-size",
+        metavar="N",
+        type=positive_int,
+        default=batch_size,
+        help=f"sequences per step (default: {batch_size})",
+    )
+    group.add_argument(
+        "--seed", metavar="N", type=_nonnegative_int, default=seed, help=f"random seed (default: {seed})"
+    )
+    group.add_argument(
+        "--precision",
+        metavar="NAME",
+        default=precision,
+        help=f"{', '.join(available_precisions())} (default: {precision}: the fastest safe one for this device, "
+        f"with the reason printed)",
+    )
+
+
+def check_precision(name: str) -> str:
+    """The canonical precision name ("fp32", "fp16", "bf16", "auto"), or CliError listing the valid ones."""
+    try:
+        return canonical_name(name)
+    except (TypeError, ValueError) as exc:
+        raise CliError(f"--precision: {exc}") from None
+
+
+@dataclass(frozen=True)
+class DataModelInfo:
+    """What was built, for the run header, the saved config and the summary."""
+
+    model: str
+    """--model as given: a preset name or a path."""
+    model_description: str
+    """One line: "built-in GPT 'small' (4 layers, 128 wide, 0.82M parameters)"."""
+    num_parameters: int
+    block_size: int
+    """Longest sequence the model accepts."""
+    seq_len: int
+    corpus: str
+    """One line from the corpus loader: where the text came from and how big it is."""
+    train_tokens: int
+    val_tokens: int
+    unigram_baseline: float
+    """Entropy (nats/byte) of the validation split's own byte distribution: the best loss any model that
+    ignores context can reach there. Learning means going well below it."""
+    precision: str
+    """Canonical name as asked ("auto" stays "auto"; what it resolves to is the Trainer's to say)."""
+    builtin: bool
+    """True for a mixprec GPT preset, False for a Hugging Face model."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _hf_block_size(config: Any) -> int | None:
+    for name in ("n_positions", "max_position_embeddings", "n_ctx", "block_size"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _build_hf_model(path: Path) -> tuple[nn.Module, int, str]:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ModuleNotFoundError:
+        raise CliError(
+            f"--model {path}: a Hugging Face model needs transformers (pip install 'mixprec[hf]'); "
+            f"built-in models: {', '.join(GPT_PRESETS)}"
+        ) from None
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise CliError(f"--model {path}: the folder has no config.json (a Hugging Face model folder needs one)")
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        detail = " ".join(str(exc).split())[:300]
+        raise CliError(f"--model {path}: not a usable Hugging Face config ({detail})") from None
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < VOCAB_SIZE:
+        raise CliError(
+            f"--model {path}: vocab_size {vocab} is smaller than the {VOCAB_SIZE} byte ids of the corpus; "
+            f"use a config with vocab_size >= {VOCAB_SIZE}"
+        )
+    has_weights = path.is_dir() and any(
+        (path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+    )
+    try:
+        if has_weights:
+            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+        else:
+            model = AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError) as exc:
+        detail = " ".join(str(exc).split())[:300]
+        raise CliError(f"--model {path}: cannot build a causal LM from it ({detail})") from None
+    block = _hf_block_size(config)
+    if block is None:
+        raise CliError(f"--model {path}: the config states no maximum sequence length (n_positions)")
+    how = "weights loaded" if has_weights else "initialised from its config"
+    n = sum(p.numel() for p in model.parameters())
+    desc = f"Hugging Face {type(model).__name__} from {path} ({how}, {n / 1e6:.2f}M parameters)"
+    return model, block, desc
+
+
+def build_model(name: str, seed: int) -> tuple[nn.Module, int, str, bool]:
+    """``(model, block_size, description, builtin)`` for --model; parameters initialised from ``seed``."""
+    # the model is built before the Trainer seeds anything, so seed here for a reproducible init
+    torch.manual_seed(seed)
+    if name in GPT_PRESETS:
+        model = GPT.from_preset(name)
+        cfg = model.config
+        desc = (
+            f"built-in GPT {name!r} ({cfg.n_layer} layers, {cfg.n_embd} wide, {cfg.n_head} heads, "
+            f"{model.num_parameters() / 1e6:.2f}M parameters)"
+        )
+        return model, cfg.block_size, desc, True
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise CliError(
+            f"--model {name!r}: not a built-in model ({', '.join(GPT_PRESETS)}) and no such local folder or "
+            f"file (nothing is downloaded)"
+        )
+    model, block, desc = _build_hf_model(path)
+    return model, block, desc, False
+
+
+def load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, CausalLMDataset, CausalLMDataset, DataModelInfo]:
+    """Build the model and the (train, validation) datasets that ``args`` (from :func:`add_data_model_args`)
+    describe. Reads the corpus from disk; no device work. Raises CliError/FileNotFoundError/ValueError with
+    a one-line message for every input problem."""
+    precision = check_precision(getattr(args, "precision", "auto"))
+    model_name = getattr(args, "model", DEFAULT_MODEL)
+    seed = getattr(args, "seed", 42)
+    # data first: a wrong --data path is reported before any model is built
+    corpus = load_corpus(getattr(args, "data", None), text_field=getattr(args, "text_field", "text"))
+    model, block, desc, builtin = build_model(model_name, seed)
+    seq_len = getattr(args, "seq_len", None)
+    if seq_len is None:
+        seq_len = min(DEFAULT_SEQ_LEN, block)
+    elif seq_len > block:
+        raise CliError(
+            f"--seq-len {seq_len} is larger than the block size {block} of the model {model_name!r} "
+            f"(the longest sequence it accepts); use --seq-len {block} or less"
+        )
+    train_tokens, val_tokens = corpus.split(VAL_FRACTION)
+    train = CausalLMDataset(train_tokens, seq_len, split="training split")
+    val = CausalLMDataset(val_tokens, seq_len, split=f"validation split (the last {VAL_FRACTION:.0%} of the corpus)")
+    info = DataModelInfo(
+        model=model_name,
+        model_description=desc,
+        num_parameters=sum(p.numel() for p in model.parameters()),
+        block_size=block,
+        seq_len=seq_len,
+        corpus=corpus.source,
+        train_tokens=len(train_tokens),
+        val_tokens=len(val_tokens),
+        unigram_baseline=unigram_entropy(val_tokens),
+        precision=precision,
+        builtin=builtin,
+    )
+    return model, train, val, info
