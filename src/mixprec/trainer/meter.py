@@ -1,0 +1,78 @@
+"""Running training metrics kept on the device, read only when someone looks.
+
+The loss of every micro-batch is added to a device tensor (no sync). The logger reads the window's mean at
+each logging step, the progress bar at most once a second; each read is one host sync. Sample and token
+counts come from tensor shapes, which live on the host, so they never sync.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+
+class StepMeter:
+    """Loss since the last log, throughput since the last look, and totals for the summary."""
+
+    def __init__(self, learning_rate: Callable[[], float], loss_scale: Callable[[], float]) -> None:
+        self._learning_rate = learning_rate
+        self._loss_scale = loss_scale
+        self._window_sum: torch.Tensor | None = None
+        self._window_count = 0
+        self.total_loss = 0.0  # host sum of the windows already read
+        self.total_count = 0
+        self.samples = 0
+        self.tokens = 0
+        self.start_time = time.perf_counter()
+        self._rate_mark = (self.start_time, 0, 0)
+
+    def add(self, loss: torch.Tensor, samples: int, tokens: int) -> None:
+        """Record one micro-batch. No host sync."""
+        value = loss.detach().float()
+        self._window_sum = value if self._window_sum is None else self._window_sum + value
+        self._window_count += 1
+        self.samples += samples
+        self.tokens += tokens
+
+    def window_mean(self) -> float | None:
+        """Mean loss since the last :meth:`take_window` (one host sync), or None if nothing was added."""
+        if self._window_sum is None:
+            return None
+        return float(self._window_sum.item()) / self._window_count
+
+    def take_window(self) -> float | None:
+        """The window's mean loss (one host sync), folded into the totals; the window starts again."""
+        mean = self.window_mean()
+        if mean is not None:
+            self.total_loss += mean * self._window_count
+            self.total_count += self._window_count
+        self._window_sum, self._window_count = None, 0
+        return mean
+
+    def mean_loss(self) -> float:
+        """Mean loss over every micro-batch of the run (reads what is left in the window)."""
+        self.take_window()
+        return self.total_loss / self.total_count if self.total_count else float("nan")
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start_time
+
+    def postfix(self) -> dict[str, str]:
+        """What the progress bar shows: loss (one host sync), lr, loss scale and the recent throughput."""
+        now = time.perf_counter()
+        t0, s0, k0 = self._rate_mark
+        dt = max(now - t0, 1e-9)
+        self._rate_mark = (now, self.samples, self.tokens)
+        shown = {}
+        loss = self.window_mean()
+        if loss is not None:
+            shown["loss"] = f"{loss:.4f}"
+        shown["lr"] = f"{self._learning_rate():.2e}"
+        shown["scale"] = f"{self._loss_scale():g}"
+        if self.tokens:
+            shown["tok/s"] = f"{(self.tokens - k0) / dt:.0f}"
+        else:
+            shown["samples/s"] = f"{(self.samples - s0) / dt:.1f}"
+        return shown

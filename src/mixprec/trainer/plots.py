@@ -1,0 +1,88 @@
+"""PNG figures of a run, drawn from its metrics.jsonl: the loss curves, and the loss scale with skipped steps.
+
+matplotlib is imported lazily with the Agg backend, so a headless job never needs a display and a run that
+does not plot never pays for the import.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mixprec.trainer.logging import read_metrics
+
+LOSS_FIGURE = "loss_curves.png"
+SCALE_FIGURE = "loss_scale.png"
+
+
+def _series(entries: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    steps, values = [], []
+    for e in entries:
+        if "event" not in e and isinstance(e.get(key), (int, float)):
+            steps.append(int(e["step"]))
+            values.append(float(e[key]))
+    return steps, values
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_run(metrics_path: str | Path, output_dir: str | Path) -> list[Path]:
+    """Write loss_curves.png (training and evaluation loss against the step) and, when the run scaled its
+    loss, loss_scale.png (the scale as a step function, skipped steps marked in red). Returns the files."""
+    entries = read_metrics(metrics_path)
+    out = Path(output_dir)
+    written = []
+    plt = _pyplot()
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("loss", "train"), ("eval_loss", "eval")):
+        steps, values = _series(entries, key)
+        if steps:
+            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title("loss")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / LOSS_FIGURE, dpi=100)
+    plt.close(fig)
+    written.append(out / LOSS_FIGURE)
+
+    changes = [(int(e["step"]), float(e["scale"])) for e in entries if e.get("event") == "loss_scale"]
+    skipped = [e for e in entries if e.get("event") == "skipped_step"]
+    if changes or skipped:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if changes:
+            last_step = max([s for s, _ in changes] + [int(e.get("step", 0)) for e in entries])
+            xs = [s for s, _ in changes] + [last_step]
+            ys = [v for _, v in changes] + [changes[-1][1]]
+            ax.step(xs, ys, where="post", label="loss scale")
+        if skipped:
+            ax.scatter(
+                [int(e["step"]) for e in skipped],
+                [float(e["loss_scale"]) for e in skipped],
+                color="red",
+                marker="x",
+                zorder=3,
+                label=f"skipped step ({len(skipped)})",
+            )
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss scale")
+        ax.set_title("fp16 loss scale")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / SCALE_FIGURE, dpi=100)
+        plt.close(fig)
+        written.append(out / SCALE_FIGURE)
+    return written

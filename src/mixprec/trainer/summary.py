@@ -1,0 +1,96 @@
+"""The end-of-run summary: what ran, how fast, and what the loss scaler did.
+
+The same numbers go three ways: the metrics dict of ``TrainOutput`` (HF's ``train_runtime``,
+``train_samples_per_second``, ... plus mixprec's), ``train_summary.json`` in output_dir, and a few printed
+lines on the main process.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUMMARY_FILE = "train_summary.json"
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """Peak memory and what it measures: the CUDA allocator's peak on a GPU, the process's peak resident set
+    size on a CPU (which includes Python and torch themselves)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda max_memory_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is kilobytes on Linux, bytes on macOS
+    return int(rss if sys.platform == "darwin" else rss * 1024), "process peak RSS"
+
+
+def build_summary(
+    *,
+    precision: dict[str, Any],
+    global_step: int,
+    steps_this_run: int,
+    skipped_steps: int,
+    final_scale: float | None,
+    runtime: float,
+    samples: int,
+    tokens: int,
+    train_loss: float,
+    epoch: float | None,
+    best_metric: float | None,
+    best_model_checkpoint: str | None,
+    metric_name: str | None,
+    device: torch.device,
+) -> dict[str, Any]:
+    """HF's train_* metrics, then mixprec's. Rates are over this process's work in this run (a resumed run
+    counts from the resume)."""
+    runtime = max(runtime, 1e-9)
+    peak, peak_kind = peak_memory_bytes(device)
+    summary: dict[str, Any] = {
+        "train_runtime": round(runtime, 4),
+        "train_samples_per_second": round(samples / runtime, 3),
+        "train_steps_per_second": round(steps_this_run / runtime, 3),
+        "train_loss": train_loss,
+        "epoch": epoch,
+        "global_step": global_step,
+        "skipped_steps": skipped_steps,
+        "final_loss_scale": final_scale,
+        "precision": precision.get("precision"),
+        "precision_reason": precision.get("reason"),
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": peak_kind,
+    }
+    if tokens:
+        summary["train_tokens_per_second"] = round(tokens / runtime, 1)
+    if best_metric is not None:
+        summary["best_metric"] = best_metric
+        summary["best_metric_name"] = metric_name
+        summary["best_model_checkpoint"] = best_model_checkpoint
+    return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A few readable lines for the end of a run."""
+    lines = [
+        f"trained {summary['global_step']} steps in {summary['train_runtime']:.1f}s "
+        f"({summary['precision']}; {summary['precision_reason']})",
+        f"  loss {summary['train_loss']:.4f}; skipped steps {summary['skipped_steps']}"
+        + (f"; final loss scale {summary['final_loss_scale']:g}" if summary.get("final_loss_scale") else ""),
+        f"  throughput {summary['train_samples_per_second']:.1f} samples/s"
+        + (f", {summary['train_tokens_per_second']:.0f} tokens/s" if "train_tokens_per_second" in summary else ""),
+        f"  peak memory {summary['peak_memory_bytes'] / 2**20:.0f} MiB ({summary['peak_memory_kind']})",
+    ]
+    if "best_metric" in summary:
+        lines.append(
+            f"  best {summary['best_metric_name']} {summary['best_metric']:.4g} at {summary['best_model_checkpoint']}"
+        )
+    return "\n".join(lines)
+
+
+def write_summary(summary: dict[str, Any], output_dir: str | Path) -> Path:
+    path = Path(output_dir) / SUMMARY_FILE
+    path.write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
+    return path
