@@ -1,0 +1,82 @@
+"""Shared fixtures: a tiny HF-style language model, its data, and the rule that skips GPU tests without CUDA.
+
+The model mirrors what the seed's snippets call: ``model(input_ids, labels=labels)`` returns an object with
+``.loss`` and ``.logits``. It is small enough (a few thousand parameters) that an fp16 autocast step costs
+about a millisecond on this CPU, where fp16 compute is emulated and ~10x slower than fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+VOCAB = 16
+SEQ = 8
+
+
+@dataclass
+class TinyOutput:
+    """What HF causal LMs return, reduced to the two fields the seed's loop reads."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding -> Linear -> GELU -> Linear -> logits; cross-entropy when ``labels`` are given."""
+
+    def __init__(self, vocab: int = VOCAB, width: int = 32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.hidden = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> TinyOutput:
+        logits = self.head(F.gelu(self.hidden(self.embed(input_ids))))
+        loss = None
+        if labels is not None:
+            # cross_entropy autocasts to fp32, as HF models' losses do
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return TinyOutput(loss=loss, logits=logits)
+
+
+def make_tiny_lm(seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def make_batches(n: int = 20, batch: int = 8, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """A learnable task: the label of each token is the next token id (mod VOCAB)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+        out.append({"input_ids": ids, "labels": (ids + 1) % VOCAB})
+    return out
+
+
+@pytest.fixture
+def tiny_lm() -> TinyLM:
+    return make_tiny_lm()
+
+
+@pytest.fixture
+def batches() -> list[dict[str, torch.Tensor]]:
+    return make_batches()
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked ``gpu`` on a machine without CUDA (pyproject declares the marker)."""
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; torch.cuda.is_available() is False")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
