@@ -349,14 +349,20 @@ class GradScaler:
                     param.grad = grad
                     grad = grad._values()
                 groups.setdefault((grad.device, grad.dtype), []).append(grad)
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        # found_inf must end as exactly 0.0 or 1.0: fused optimizers skip only when it equals 1.0 and subtract
+        # it from their step counts, so a sum over dtype groups (2.0) applied the update with inf gradients.
+        # The kernel writes 1.0 (it does not add), so one flag per device shared by its dtype groups is 0/1.
+        flags: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
             for (device, _), grads in groups.items():
-                local_inf = torch.zeros((), dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, local_inf, inv_scale.to(device))
-                found_inf += local_inf.to(found_inf.device)
-        if self._found_inf_reducer is not None:
-            self._found_inf_reducer(found_inf)
+                flag = flags.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device))
+            found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+            for flag in flags.values():
+                torch.maximum(found_inf, flag.to(found_inf.device, non_blocking=True), out=found_inf)
+            if self._found_inf_reducer is not None:
+                self._found_inf_reducer(found_inf)
+                found_inf.clamp_(max=1.0)  # a SUM reducer would count ranks
         return found_inf
 
     def _fused_step(self, optimizer: torch.optim.Optimizer, state: _OptimizerState, *args: Any, **kwargs: Any) -> Any:
