@@ -18,6 +18,7 @@ host mirror of the scale.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -48,8 +49,12 @@ class _OptimizerState:
 
 
 def _fp32(x: float) -> float:
-    """Round to fp32 as the device-side scale tensor does, so the host mirror matches it exactly."""
-    return struct.unpack("f", struct.pack("f", x))[0]
+    """Round to fp32 as the device-side scale tensor does, so the host mirror matches it exactly (values
+    beyond fp32's range become inf, as a cast does, where some Python versions' struct raises instead)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 class GradScaler:
@@ -300,6 +305,9 @@ class GradScaler:
         self.max_scale = float(state_dict.get("max_scale", self.max_scale))
         if "record" in state_dict:
             self.record.load_state_dict(state_dict["record"])
+        # The bounds hold for loaded scales too: torch's scaler can have decayed to 0.0 (or grown past ours).
+        self._scale_host = _fp32(min(max(self._scale_host, self.min_scale), self.max_scale))
+        self.record.scale = self.get_scale()
         if self._scale is not None:
             self._scale.fill_(self._scale_host)
             self._growth_tracker.fill_(self._clean_streak)
@@ -395,7 +403,9 @@ class GradScaler:
             if self._clean_streak == self._growth_interval:
                 self._clean_streak = 0
                 self._hysteresis_left = self.hysteresis
-                self._scale_host = _fp32(self._scale_host * self._growth_factor)
+                grown = _fp32(self._scale_host * self._growth_factor)
+                if math.isfinite(grown):  # the kernel keeps the old scale rather than store an inf
+                    self._scale_host = grown
         torch._amp_update_scale_(
             self._scale,
             self._growth_tracker,
