@@ -16,9 +16,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_batches, make_tiny_lm
 
 import mixprec
+from conftest import make_batches, make_tiny_lm
 from mixprec import ConsecutiveSkipsError, GradScaler
 
 INF = float("inf")
