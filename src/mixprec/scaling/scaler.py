@@ -63,8 +63,10 @@ class GradScaler:
     Args:
         device: where the scale lives. Optional: by default the device of the first scaled loss.
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: as ``torch.amp.GradScaler``.
-        hysteresis: overflowing steps tolerated before the scale backs off (1 = torch's behaviour). The
-            count is restored when the scale grows or backs off, as in Megatron-LM.
+        hysteresis: the scale backs off on the ``hysteresis``-th overflowing step; the ones before it are
+            skipped with the scale held (1 = torch's behaviour: every overflow backs off). The count is
+            restored when the scale grows (as in Megatron-LM and DeepSpeed) and also after each back-off
+            (unlike them: there, once the count is spent, every overflow backs off until the next growth).
         min_scale, max_scale: bounds the scale never leaves.
         max_consecutive_skips: raise :class:`ConsecutiveSkipsError` after this many skipped steps in a row
             (``None`` never raises).
