@@ -1,0 +1,358 @@
+"""A small decoder-only transformer in the nanoGPT tradition, with a Hugging Face style forward.
+
+Pre-LN blocks, causal self-attention through ``F.scaled_dot_product_attention`` (flash / memory-efficient
+kernels where the device has them), GELU MLP, tied input/output embeddings, and nanoGPT's initialisation
+(N(0, 0.02) everywhere, residual projections scaled by 1/sqrt(2 * n_layer), GPT-2 paper section 2.3).
+
+Nothing here chooses a precision: run the model under ``torch.autocast`` (a ``Precision.autocast()``) and the
+matmuls take the autocast dtype while the parameters stay fp32. The loss is always computed from logits cast
+to fp32, because a softmax over 256+ classes in fp16 loses the small probabilities the gradient needs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree
+from torch import nn
+
+__all__ = ["GPT", "GPTConfig", "GPT_PRESETS", "CausalLMOutput"]
+
+IGNORE_INDEX = -100
+"""Label value that contributes nothing to the loss (the Hugging Face / PyTorch convention)."""
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a :class:`GPT`. Every field is validated in ``__post_init__``."""
+
+    vocab_size: int = 256
+    """Number of token ids. 256 is the byte-level tokenizer of ``mixprec.data``."""
+    block_size: int = 256
+    """Longest sequence the model accepts (size of the learned position table)."""
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide ``n_embd``."""
+    n_embd: int = 128
+    """Width of the residual stream."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention weights and residual branches, in [0, 1)."""
+    bias: bool = True
+    """Biases in Linear layers and LayerNorms (False is slightly faster, as in nanoGPT)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            # bool is an int subclass; True as a layer count is always a mistake
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head} "
+                f"(each head gets n_embd / n_head dimensions)"
+            )
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+
+GPT_PRESETS: dict[str, GPTConfig] = {
+    # for tests: a forward + backward takes milliseconds
+    "tiny": GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64),
+    # the default of `mixprec train`: a few hundred steps at batch 16 x 256 bytes take 2-3 minutes on
+    # 2 CPU cores and bring the loss well below the unigram baseline (measured, see docs)
+    "small": GPTConfig(block_size=256, n_layer=4, n_head=4, n_embd=128),
+    # GPT-2 124M shape, for GPU benchmarks only (its vocabulary does not match the byte corpus)
+    "gpt2": GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+}
+
+
+@dataclass
+class CausalLMOutput:
+    """What :meth:`GPT.forward` returns, readable the three ways Hugging Face code reads a ModelOutput.
+
+    ``out.loss``, ``out["loss"]`` and ``out[0]`` all work. As in ``transformers``, fields that are None are
+    left out of the tuple and key views: without labels, ``out[0]`` is the logits and ``out["loss"]`` raises
+    KeyError. Iterating yields the values (tuple-like), unlike ``transformers`` which yields the keys.
+    """
+
+    loss: torch.Tensor | None = None
+    """Mean fp32 cross entropy of next-token prediction; None when no labels were given."""
+    logits: torch.Tensor | None = None
+    """(batch, seq, vocab) scores, in the autocast dtype when run under autocast."""
+
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        return [(k, getattr(self, k)) for k in self.keys()]
+
+    def to_tuple(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, k) for k in self.keys())
+
+    def __getitem__(self, key: str | int | slice) -> Any:
+        if isinstance(key, str):
+            if key not in self.keys():
+                raise KeyError(key)
+            return getattr(self, key)
+        return self.to_tuple()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys()
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.to_tuple())
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+
+# A pytree node, as transformers does for ModelOutput: DDP (find_unused_parameters / static_graph) flattens a
+# module's output with torch.utils._pytree to route its tensors through its backward hook; an unregistered
+# dataclass would be one opaque leaf and those tensors would bypass it.
+torch.utils._pytree.register_dataclass(CausalLMOutput)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        dropout_p = self.dropout if self.training else 0.0
+        if attn_mask is None:
+            # is_causal without an explicit mask keeps the flash kernel eligible
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer: ``model(input_ids, labels=None, attention_mask=None) -> CausalLMOutput``.
+
+    Build one with ``GPT(GPTConfig(...))`` or ``GPT.from_preset("small", dropout=0.1)``.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # weight tying (Press & Wolf 2017): one matrix embeds and un-embeds, saving vocab * n_embd params
+        self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer) so the residual stream's variance does
+        # not grow with depth (two residual adds per block)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> GPT:
+        """A model of the named shape (``GPT_PRESETS``); keyword overrides replace config fields."""
+        if name not in GPT_PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}; choose one of: {', '.join(GPT_PRESETS)}")
+        base = GPT_PRESETS[name]
+        valid = {f.name for f in fields(GPTConfig)}
+        unknown = sorted(set(overrides) - valid)
+        if unknown:
+            raise ValueError(
+                f"unknown GPTConfig field(s) {', '.join(unknown)}; valid fields: {', '.join(sorted(valid))}"
+            )
+        params = {f.name: getattr(base, f.name) for f in fields(GPTConfig)}
+        params.update(overrides)
+        return cls(GPTConfig(**params))
+
+    def num_parameters(self, exclude_position_embeddings: bool = False) -> int:
+        """Number of distinct parameters (the tied embedding counted once).
+
+        ``exclude_position_embeddings=True`` is nanoGPT's "non-embedding" count, the N of the 6N FLOP rule:
+        the token embedding stays because, tied to ``lm_head``, it does a matmul every step.
+        """
+        n = sum(p.numel() for p in self.parameters())  # parameters() already yields a tied tensor once
+        if exclude_position_embeddings:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def estimate_flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs (forward + backward) per token, for MFU: ``6N + 12 * n_layer * n_embd * seq_len``.
+
+        N excludes the position table; the attention term (PaLM paper, appendix B) counts the full
+        seq_len x seq_len score matrix, as nanoGPT does, though a causal kernel skips about half of it.
+        ``seq_len`` defaults to ``block_size``.
+        """
+        cfg = self.config
+        t = cfg.block_size if seq_len is None else seq_len
+        n = self.num_parameters(exclude_position_embeddings=True)
+        return 6 * n + 12 * cfg.n_layer * cfg.n_embd * t
+
+    def _hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
+        if input_ids.is_floating_point() or input_ids.is_complex():
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        B, T = input_ids.shape
+        bs = self.config.block_size
+        if bs < T:
+            raise ValueError(
+                f"sequence length {T} exceeds the model's block_size {bs}; use --seq-len <= {bs} or a larger model"
+            )
+        # nn.Embedding takes int32/int64 only; uint8 ids straight from the byte corpus are widened losslessly
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            input_ids = input_ids.long()
+        mask = None if attention_mask is None else self._attention_bias(attention_mask, B, T)
+        pos = torch.arange(T, device=input_ids.device)
+        x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x, mask)
+        return self.transformer.ln_f(x)
+
+    @staticmethod
+    def _attention_bias(attention_mask: torch.Tensor, B: int, T: int) -> torch.Tensor:
+        """Boolean (B, 1, T, T) mask: causal AND the key is not padding. Built on device, no host sync."""
+        if tuple(attention_mask.shape) != (B, T):
+            raise ValueError(
+                f"attention_mask must have the shape of input_ids {(B, T)}, got {tuple(attention_mask.shape)}"
+            )
+        device = attention_mask.device
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        keys = attention_mask.bool()[:, None, None, :]
+        # every query may always see itself: a query row with no visible key (a left-padding position)
+        # would otherwise softmax over nothing and turn into NaN, which then poisons the gradients
+        eye = torch.eye(T, dtype=torch.bool, device=device)
+        return causal & (keys | eye)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        """Logits for every position and, with ``labels``, the mean next-token cross entropy.
+
+        ``labels`` has the shape of ``input_ids`` and is shifted here (position t predicts label t + 1), so
+        ``labels=input_ids`` is the usual call; label -100 is ignored. Padding is not masked out of the loss
+        automatically: set those labels to -100. ``attention_mask`` (1 = token, 0 = padding) keeps queries
+        from attending to padded keys; positions are still 0..T-1. Without a mask the causal flash path is
+        used. No host sync; the loss is an fp32 tensor even under fp16/bf16 autocast.
+        """
+        h = self._hidden_states(input_ids, attention_mask)
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(
+                    f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}"
+                )
+            # fp32 cross entropy: log-softmax in fp16 underflows the small probabilities (and its
+            # gradient), so the loss a GradScaler scales must be fp32 whatever autocast chose for matmuls
+            shift_logits = logits[:, :-1, :].float()
+            shift_labels = labels[:, 1:].long()
+            loss = F.cross_entropy(
+                shift_logits.reshape(-1, shift_logits.size(-1)),
+                shift_labels.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+            )
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Append ``max_new_tokens`` sampled tokens to ``idx`` (batch, seq) and return (batch, seq + new).
+
+        ``temperature=0`` picks the most likely token (greedy); ``top_k`` keeps the k likeliest; pass a
+        ``generator`` (on the model's device) for reproducible samples. The context is cropped to the last
+        ``block_size`` tokens. Runs in eval mode (restored after) and without a KV cache: each new token
+        re-reads the context, fine for the small models this is for.
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if top_k is not None and top_k <= 0:
+            raise ValueError(f"top_k must be a positive integer or None, got {top_k}")
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                context = idx[:, -self.config.block_size :]
+                # only the last position is needed: skip the lm_head matmul for the others
+                h = self._hidden_states(context, None)[:, -1, :]
+                logits = self.lm_head(h).float()
+                if temperature == 0:
+                    next_id = logits.argmax(dim=-1, keepdim=True)
+                else:
+                    logits = logits / temperature
+                    if top_k is not None:
+                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                        logits = logits.masked_fill(logits < kth, float("-inf"))
+                    probs = F.softmax(logits, dim=-1)
+                    next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+                idx = torch.cat((idx, next_id.to(idx.dtype)), dim=1)
+        finally:
+            self.train(was_training)
+        return idx
