@@ -13,10 +13,13 @@ from mixprec.precision.base import Precision, PrecisionNotSupportedError
 class AutocastMixedPrecision(Precision):
     """Forward under ``torch.autocast(device.type, dtype=compute_dtype)``; parameters stay fp32."""
 
+    # What to use where the device type has no autocast at all: only full precision runs there (naming
+    # another autocast mode, as bf16 once named fp16, sends the user to a second refusal).
     alternative: ClassVar[str] = "fp32"
 
     @classmethod
     def check_supported(cls, device: torch.device) -> None:
+        super().check_supported(device)
         if not torch.amp.is_autocast_available(device.type):
             raise PrecisionNotSupportedError(
                 f"precision {cls.name!r}: torch has no autocast for device type {device.type!r}; "
@@ -40,7 +43,6 @@ class Bf16MixedPrecision(AutocastMixedPrecision):
 
     name = "bf16"
     compute_dtype = torch.bfloat16
-    alternative = "fp16"
 
     @classmethod
     def check_supported(cls, device: torch.device) -> None:
