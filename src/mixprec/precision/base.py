@@ -40,7 +40,15 @@ class Precision:
 
     @classmethod
     def check_supported(cls, device: torch.device) -> None:
-        """Raise :class:`PrecisionNotSupportedError` if this mode cannot run on ``device``."""
+        """Raise :class:`PrecisionNotSupportedError` if this mode cannot run on ``device``. The base check,
+        which every override calls first: the device exists on this machine."""
+        # torch.device("cuda") constructs fine without CUDA; the failure would come later and elsewhere
+        # (or, for "auto", as a wrong reason: "this GPU has no bf16").
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise PrecisionNotSupportedError(
+                f"precision {cls.name or 'auto'!r} on device {str(device)!r}: CUDA is not available on this "
+                "machine; use device='cpu' (or omit device= to get the default)"
+            )
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The context the forward pass runs under (a null context for full precision)."""

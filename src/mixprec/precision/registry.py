@@ -59,6 +59,7 @@ def resolve_precision(name: str = AUTO, device: torch.device | str | None = None
     if dev is None:
         dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if key == AUTO:
+        Precision.check_supported(dev)  # the device must exist before "auto" reasons about it
         key, reason = _choose_auto(dev)
         return _STRATEGIES[key](dev, reason=reason)
     return _STRATEGIES[key](dev)
