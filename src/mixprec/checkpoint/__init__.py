@@ -1,0 +1,40 @@
+"""Crash-safe, pickle-free checkpoint primitives: atomic folders, safe formats, RNG capture.
+
+- :func:`atomic_dir` writes a folder that appears complete or not at all (a crash leaves the old one).
+- :func:`save_tensors` / :func:`load_tensors` (safetensors), :func:`save_json` / :func:`load_json`,
+  :func:`save_torch` / :func:`load_torch` (``torch.load(weights_only=True)``): nothing loaded here can run
+  code; a file that would need arbitrary unpickling is refused with :class:`UnsafeCheckpointError`.
+- :func:`rng_state` / :func:`set_rng_state`: python, numpy, torch and CUDA generators.
+"""
+
+from mixprec.checkpoint.atomic import abort, atomic_dir, begin, commit, recover, temp_path
+from mixprec.checkpoint.formats import (
+    CheckpointError,
+    UnsafeCheckpointError,
+    load_json,
+    load_tensors,
+    load_torch,
+    save_json,
+    save_tensors,
+    save_torch,
+)
+from mixprec.checkpoint.rng import rng_state, set_rng_state
+
+__all__ = [
+    "CheckpointError",
+    "UnsafeCheckpointError",
+    "abort",
+    "atomic_dir",
+    "begin",
+    "commit",
+    "load_json",
+    "load_tensors",
+    "load_torch",
+    "recover",
+    "rng_state",
+    "save_json",
+    "save_tensors",
+    "save_torch",
+    "set_rng_state",
+    "temp_path",
+]

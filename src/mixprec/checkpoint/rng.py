@@ -1,0 +1,49 @@
+"""Capture and restore every global random generator a training step may draw from.
+
+The state is made of tensors, ints and floats only, so :func:`~mixprec.checkpoint.formats.save_torch`
+writes it and ``torch.load(weights_only=True)`` reads it back (numpy's key array becomes a tensor).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def rng_state() -> dict[str, Any]:
+    """The python, numpy, torch (CPU) and, where CUDA is in use, every CUDA device's generator state."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    # Only when CUDA was initialised: asking earlier would initialise it (seconds, and memory on every GPU).
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured. CUDA states are restored when both sides have CUDA."""
+    py = state["python"]
+    random.setstate((int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    npy = state["numpy"]
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state((npy["kind"], keys, int(npy["pos"]), int(npy["has_gauss"]), float(npy["cached_gaussian"])))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_states = list(state["cuda"])
+        count = min(len(cuda_states), torch.cuda.device_count())
+        for index in range(count):
+            torch.cuda.set_rng_state(cuda_states[index], index)
