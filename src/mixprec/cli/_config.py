@@ -21,7 +21,15 @@ from typing import Any
 
 from mixprec.cli.main import CliError
 
-__all__ = ["add_config_arg", "apply_config", "dump_toml", "explicit_flags", "load_config_file", "track_explicit"]
+__all__ = [
+    "add_config_arg",
+    "apply_config",
+    "apply_config_file",
+    "dump_toml",
+    "explicit_flags",
+    "load_config_file",
+    "track_explicit",
+]
 
 _EXPLICIT = "_explicit_flags"
 _PARSER = "_config_parser"
@@ -171,6 +179,16 @@ def apply_config(args: argparse.Namespace) -> dict[str, Any]:
     path = getattr(args, "config", None)
     if path is None:
         return {}
+    return apply_config_file(args, path, keep=explicit_flags(args))
+
+
+def apply_config_file(
+    args: argparse.Namespace, path: str | Path, keep: set[str] | frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """Set ``args`` from the config file ``path``, except the dests in ``keep``; returns what the file set.
+
+    Every key is checked (unknown keys, bad values) even when ``keep`` means its value is not used.
+    """
     parser: argparse.ArgumentParser = getattr(args, _PARSER)
     data = load_config_file(path)
     actions = _key_to_action(parser)
@@ -181,7 +199,6 @@ def apply_config(args: argparse.Namespace) -> dict[str, Any]:
             f"--config {path}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
             f"valid keys: {', '.join(valid)}"
         )
-    typed = explicit_flags(args)
     taken: dict[str, Any] = {}
     for key, value in data.items():
         action = actions[str(key).replace("-", "_")]
@@ -189,7 +206,7 @@ def apply_config(args: argparse.Namespace) -> dict[str, Any]:
         if action.dest in taken:
             raise CliError(f"--config {path}: {key!r} sets {action.dest} a second time")
         taken[action.dest] = converted
-        if action.dest not in typed:
+        if action.dest not in keep:
             setattr(args, action.dest, converted)
     return taken
 
