@@ -1,0 +1,386 @@
+"""The Accelerator: the seed's second snippet, for real, in one process or many.
+
+::
+
+    accelerator = Accelerator(mixed_precision="fp16")
+    model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, lr_scheduler)
+    for batch in train_dataloader:
+        outputs = model(batch["input_ids"], labels=batch["labels"])
+        accelerator.backward(outputs.loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+A facade that delegates: precision behaviour lives in the precision strategy (``mixprec.precision``), loss
+scaling in the scaler, distribution in a distributed strategy (one process, DDP, FSDP2), the accumulation
+schedule in :class:`~mixprec.accelerator.gradients.GradientState`. No method branches on the mode.
+
+Launch on several processes with ``torchrun --nproc_per_node=N script.py`` (or ``--nnodes``): the
+Accelerator reads the launcher's environment and joins the process group itself.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from mixprec.accelerator.config import AcceleratorConfig
+from mixprec.accelerator.data import PreparedDataLoader, prepare_dataloader
+from mixprec.accelerator.distributed import LaunchEnv, make_strategy, select_device
+from mixprec.accelerator.gradients import GradientState
+from mixprec.accelerator.prepared import PreparedOptimizer, PreparedScheduler, is_prepared
+from mixprec.accelerator.state import Registry, RunState, load_state, save_state
+from mixprec.precision.base import Precision
+from mixprec.precision.registry import available_precisions, canonical_name, resolve_precision
+from mixprec.scaling.scaler import GradScaler
+
+logger = logging.getLogger("mixprec.accelerator")
+
+_ACCEPTED = (
+    "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader and LR schedulers "
+    "(torch.optim.lr_scheduler.LRScheduler)"
+)
+
+
+class Accelerator:
+    """Mixed precision, loss scaling, gradient accumulation and distribution for a hand-written loop.
+
+    Args: see :class:`~mixprec.accelerator.config.AcceleratorConfig` (``mixed_precision="no"`` by default,
+    as HF Accelerate). Raises ValueError for an unknown precision name (listing the valid ones) and
+    :class:`~mixprec.precision.base.PrecisionNotSupportedError` for a mode the device cannot run.
+    """
+
+    def __init__(
+        self,
+        mixed_precision: str | None = "no",
+        gradient_accumulation_steps: int = 1,
+        distributed: str | None = None,
+        device: torch.device | str | None = None,
+        cpu: bool = False,
+        scaler_kwargs: Mapping[str, Any] | None = None,
+        *,
+        ddp_kwargs: Mapping[str, Any] | None = None,
+        fsdp_shard: Callable[[torch.nn.Module], bool] | None = None,
+        non_blocking: bool = False,
+        verbose: bool = True,
+    ) -> None:
+        self.config = AcceleratorConfig(
+            mixed_precision, gradient_accumulation_steps, distributed, device, cpu, scaler_kwargs,
+            ddp_kwargs, fsdp_shard, non_blocking, verbose,
+        )  # fmt: skip
+        env = LaunchEnv.from_environ()
+        dev = select_device(self.config.device, self.config.cpu, env)
+        # Resolved before joining any process group, so a bad name fails fast and leaves nothing behind.
+        self.precision: Precision = _resolve(self.config.mixed_precision, dev)
+        self._strategy = make_strategy(
+            self.config.distributed, env, dev, ddp_kwargs=self.config.ddp_kwargs, fsdp_shard=self.config.fsdp_shard
+        )
+        self.precision = _agree_on_auto(self.precision, self.config.mixed_precision, self._strategy)
+        self.scaler: GradScaler = self.precision.make_scaler(**(self.config.scaler_kwargs or {}))
+        self.scaler.set_found_inf_reducer(self._strategy.found_inf_reducer())
+        self._gradients = GradientState(self.scaler, self._strategy, self.config.gradient_accumulation_steps)
+        self._registry = Registry()
+        self._report()
+
+    # -- what was resolved ---------------------------------------------------------------------------
+
+    @property
+    def mixed_precision(self) -> str:
+        """The resolved precision name: "fp32", "fp16" or "bf16" (never "auto")."""
+        return self.precision.name
+
+    @property
+    def device(self) -> torch.device:
+        return self._strategy.device
+
+    @property
+    def distributed_type(self) -> str:
+        """ "single", "ddp" or "fsdp"."""
+        return self._strategy.name
+
+    @property
+    def num_processes(self) -> int:
+        return self._strategy.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self._strategy.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self._strategy.local_process_index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self._strategy.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self._strategy.is_local_main_process
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self._gradients.accumulation_steps
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True on a micro-batch that steps the optimizer (always, without accumulation)."""
+        return self._gradients.sync_gradients
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether the last step of any prepared optimizer was skipped for inf/NaN gradients (no host sync)."""
+        return any(opt.step_was_skipped for opt in self._registry.optimizers)
+
+    def _report(self) -> None:
+        d = self.precision.describe()
+        line = (
+            f"mixprec: {d['precision']} on {d['device']} (compute {d['compute_dtype']}, master weights "
+            f"{d['param_dtype']}, loss scaling {'on' if d['loss_scaling'] else 'off'}), "
+            f"{self._strategy.describe()}: {d['reason']}"
+        )
+        if self.is_main_process:
+            logger.info(line)
+            if self.config.verbose:
+                builtins.print(line, file=sys.stderr, flush=True)
+
+    # -- prepare -------------------------------------------------------------------------------------
+
+    def prepare(self, *objects: Any) -> Any:
+        """Prepare models, optimizers, DataLoaders and LR schedulers, in any order; returned in that order
+        (a single object when one is passed). Models go first, so optimizers can follow their parameters."""
+        kinds = [_kind(obj, i) for i, obj in enumerate(objects)]
+        result = list(objects)
+        steps = (("model", self.prepare_model), ("optimizer", self.prepare_optimizer),
+                 ("scheduler", self.prepare_scheduler), ("dataloader", self.prepare_data_loader))  # fmt: skip
+        for kind, prepare in steps:
+            for i, obj in enumerate(objects):
+                if kinds[i] == kind:
+                    result[i] = prepare(obj)
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The same module, on the device, its forward under autocast (and DDP/FSDP2 when distributed)."""
+        if is_prepared(model):
+            if any(m is model for m in self._registry.models):
+                return model
+            raise ValueError(f"{type(model).__name__} was prepared by another Accelerator")
+        _check_master_weights(model, self.precision)
+        model = self._strategy.wrap_model(model, self.precision)
+        self.scaler.register_param_names(model.named_parameters())
+        self._registry.models.append(model)
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+        if isinstance(optimizer, PreparedOptimizer):
+            return optimizer
+        replaced = self._strategy.replaced_parameters()
+        if replaced:
+            _follow_replaced_parameters(optimizer, replaced)
+        prepared = PreparedOptimizer(optimizer, self._gradients)
+        self._registry.optimizers.append(prepared)
+        self._gradients.optimizers.append(prepared)
+        self._gradients.forget_owners()
+        return prepared
+
+    def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
+        if isinstance(scheduler, PreparedScheduler):
+            return scheduler
+        target = getattr(scheduler, "optimizer", None)
+        owners = [o for o in self._registry.optimizers if target is o or target is o.optimizer]
+        prepared = PreparedScheduler(scheduler, owners, self._gradients)
+        self._registry.schedulers.append(prepared)
+        return prepared
+
+    def prepare_data_loader(self, loader: DataLoader) -> PreparedDataLoader:
+        if isinstance(loader, PreparedDataLoader):
+            return loader
+        prepared = prepare_dataloader(loader, self._strategy, self._gradients, self.config.non_blocking)
+        self._registry.dataloaders.append(prepared)
+        return prepared
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Include objects with ``state_dict()`` / ``load_state_dict()`` in ``save_state`` / ``load_state``."""
+        for obj in objects:
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"register_for_checkpointing: {type(obj).__name__} has no state_dict/load_state_dict")
+            self._registry.custom.append(obj)
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, scaled for fp16 and divided by ``gradient_accumulation_steps``. No host sync."""
+        self._gradients.backward(loss, **kwargs)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The precision's autocast, for code outside a prepared model's forward (a loss computed apart)."""
+        return self.precision.autocast()
+
+    def accumulate(self, *models: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Context for one micro-batch: no gradient sync and no optimizer step before the
+        ``gradient_accumulation_steps``-th one (or the DataLoader's last batch)."""
+        return self._gradients.accumulate(models)
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Skip the gradient all-reduce of ``model`` for the backward passes inside (DDP/FSDP2)."""
+        return self._strategy.no_sync(model)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Unscale first (once per step), clip in place, return the total norm of the true gradients (a
+        tensor: reading it with ``.item()`` is a host sync)."""
+        return self._gradients.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Unscale first (once per step), then clamp every gradient to ``[-clip_value, clip_value]``."""
+        self._gradients.clip_grad_value_(parameters, clip_value)
+
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's module (``prepare`` already returns it; this also unwraps DDP and torch.compile)."""
+        while True:
+            inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+            if not isinstance(inner, torch.nn.Module) or not _is_wrapper(model):
+                return model
+            model = inner
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def save_state(self, output_dir: str | Path, *, extra_json: Mapping[str, Any] | None = None) -> Path:
+        """Save models, optimizers, schedulers, scaler, data positions and RNG states, atomically (see
+        :mod:`mixprec.accelerator.state`). ``extra_json={"name": obj}`` adds ``name.json`` to the folder.
+        Collective: call it on every process."""
+        return save_state(self._run_state(), output_dir, extra_json)
+
+    def load_state(self, input_dir: str | Path) -> dict[str, Any]:
+        """Restore a folder written by ``save_state`` into the prepared objects (call after ``prepare``).
+        Loads no pickled objects. Collective."""
+        return load_state(self._run_state(), input_dir)
+
+    def _run_state(self) -> RunState:
+        return RunState(self._registry, self._strategy, self.precision, self.scaler, self._gradients)
+
+    # -- processes -----------------------------------------------------------------------------------
+
+    def gather(self, data: Any) -> Any:
+        """Concatenate tensors (nested in dicts/lists) from every process along dim 0; processes may hold
+        different numbers of rows. Collective, and a host sync (the row counts)."""
+        return _map_tensors(data, self._strategy.all_gather, self.device)
+
+    gather_for_metrics = gather  # the prepared DataLoaders repeat no sample, so there is nothing to drop
+
+    def reduce(self, data: Any, reduction: str = "sum") -> Any:
+        """All-reduce tensors (nested) across processes: "sum", "mean", "max" or "min". Returns new tensors."""
+        return _map_tensors(data, lambda t: self._strategy.all_reduce(t.clone(), reduction), self.device)
+
+    def wait_for_everyone(self) -> None:
+        self._strategy.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """The main process runs the block first (downloads, caches), then the others."""
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        if self.is_main_process:
+            builtins.print(*args, **kwargs)
+
+    def end_training(self) -> None:
+        """Leave the process group this Accelerator joined (call at the end of a distributed script)."""
+        self._strategy.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Accelerator(mixed_precision={self.mixed_precision!r}, device={str(self.device)!r}, "
+            f"distributed={self.distributed_type!r}, num_processes={self.num_processes})"
+        )
+
+
+def _resolve(name: str, device: torch.device) -> Precision:
+    """The precision registry's answer, with the argument named in the message."""
+    try:
+        return resolve_precision(name, device)
+    except ValueError as err:  # PrecisionNotSupportedError too: keep its type
+        raise type(err)(f"Accelerator(mixed_precision={name!r}): {err}") from None
+
+
+def _agree_on_auto(precision: Precision, name: str, strategy: Any) -> Precision:
+    """ "auto" on a CPU times a probe, and processes may time it differently: all take the main one's pick."""
+    if strategy.num_processes == 1 or canonical_name(name) != "auto":
+        return precision
+    names = available_precisions()
+    choice = torch.tensor([names.index(precision.name)], device=strategy.device)
+    chosen = names[int(strategy.broadcast(choice, src=0).item())]
+    if chosen == precision.name:
+        return precision
+    agreed = resolve_precision(chosen, strategy.device)
+    agreed.reason = f"auto: the main process chose {chosen} (this process measured {precision.name})"
+    return agreed
+
+
+def _kind(obj: Any, index: int) -> str:
+    if isinstance(obj, torch.nn.Module):
+        return "model"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, (DataLoader, PreparedDataLoader)):
+        return "dataloader"
+    if isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, PreparedScheduler)) or (
+        hasattr(obj, "optimizer") and callable(getattr(obj, "step", None)) and hasattr(obj, "state_dict")
+    ):
+        return "scheduler"
+    kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    raise TypeError(f"prepare() got a {kind} (argument {index}); it accepts {_ACCEPTED}")
+
+
+def _check_master_weights(model: torch.nn.Module, precision: Precision) -> None:
+    if precision.compute_dtype == torch.float32:
+        return  # full precision: parameters in whatever dtype the user chose (e.g. pure bf16 training)
+    for name, p in model.named_parameters():
+        if p.dtype in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"prepare(): parameter {name!r} is {str(p.dtype).removeprefix('torch.')}, but "
+                f"mixed_precision={precision.name!r} keeps fp32 master weights and computes in "
+                f"{str(precision.compute_dtype).removeprefix('torch.')} under autocast: don't call "
+                "model.half() / model.to(torch.bfloat16) before prepare"
+            )
+
+
+def _follow_replaced_parameters(optimizer: torch.optim.Optimizer, replaced: dict[int, torch.nn.Parameter]) -> None:
+    """Point an optimizer built before FSDP2 sharding at the sharded parameters."""
+    if optimizer.state:
+        raise ValueError(
+            "prepare(): under FSDP the optimizer must be prepared before its first step (it already has state "
+            "for the unsharded parameters)"
+        )
+    for group in optimizer.param_groups:
+        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+
+
+def _is_wrapper(model: torch.nn.Module) -> bool:
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    return isinstance(model, (DataParallel, DistributedDataParallel)) or hasattr(model, "_orig_mod")
+
+
+def _map_tensors(data: Any, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> Any:
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, Mapping):
+        return type(data)({k: _map_tensors(v, fn, device) for k, v in data.items()})
+    if isinstance(data, (list, tuple)):
+        return type(data)(_map_tensors(v, fn, device) for v in data)
+    if isinstance(data, (int, float, bool)):
+        return fn(torch.tensor(data, device=device))
+    raise TypeError(f"gather/reduce take tensors (or dicts/lists of them), got {type(data).__name__}")

@@ -1,0 +1,70 @@
+"""The Accelerator's settings, validated at construction with messages that name the field."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mixprec.accelerator.distributed import KINDS
+
+
+@dataclass
+class AcceleratorConfig:
+    """Keyword arguments of :class:`~mixprec.accelerator.accelerator.Accelerator` (HF Accelerate's names
+    where they overlap)."""
+
+    mixed_precision: str = "no"
+    """Precision name, parsed by the precision registry: "no"/"fp32", "fp16", "bf16", "auto" (or an alias)."""
+
+    gradient_accumulation_steps: int = 1
+    """Micro-batches summed per optimizer step (inside ``accumulate``); ``backward`` divides the loss by it."""
+
+    distributed: str | None = None
+    """None: DDP when launched with several processes, else one process. "ddp" or "fsdp" (FSDP2) to choose."""
+
+    device: torch.device | str | None = None
+    """Device to train on; default ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
+
+    cpu: bool = False
+    """Train on the CPU even when CUDA is available."""
+
+    scaler_kwargs: Mapping[str, Any] | None = None
+    """Keyword arguments for the fp16 loss scaler (``mixprec.GradScaler``: init_scale, growth_interval...)."""
+
+    ddp_kwargs: Mapping[str, Any] | None = None
+    """Keyword arguments for ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``)."""
+
+    fsdp_shard: Callable[[torch.nn.Module], bool] | None = None
+    """FSDP2: which submodules are sharded as units of their own (default: members of every ModuleList)."""
+
+    non_blocking: bool = False
+    """Copy batches to the device asynchronously (useful with ``pin_memory=True`` DataLoaders)."""
+
+    verbose: bool = True
+    """Print the one-line summary of the resolved precision and processes at start (main process)."""
+
+    def __post_init__(self) -> None:
+        if self.mixed_precision is None:
+            self.mixed_precision = "no"
+        steps = self.gradient_accumulation_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(
+                f"Accelerator(gradient_accumulation_steps={steps!r}): gradient_accumulation_steps must be an "
+                "integer >= 1"
+            )
+        if self.distributed is not None and self.distributed not in KINDS:
+            raise ValueError(
+                f"Accelerator(distributed={self.distributed!r}): distributed must be None, "
+                + " or ".join(repr(k) for k in KINDS)
+            )
+        for name in ("scaler_kwargs", "ddp_kwargs"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Mapping):
+                raise TypeError(f"Accelerator({name}=...): {name} must be a dict, got {type(value).__name__}")
+        if self.fsdp_shard is not None and not callable(self.fsdp_shard):
+            raise TypeError("Accelerator(fsdp_shard=...): fsdp_shard must be a callable (module) -> bool")
+        if self.fsdp_shard is not None and self.distributed != "fsdp":
+            raise ValueError("Accelerator(fsdp_shard=...): fsdp_shard applies only with distributed='fsdp'")

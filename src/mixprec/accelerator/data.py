@@ -1,0 +1,213 @@
+"""The prepared DataLoader: batches on the right device, the data split across processes, epochs counted.
+
+``prepare`` rebuilds a DataLoader whose sampler is torch's ``SequentialSampler`` or ``RandomSampler``
+(``shuffle=False/True``) over a :class:`~mixprec.accelerator.sharding.ShardedBatchSampler`: the same
+dataset, batch size, collate_fn, workers and ``drop_last``, with each sample seen exactly once per epoch
+across all processes. The shuffle seed is drawn once from the loader's generator (or torch's global RNG, so
+``torch.manual_seed`` governs it) on the main process and shared, and each epoch's order depends on
+``(seed, epoch)`` only. Iterating the prepared loader again starts the next epoch: ``set_epoch`` is
+automatic. Its position (epoch, batches handed out) is saved by ``save_state`` and resumed by
+``load_state``.
+
+A loader whose sampler is already split (``DistributedSampler``, or any sampler with ``num_replicas``, such
+as the Trainer's) is kept as it is (``set_epoch`` is called for torch's ``DistributedSampler``; other
+samplers' epochs and positions belong to their owner). Custom samplers and iterable datasets are kept as
+they are in one process and refused in several, where they cannot be split without knowing their order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+from mixprec.accelerator.sharding import ShardedBatchSampler
+
+if TYPE_CHECKING:
+    from mixprec.accelerator.distributed import DistributedStrategy
+    from mixprec.accelerator.gradients import GradientState
+
+
+def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
+    """Move tensors in nested dicts, lists, tuples and namedtuples (and objects with ``.to``) to ``device``.
+    Asynchronous for pinned host memory with ``non_blocking=True``; no host sync."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=non_blocking)
+    if isinstance(data, Mapping):
+        moved = {k: send_to_device(v, device, non_blocking) for k, v in data.items()}
+        try:
+            return type(data)(moved)
+        except TypeError:  # a Mapping type that cannot be built from a dict
+            return moved
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+        return type(data)(*(send_to_device(v, device, non_blocking) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(send_to_device(v, device, non_blocking) for v in data)
+    to = getattr(data, "to", None)
+    if callable(to):
+        return to(device)
+    return data
+
+
+class PreparedDataLoader:
+    """Iterates like the user's DataLoader; see the module docstring. Other attributes are the loader's."""
+
+    def __init__(
+        self,
+        loader: DataLoader,
+        device: torch.device,
+        gradients: GradientState,
+        batch_sampler: ShardedBatchSampler | None = None,
+        non_blocking: bool = False,
+    ) -> None:
+        self.base_loader = loader
+        self.device = device
+        self.batch_sampler = batch_sampler
+        self._gradients = gradients
+        self._non_blocking = non_blocking
+        self._loader = loader if batch_sampler is None else _rebuild(loader, batch_sampler)
+        self._move = device.type != "cpu"  # host batches are already on the host
+        self.epoch = 0
+        self._yielded = 0
+        self._started = False
+        self._finished = False
+        self._resume: tuple[int, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next iteration at ``epoch`` (normally automatic)."""
+        self._resume = (int(epoch), 0)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._resume is not None:
+            epoch, start = self._resume
+            self._resume = None
+        else:
+            epoch, start = (self.epoch + 1 if self._started else self.epoch), 0
+        self.epoch, self._yielded, self._started, self._finished = epoch, start, True, False
+        if self.batch_sampler is not None:
+            self.batch_sampler.set_epoch(epoch, start)
+        elif isinstance(self._loader.sampler, DistributedSampler):
+            self._loader.sampler.set_epoch(epoch)
+        self._gradients.end_of_dataloader = False
+        # One batch of look-ahead, so the last batch is known as such when it is handed out: accumulate()
+        # then syncs and steps on it even when the epoch is not a multiple of the accumulation steps.
+        batches = iter(self._loader)
+        current = next(batches, _END)
+        while current is not _END:
+            upcoming = next(batches, _END)
+            if upcoming is _END:
+                self._gradients.end_of_dataloader = True
+            self._yielded += 1
+            yield send_to_device(current, self.device, self._non_blocking) if self._move else current
+            current = upcoming
+        self._gradients.end_of_dataloader = False
+        self._finished = True
+
+    def state_dict(self) -> dict[str, int] | None:
+        """Where the data stands, for loaders whose order mixprec owns (None for kept loaders)."""
+        if self.batch_sampler is None:
+            return None
+        if self._resume is not None:  # loaded or set, not iterated yet
+            epoch, batches = self._resume
+        elif self._finished:
+            epoch, batches = self.epoch + 1, 0
+        else:
+            epoch, batches = self.epoch, (self._yielded if self._started else 0)
+        return {"epoch": epoch, "batches": batches, "seed": self.batch_sampler.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """The next iteration continues epoch ``state["epoch"]`` after ``state["batches"]`` batches."""
+        if self.batch_sampler is None:
+            return
+        self.batch_sampler.seed = int(state["seed"])
+        self._resume = (int(state["epoch"]), int(state["batches"]))
+        self._started, self._finished = False, False
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("_loader", "base_loader"):
+            raise AttributeError(name)
+        return getattr(self._loader, name)
+
+    def __repr__(self) -> str:
+        return f"PreparedDataLoader({self.base_loader!r}, device={str(self.device)!r})"
+
+
+_END = object()
+
+
+def prepare_dataloader(
+    loader: DataLoader, strategy: DistributedStrategy, gradients: GradientState, non_blocking: bool = False
+) -> PreparedDataLoader:
+    """Wrap (and, when its order is known, rebuild) ``loader``; see the module docstring."""
+    world = strategy.num_processes
+    plan = _split_plan(loader, world)
+    if plan is None:
+        return PreparedDataLoader(loader, strategy.device, gradients, non_blocking=non_blocking)
+    shuffle, generator = plan
+    seed = _shared_seed(strategy, generator) if shuffle else 0
+    sampler = ShardedBatchSampler(
+        len(loader.dataset),
+        loader.batch_size,
+        num_processes=world,
+        process_index=strategy.process_index,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=loader.drop_last,
+    )
+    return PreparedDataLoader(loader, strategy.device, gradients, sampler, non_blocking=non_blocking)
+
+
+def _split_plan(loader: DataLoader, world: int) -> tuple[bool, torch.Generator | None] | None:
+    """``(shuffle, generator)`` when mixprec can own the order, None to keep the loader as it is."""
+    sampler = loader.sampler
+    if hasattr(sampler, "num_replicas"):  # already split (DistributedSampler, the Trainer's sampler)
+        return None
+    if isinstance(loader.dataset, IterableDataset):
+        reason = "an IterableDataset"
+    elif loader.batch_size is None:
+        reason = "batch_size=None (automatic batching off)"
+    elif type(loader.batch_sampler) is not torch.utils.data.BatchSampler:
+        reason = f"a custom batch_sampler ({type(loader.batch_sampler).__name__})"
+    elif type(sampler) is SequentialSampler:
+        return False, None
+    elif type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(sampler.data_source):
+        return True, sampler.generator if sampler.generator is not None else loader.generator
+    else:
+        reason = f"a custom sampler ({type(sampler).__name__})"
+    if world == 1:
+        return None
+    raise TypeError(
+        f"prepare(): cannot split a DataLoader with {reason} across {world} processes; use "
+        "DataLoader(dataset, batch_size=..., shuffle=True/False), or give it a sampler that splits the data "
+        "itself (torch.utils.data.DistributedSampler)"
+    )
+
+
+def _shared_seed(strategy: DistributedStrategy, generator: torch.Generator | None) -> int:
+    seed = torch.empty((), dtype=torch.int64).random_(generator=generator).to(strategy.device)
+    return int(strategy.broadcast(seed.reshape(1), src=0).item())  # the main process's draw, everywhere
+
+
+def _rebuild(loader: DataLoader, batch_sampler: ShardedBatchSampler) -> DataLoader:
+    kwargs: dict[str, Any] = {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+    }
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    if getattr(loader, "pin_memory_device", ""):
+        kwargs["pin_memory_device"] = loader.pin_memory_device
+    if hasattr(loader, "in_order"):
+        kwargs["in_order"] = loader.in_order
+    return DataLoader(loader.dataset, batch_sampler=batch_sampler, **kwargs)

@@ -1,0 +1,63 @@
+"""DDP: the model replicated on every process, gradients all-reduced (averaged) during backward.
+
+The user's module is not replaced by the ``DistributedDataParallel`` wrapper: DDP wraps a small shim that
+calls the module's original forward, and the module's own (patched) forward calls DDP. So ``prepare``
+returns the user's module, whose ``state_dict()`` keys carry no ``module.`` prefix, while every training
+forward still goes through DDP (which is what arms the gradient all-reduce for the backward that follows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from mixprec.accelerator.distributed import LaunchEnv, ProcessGroupStrategy
+from mixprec.accelerator.prepared import original_forward, patch_forward
+
+if TYPE_CHECKING:
+    from mixprec.precision.base import Precision
+
+
+class _ForwardShim(torch.nn.Module):
+    """What DDP wraps: owns the user's module (so DDP sees its parameters) and runs its original forward."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return original_forward(self.inner)(*args, **kwargs)
+
+
+class DDPStrategy(ProcessGroupStrategy):
+    """``torch.nn.parallel.DistributedDataParallel``; ``ddp_kwargs`` go to its constructor
+    (e.g. ``find_unused_parameters=True``). Its constructor broadcasts the main process's parameters and
+    buffers, so every process starts from the same weights."""
+
+    name = "ddp"
+
+    def __init__(self, env: LaunchEnv, device: torch.device, ddp_kwargs: Mapping[str, Any] | None = None) -> None:
+        super().__init__(env, device)
+        self.ddp_kwargs = dict(ddp_kwargs or {})
+        self._wrappers: dict[int, DistributedDataParallel] = {}
+
+    def wrap_model(self, model: torch.nn.Module, precision: Precision) -> torch.nn.Module:
+        model = precision.convert_module(model.to(self.device))
+        if not any(p.requires_grad for p in model.parameters()):
+            patch_forward(model, precision)  # nothing to train, nothing to sync (a frozen teacher, a metric)
+            return model
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # Patch first, so the shim finds the original forward; then hand DDP the shim.
+        patch_forward(model, precision)
+        ddp = DistributedDataParallel(_ForwardShim(model), device_ids=device_ids, **self.ddp_kwargs)
+        model.__dict__["_mixprec"].ddp = ddp
+        self._wrappers[id(model)] = ddp
+        return model
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        ddp = self._wrappers.get(id(model))
+        return ddp.no_sync() if ddp is not None else contextlib.nullcontext()

@@ -1,0 +1,312 @@
+"""Distributed strategies: how a model, its gradients and its data are spread over processes.
+
+One small object per kind, each overriding only what differs (the facade never branches on the kind):
+
+- :class:`DistributedStrategy`: one process, no communication (the null object);
+- :class:`ProcessGroupStrategy`: the collectives every multi-process kind shares (gloo on CPU, nccl on CUDA);
+- :class:`~mixprec.accelerator.ddp.DDPStrategy`: replicated model, gradients all-reduced in backward;
+- :class:`~mixprec.accelerator.fsdp.FSDP2Strategy`: parameters, gradients and optimizer state sharded.
+
+The process group is set up from the launcher's environment (``torchrun`` sets RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT), so a script needs no ``init_process_group`` of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from mixprec.accelerator.prepared import patch_forward
+
+if TYPE_CHECKING:
+    from mixprec.precision.base import Precision
+
+_REQUIRED = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+KINDS = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher told this process (all defaults: a plain ``python script.py``)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> LaunchEnv:
+        world = int(environ.get("WORLD_SIZE", "1"))
+        if world > 1:
+            missing = [name for name in _REQUIRED if name not in environ]
+            if missing:
+                raise RuntimeError(
+                    f"WORLD_SIZE={world} is set but {', '.join(missing)} is not: launch with "
+                    "`torchrun --nproc_per_node=N script.py`, which sets them all"
+                )
+        return cls(
+            rank=int(environ.get("RANK", "0")),
+            world_size=world,
+            local_rank=int(environ.get("LOCAL_RANK", "0")),
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", str(world))),
+        )
+
+
+def select_device(device: torch.device | str | None, cpu: bool, env: LaunchEnv) -> torch.device:
+    """The device this process trains on: ``cuda:LOCAL_RANK`` when CUDA is there, else the CPU."""
+    if cpu:
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"Accelerator(cpu=True, device={str(device)!r}): the two conflict; pass one of them")
+        return torch.device("cpu")
+    if device is None:
+        return torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"Accelerator(device={str(device)!r}): CUDA is not available on this machine; "
+                "use device='cpu' (or cpu=True)"
+            )
+        if dev.index is None:
+            dev = torch.device("cuda", env.local_rank)
+    return dev
+
+
+class DistributedStrategy:
+    """One process. Collectives are identities, so callers write the same code for one process or many."""
+
+    name: ClassVar[str] = "single"
+
+    def __init__(self, env: LaunchEnv, device: torch.device) -> None:
+        self.env = env
+        self.device = device
+
+    # -- topology ------------------------------------------------------------------------------------
+
+    @property
+    def num_processes(self) -> int:
+        return 1
+
+    @property
+    def process_index(self) -> int:
+        return 0
+
+    @property
+    def local_process_index(self) -> int:
+        return 0
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    def describe(self) -> str:
+        return "1 process"
+
+    # -- model ---------------------------------------------------------------------------------------
+
+    def wrap_model(self, model: torch.nn.Module, precision: Precision) -> torch.nn.Module:
+        """Move ``model`` to the device, convert it for ``precision`` and make its forward run under the
+        precision's autocast. Returns the same module object (see :func:`patch_forward`)."""
+        model = precision.convert_module(model.to(self.device))
+        patch_forward(model, precision)
+        return model
+
+    def replaced_parameters(self) -> dict[int, torch.nn.Parameter]:
+        """``id(old parameter) -> new parameter`` for wrappers that replace parameters (FSDP2), so that
+        optimizers built before ``prepare`` can be pointed at the new ones."""
+        return {}
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Context for a micro-batch whose gradients are only accumulated locally (no communication)."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, parameters: list[torch.nn.Parameter], max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip in place; return the total norm before clipping as a plain tensor (no host sync)."""
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def grad_norm(self, parameters: list[torch.nn.Parameter], norm_type: float) -> torch.Tensor:
+        """Total gradient norm without clipping (no host sync)."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    # -- collectives (identities here) ---------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        _reduce_op(op)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every process's ``tensor`` along dim 0 (0-dim tensors become shape ``[N]``)."""
+        return tensor.reshape(1) if tensor.dim() == 0 else tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        """Wait until every process reaches this point."""
+
+    def all_true(self, flag: bool) -> bool:
+        """True on every process when ``flag`` is true on every process (one small collective)."""
+        return flag
+
+    def found_inf_reducer(self) -> Callable[[torch.Tensor], None] | None:
+        """The scaler's inf-check reduction across processes (None: one process decides alone)."""
+        return None
+
+    # -- checkpoint state ----------------------------------------------------------------------------
+
+    def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The user's module's full state dict on the main process, None elsewhere (a collective for FSDP)."""
+        return model.state_dict() if self.is_main_process else None
+
+    def load_model_state_dict(self, model: torch.nn.Module, read: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """Load a full state dict; ``read`` reads the file (called on the processes that need it)."""
+        model.load_state_dict(read())
+
+    def optimizer_state_dict(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer) -> Any:
+        return optimizer.state_dict() if self.is_main_process else None
+
+    def load_optimizer_state_dict(
+        self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer, read: Callable[[], Any]
+    ) -> None:
+        optimizer.load_state_dict(read())
+
+    def close(self) -> None:
+        """Release what this strategy set up (the process group it created)."""
+
+
+class ProcessGroupStrategy(DistributedStrategy):
+    """The collectives of every multi-process kind, over the default process group.
+
+    Joins the group the launcher's environment describes (gloo on CPU, nccl on CUDA), or uses one the
+    script initialised itself. Asked for explicitly with one process (no launcher), it makes a
+    one-process group in memory, so single-process runs exercise the same code.
+    """
+
+    def __init__(self, env: LaunchEnv, device: torch.device) -> None:
+        super().__init__(env, device)
+        self._owns_group = False
+        if not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            if env.world_size > 1:
+                extra = {"device_id": device} if device.type == "cuda" else {}
+                dist.init_process_group(
+                    backend, init_method="env://", rank=env.rank, world_size=env.world_size, **extra
+                )
+            else:
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            self._owns_group = True
+
+    @property
+    def num_processes(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def process_index(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def local_process_index(self) -> int:
+        return self.env.local_rank
+
+    def describe(self) -> str:
+        return f"{self.num_processes} processes ({self.name}, {dist.get_backend()})"
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        dist.all_reduce(tensor, op=_reduce_op(op))
+        if op == "mean":
+            tensor /= self.num_processes
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Sizes first, so processes may hold different numbers of rows (the last batch of an epoch).
+        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
+        size = torch.tensor([tensor.shape[0]], device=tensor.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.num_processes)]
+        dist.all_gather(sizes, size)
+        counts = [int(s.item()) for s in sizes]
+        longest = max(counts)
+        if tensor.shape[0] < longest:
+            pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
+            tensor = torch.cat([tensor, pad])
+        parts = [torch.empty_like(tensor) for _ in counts]
+        dist.all_gather(parts, tensor)
+        return torch.cat([part[:count] for part, count in zip(parts, counts)])
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        dist.broadcast(tensor, src=src)
+        return tensor
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def all_true(self, flag: bool) -> bool:
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value.item())
+
+    def found_inf_reducer(self) -> Callable[[torch.Tensor], None] | None:
+        # DDP's all-reduced gradients would already agree, but a gradient edited on one process (a hook,
+        # clipping of a local copy) would not: one scalar all-reduce per step makes the agreement certain.
+        def reduce_max(found_inf: torch.Tensor) -> None:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+
+        return reduce_max
+
+    def close(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+
+def _reduce_op(op: str) -> Any:
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "mean": dist.ReduceOp.SUM}
+    if op not in ops:
+        raise ValueError(f"unknown reduction {op!r}; choose one of: {', '.join(ops)}")
+    return ops[op]
+
+
+def make_strategy(
+    distributed: str | None,
+    env: LaunchEnv,
+    device: torch.device,
+    *,
+    ddp_kwargs: Mapping[str, Any] | None = None,
+    fsdp_shard: Callable[[torch.nn.Module], bool] | None = None,
+) -> DistributedStrategy:
+    """``None``: DDP when several processes were launched (or a group exists), else one process;
+    ``"ddp"`` / ``"fsdp"``: that kind, also with one process."""
+    if distributed is not None and distributed not in KINDS:
+        raise ValueError(f"Accelerator(distributed={distributed!r}): choose one of: None, {', '.join(KINDS)}")
+    several = env.world_size > 1 or (dist.is_initialized() and dist.get_world_size() > 1)
+    kind = distributed or ("ddp" if several else None)
+    if kind == "ddp":
+        from mixprec.accelerator.ddp import DDPStrategy
+
+        return DDPStrategy(env, device, ddp_kwargs=ddp_kwargs)
+    if kind == "fsdp":
+        from mixprec.accelerator.fsdp import FSDP2Strategy
+
+        return FSDP2Strategy(env, device, shard=fsdp_shard)
+    return DistributedStrategy(env, device)
+
+
+def parameters_of(objects: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    """A list from a tensor, a list or a generator of parameters (generators can be read once)."""
+    return [objects] if isinstance(objects, torch.Tensor) else list(objects)

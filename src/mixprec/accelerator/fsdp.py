@@ -1,0 +1,139 @@
+"""FSDP2: parameters, gradients and optimizer state sharded across processes (``fully_shard``).
+
+Mixed precision. ``fully_shard`` gets ``MixedPrecisionPolicy(param_dtype=compute dtype,
+reduce_dtype=float32)``: parameters are all-gathered in fp16/bf16 (half the traffic and memory of fp32),
+gradients are reduce-scattered in fp32, and the sharded master weights and optimizer state stay fp32. The
+forward *also* runs under the precision's autocast, because the policy alone would run every op in the low
+precision: autocast keeps softmax, norms, losses and reductions in fp32, as in the single-process mixed
+modes. (Under autocast the matmuls' casts are no-ops, as the gathered weights already have the compute
+dtype.) One difference remains from DDP with autocast: ops that autocast leaves alone (embedding lookups,
+residual additions) see fp16/bf16 weights here, fp32 ones there; see the tolerance in the tests.
+
+Loss scaling: each process holds different gradient shards, so the scaler's inf check is all-reduced (MAX)
+and every process skips the same steps. ``fully_shard`` replaces parameters by sharded DTensor ones;
+``prepare`` points optimizers created before it at the new parameters (their state must still be empty).
+
+Works on CPU with gloo (torch 2.13) as on CUDA with nccl. Checkpoints are full (unsharded) state dicts
+gathered on the main process, so they load into any number of processes, or none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from mixprec.accelerator.distributed import LaunchEnv, ProcessGroupStrategy
+from mixprec.accelerator.prepared import patch_forward
+
+if TYPE_CHECKING:
+    from mixprec.precision.base import Precision
+
+
+class FSDP2Strategy(ProcessGroupStrategy):
+    """``torch.distributed.fsdp.fully_shard`` over all processes.
+
+    ``shard(module) -> bool`` chooses the submodules sharded as units of their own, before the root. The
+    default shards each member of every ``nn.ModuleList`` (the transformer-block convention), so the
+    all-gather of one block overlaps the compute of another.
+    """
+
+    name = "fsdp"
+
+    def __init__(
+        self,
+        env: LaunchEnv,
+        device: torch.device,
+        shard: Callable[[torch.nn.Module], bool] | None = None,
+        reshard_after_forward: bool = True,
+    ) -> None:
+        super().__init__(env, device)
+        self.shard = shard
+        self.reshard_after_forward = reshard_after_forward
+        self._replaced: dict[int, torch.nn.Parameter] = {}
+
+    def wrap_model(self, model: torch.nn.Module, precision: Precision) -> torch.nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model = precision.convert_module(model.to(self.device))
+        # fully_shard, unlike DDP, does not broadcast: make every process start from the main one's weights.
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor, src=0)
+        names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        low = precision.compute_dtype if precision.compute_dtype != torch.float32 else None
+        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
+        mesh = init_device_mesh(self.device.type, (self.num_processes,))
+        options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": self.reshard_after_forward}
+        for sub in self._units(model):
+            fully_shard(sub, **options)
+        fully_shard(model, **options)
+        new = dict(model.named_parameters(remove_duplicate=False))
+        self._replaced.update({old: new[name] for old, name in names.items()})
+        patch_forward(model, precision)
+        return model
+
+    def _units(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        if self.shard is not None:
+            yield from (m for m in model.modules() if m is not model and self.shard(m))
+            return
+        for module in model.modules():
+            if isinstance(module, torch.nn.ModuleList):
+                yield from (child for child in module if any(True for _ in child.parameters()))
+
+    def replaced_parameters(self) -> dict[int, torch.nn.Parameter]:
+        return self._replaced
+
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        if not hasattr(model, "set_requires_gradient_sync"):
+            yield
+            return
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    # -- full state dicts, gathered on / broadcast from the main process -----------------------------
+
+    def _options(self, loading: bool) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        if loading:
+            return StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = get_model_state_dict(model, options=self._options(loading=False))  # a collective
+        return state if self.is_main_process else None
+
+    def load_model_state_dict(self, model: torch.nn.Module, read: Callable[[], dict[str, torch.Tensor]]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        state = read() if self.is_main_process else {}
+        set_model_state_dict(model, state, options=self._options(loading=True))
+
+    def optimizer_state_dict(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer) -> Any:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if model is None:
+            raise ValueError("save_state under FSDP: an optimizer whose parameters belong to no prepared model")
+        state = get_optimizer_state_dict(model, optimizer, options=self._options(loading=False))
+        return state if self.is_main_process else None
+
+    def load_optimizer_state_dict(
+        self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer, read: Callable[[], Any]
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        if model is None:
+            raise ValueError("load_state under FSDP: an optimizer whose parameters belong to no prepared model")
+        state = read() if self.is_main_process else {}
+        set_optimizer_state_dict(model, optimizer, state, options=self._options(loading=True))

@@ -1,0 +1,144 @@
+"""Where the current step stands: which micro-batch, whether it syncs and steps, what has been unscaled.
+
+Shared by the facade and the prepared optimizers, schedulers and DataLoaders, so that they agree on the
+accumulation schedule without asking each other:
+
+- ``accumulate(models)`` counts micro-batches; the ``gradient_accumulation_steps``-th one (or the last
+  batch of the DataLoader) is a *sync* micro-batch: gradients are all-reduced, the optimizer steps, the
+  scheduler advances. On the others DDP/FSDP skip their gradient communication (``no_sync``).
+- ``clip_grad_norm_`` unscales each optimizer's gradients at most once per step (the scaler refuses a
+  second ``unscale_``), and the norm it returns is that of the true gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mixprec.accelerator.distributed import parameters_of
+
+if TYPE_CHECKING:
+    from mixprec.accelerator.distributed import DistributedStrategy
+    from mixprec.accelerator.prepared import PreparedOptimizer
+    from mixprec.scaling.scaler import GradScaler
+
+
+class GradientState:
+    """The accumulation counter and the per-step bookkeeping of one Accelerator."""
+
+    def __init__(self, scaler: GradScaler, strategy: DistributedStrategy, accumulation_steps: int) -> None:
+        self.scaler = scaler
+        self.strategy = strategy
+        self.accumulation_steps = accumulation_steps
+        self.micro_step = 0  # micro-batches since the last sync
+        self.sync_gradients = True
+        self.end_of_dataloader = False
+        self.backward_pending = False  # a scaled backward since the last optimizer step
+        self.optimizers: list[PreparedOptimizer] = []
+        self._in_accumulate = False
+        self._warned_outside = False
+        self._unscaled: set[int] = set()
+        self._owners: dict[int, PreparedOptimizer] | None = None
+
+    # -- backward and accumulation -------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Scale the loss (fp16), divide it by the accumulation steps, backpropagate. No host sync."""
+        if self.accumulation_steps > 1:
+            if not self._in_accumulate and not self._warned_outside:
+                self._warned_outside = True
+                warnings.warn(
+                    f"gradient_accumulation_steps={self.accumulation_steps} but backward() was called outside "
+                    "`with accelerator.accumulate(model):`, so every micro-batch steps the optimizer; wrap the "
+                    "step in accumulate(model)",
+                    stacklevel=3,
+                )
+            loss = loss / self.accumulation_steps
+        self.scaler.scale(loss).backward(**kwargs)
+        self.backward_pending = True
+
+    @contextlib.contextmanager
+    def accumulate(self, models: Iterable[torch.nn.Module]) -> Iterator[None]:
+        self.micro_step += 1
+        self.sync_gradients = self.micro_step >= self.accumulation_steps or self.end_of_dataloader
+        with contextlib.ExitStack() as stack:
+            if not self.sync_gradients:
+                for model in models:
+                    stack.enter_context(self.strategy.no_sync(model))
+            self._in_accumulate = True
+            try:
+                yield
+            finally:
+                self._in_accumulate = False
+        if self.sync_gradients:
+            self.micro_step = 0
+
+    # -- clipping ------------------------------------------------------------------------------------
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Unscale (once per step), clip, and return the total norm of the true gradients before clipping.
+
+        On a micro-batch that only accumulates, nothing is clipped (the sum is not complete) and the norm of
+        the partial sum is returned. No host sync (the norm stays on the device).
+        """
+        params = parameters_of(parameters)
+        if not self.sync_gradients:
+            return self.strategy.grad_norm(params, norm_type) / self.scaler.get_scale()
+        self.unscale_for(params)
+        return self.strategy.clip_grad_norm_(params, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        params = parameters_of(parameters)
+        if self.sync_gradients:
+            self.unscale_for(params)
+            torch.nn.utils.clip_grad_value_(params, clip_value)
+
+    def unscale_for(self, params: list[torch.Tensor]) -> None:
+        """Unscale the gradients of every prepared optimizer holding one of ``params``, once per step."""
+        owners = self._owner_map()
+        found: dict[int, PreparedOptimizer] = {}
+        orphans = 0
+        for p in params:
+            if p.grad is None:
+                continue
+            owner = owners.get(id(p))
+            if owner is None:
+                orphans += 1
+            else:
+                found[id(owner)] = owner
+        if orphans and self.scaler.is_enabled():
+            raise ValueError(
+                f"clip_grad_norm_: {orphans} of these parameters belong to no prepared optimizer, so their "
+                "gradients cannot be unscaled before clipping; pass the optimizer to accelerator.prepare()"
+            )
+        for key, optimizer in found.items():
+            if key not in self._unscaled:
+                self.scaler.unscale_(optimizer.optimizer)
+                self._unscaled.add(key)
+
+    def _owner_map(self) -> dict[int, PreparedOptimizer]:
+        if self._owners is None:
+            self._owners = {
+                id(p): opt for opt in self.optimizers for group in opt.param_groups for p in group["params"]
+            }
+        return self._owners
+
+    def forget_owners(self) -> None:
+        """Call when an optimizer's parameters change (add_param_group)."""
+        self._owners = None
+
+    # -- step bookkeeping ----------------------------------------------------------------------------
+
+    def stepped(self, optimizer: PreparedOptimizer) -> None:
+        self._unscaled.discard(id(optimizer))
+        self.backward_pending = False
+
+    def state_dict(self) -> dict[str, int]:
+        return {"micro_step": self.micro_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.micro_step = int(state.get("micro_step", 0))
