@@ -1,0 +1,165 @@
+"""The script tests/test_distributed.py launches with torchrun (2 processes, gloo). Not a test module itself.
+
+Each process runs the scenarios below and writes ``rank<N>.json`` into the folder given as argv[1]; the
+tests compare the files. Scenarios share one process group: the first Accelerator joins it, the others
+find it initialised and use it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from mixprec import Accelerator
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import SEQ, VOCAB, TinyLM  # noqa: E402
+
+N_SAMPLES = 36  # 2 processes x batch 4 = 8 per step: 4 full steps and a tail of 4 (split 2 + 2)
+BATCH = 4
+EPOCHS = 2
+
+
+class IndexedTokens(Dataset):
+    """The next-token task of conftest, each item carrying its index so the split can be checked."""
+
+    def __init__(self, n: int = N_SAMPLES) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": (self.ids[i] + 1) % VOCAB, "idx": torch.tensor(i)}
+
+
+def build(accelerator: Accelerator, seed: int = 0, fused: bool = False):
+    torch.manual_seed(seed)  # same init and the same shuffle seed in every scenario
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2, fused=fused)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.97**step)
+    loader = DataLoader(IndexedTokens(), batch_size=BATCH, shuffle=True)
+    return accelerator.prepare(model, optimizer, loader, scheduler)
+
+
+def train(accelerator: Accelerator, model, optimizer, loader, scheduler, epochs: int = EPOCHS) -> dict:
+    losses, indices = [], []
+    for _ in range(epochs):
+        seen = []
+        for batch in loader:
+            seen += batch["idx"].tolist()
+            with accelerator.accumulate(model):
+                loss = model(batch["input_ids"], labels=batch["labels"]).loss
+                accelerator.backward(loss)
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            losses.append(accelerator.reduce(loss.detach(), "mean").item())
+        indices.append(seen)
+    return {"losses": losses, "indices": indices, "batches_per_epoch": len(loader)}
+
+
+def full_params(accelerator: Accelerator, model) -> dict[str, list[float]] | None:
+    state = accelerator._strategy.model_state_dict(model)
+    return None if state is None else {k: v.float().flatten().tolist() for k, v in state.items()}
+
+
+def inject_inf_on_rank1(accelerator: Accelerator, model, optimizer, loader, scheduler) -> dict:
+    """A step whose gradient is inf on process 1 only: both must skip it, and keep the same scale."""
+    batch = next(iter(loader))
+    before = full_params(accelerator, model)
+    lr_before = scheduler.get_last_lr()[0]
+    loss = model(batch["input_ids"], labels=batch["labels"]).loss
+    accelerator.backward(loss)
+    if accelerator.process_index == 1:
+        grad = next(p for p in model.parameters() if p.grad is not None).grad
+        (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    return {
+        "skipped": accelerator.optimizer_step_was_skipped,
+        "scale": accelerator.scaler.get_scale(),
+        "unchanged": before == full_params(accelerator, model),
+        "lr_unchanged": scheduler.get_last_lr()[0] == lr_before,
+    }
+
+
+def no_sync_grads() -> dict:
+    """With accumulation, the first micro-batch keeps local gradients; the second all-reduces them."""
+    accelerator = Accelerator(gradient_accumulation_steps=2, verbose=False)
+    model, optimizer, loader, _ = build(accelerator)
+    out = {}
+    for i, batch in zip(range(2), loader):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(batch["input_ids"], labels=batch["labels"]).loss)
+            grad = model.head.weight.grad.clone()
+            both = accelerator.gather(grad[None])
+            out[f"micro{i}_sync"] = accelerator.sync_gradients
+            out[f"micro{i}_equal_across_ranks"] = bool(torch.equal(both[0], both[1]))
+            optimizer.step()
+            optimizer.zero_grad()
+    return out
+
+
+def save_and_load(accelerator: Accelerator, objects, folder: Path, distributed: str | None) -> dict:
+    model = objects[0]
+    accelerator.save_state(folder)
+    drawn = torch.rand(4).tolist()  # right after the save: the resumed process must draw the same
+    saved = full_params(accelerator, model)
+    fresh = Accelerator(mixed_precision=accelerator.mixed_precision, distributed=distributed, verbose=False)
+    new_objects = build(fresh, seed=99)  # a different init, overwritten by load_state
+    fresh.load_state(folder)
+    return {
+        "params_restored": full_params(fresh, new_objects[0]) == saved,
+        "rng_restored": torch.rand(4).tolist() == drawn,
+        "files": sorted(p.name for p in folder.iterdir()),
+        "scale_restored": fresh.scaler.get_scale() == accelerator.scaler.get_scale(),
+    }
+
+
+def run_kind(distributed: str | None, precision: str, out: Path) -> dict:
+    accelerator = Accelerator(mixed_precision=precision, distributed=distributed, verbose=False)
+    objects = build(accelerator)
+    result = train(accelerator, *objects)
+    result["params"] = full_params(accelerator, objects[0])
+    result["local_params"] = (
+        {k: v.flatten().tolist() for k, v in objects[0].state_dict().items()} if distributed is None else None
+    )
+    result["kind"] = accelerator.distributed_type
+    result["state_keys"] = sorted(objects[0].state_dict().keys())
+    if precision == "fp16":
+        result["inf"] = inject_inf_on_rank1(accelerator, *objects)
+    result["state"] = save_and_load(accelerator, objects, out / f"state-{distributed}-{precision}", distributed)
+    return result
+
+
+def main() -> None:
+    start = time.perf_counter()
+    out = Path(sys.argv[1])
+    results = {}
+    first = Accelerator(verbose=False)  # joins the group the torchrun environment describes
+    results["world"] = {"num_processes": first.num_processes, "backend": dist.get_backend()}
+    results["uneven_gather"] = first.gather(torch.arange(first.process_index + 1)).tolist()
+    results["no_sync"] = no_sync_grads()
+    for distributed in (None, "fsdp"):
+        for precision in ("fp32", "fp16"):
+            t0 = time.perf_counter()
+            results[f"{distributed or 'ddp'}-{precision}"] = run_kind(distributed, precision, out)
+            results[f"{distributed or 'ddp'}-{precision}"]["seconds"] = time.perf_counter() - t0
+    results["seconds"] = time.perf_counter() - start
+    (out / f"rank{first.process_index}.json").write_text(json.dumps(results))
+    first.wait_for_everyone()
+    first.end_training()
+
+
+if __name__ == "__main__":
+    main()
