@@ -1,11 +1,11 @@
 """Datasets to DataLoaders with a reproducible order and an exact position to resume from.
 
-The order of epoch ``e`` is a permutation drawn from a generator seeded with ``(data_seed, e)`` alone, never
-from the global RNG, so it does not depend on what else consumed random numbers (model init, dropout, a
-resume). The position is (epoch, micro-batches consumed): resuming starts the sampler ``consumed * batch``
-indices into that same permutation, so the resumed run sees exactly the batches the uninterrupted one would
-have seen next. The DataLoader also gets its own generator, because creating a DataLoader iterator otherwise
-draws a worker seed from the global RNG, which would make a resumed run's dropout masks differ.
+The Trainer builds plain DataLoaders and hands them to ``Accelerator.prepare``, which owns the split across
+processes and the order: epoch ``e``'s order depends on ``(shuffle seed, e)`` only, and the position (epoch,
+batches handed out) is part of ``save_state``, so a resumed run starts at exactly the batch the
+uninterrupted one would have read next. The seed comes from a generator private to the loader, seeded with
+``data_seed``, never from the global RNG: creating a DataLoader iterator also draws a worker seed from its
+generator, and drawing it from the global RNG would shift a resumed run's dropout masks.
 
 Accepted datasets: anything map-style with ``__len__`` and ``__getitem__`` (torch ``Dataset``, a list of dicts,
 a Hugging Face ``datasets.Dataset`` split). Items that are dicts are collated key by key into tensors; string
@@ -15,14 +15,13 @@ columns, and keys the model's forward does not take, are dropped (``remove_unuse
 from __future__ import annotations
 
 import inspect
-import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+from torch.utils.data import DataLoader, IterableDataset
 
 
 @dataclass
@@ -51,52 +50,6 @@ def check_dataset(dataset: Any, name: str) -> int:
     if n == 0:
         raise ValueError(f"{name} is empty: it has no examples to train or evaluate on")
     return n
-
-
-class ResumableSampler(Sampler[int]):
-    """Indices of one epoch: a seeded permutation (or ``range`` when ``shuffle=False``), sharded across
-    ``num_replicas`` processes like ``DistributedSampler`` (padded by wrapping so every process gets the same
-    count, hence the same number of steps), starting ``start`` indices into this process's shard."""
-
-    def __init__(self, size: int, seed: int, shuffle: bool = True, num_replicas: int = 1, rank: int = 0) -> None:
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is not in [0, num_replicas={num_replicas})")
-        self.size = size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.per_replica = math.ceil(size / num_replicas)
-        self.epoch = 0
-        self.start = 0
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Choose the epoch (its permutation) and how many of this process's indices to skip."""
-        if not 0 <= start <= self.per_replica:
-            raise ValueError(f"cannot skip {start} samples of an epoch with {self.per_replica}")
-        self.epoch = epoch
-        self.start = start
-
-    def indices(self) -> list[int]:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
-            order = torch.randperm(self.size, generator=g).tolist()
-        else:
-            order = list(range(self.size))
-        total = self.per_replica * self.num_replicas
-        order += order[: total - len(order)]  # pad by wrapping (DistributedSampler's rule)
-        return order[self.rank : total : self.num_replicas]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices()[self.start :])
-
-    def __len__(self) -> int:
-        return self.per_replica - self.start
-
-
-def _epoch_seed(seed: int, epoch: int) -> int:
-    # Distinct, stable seeds per (seed, epoch); 2**31 - 1 is prime, so nearby seeds don't collide.
-    return (int(seed) * 1_000_003 + int(epoch) * (2**31 - 1)) % (2**63 - 1)
 
 
 # -- collation -----------------------------------------------------------------------------------------
@@ -169,42 +122,24 @@ def make_loader(
     dataset: Any,
     batch_size: int,
     collate_fn: Callable[[list[Any]], Any],
-    sampler: ResumableSampler,
     *,
+    shuffle: bool,
+    seed: int,
     num_workers: int = 0,
     drop_last: bool = False,
 ) -> DataLoader:
-    """A DataLoader over ``sampler`` with a private generator (see the module docstring for why)."""
+    """A plain DataLoader for ``Accelerator.prepare``, which splits it across processes, moves its batches to
+    the device and saves its position. Its private generator, seeded with ``seed``, fixes the shuffle seed
+    (the Accelerator draws it from there) and keeps the global RNG out of the data order."""
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        sampler=sampler,
+        shuffle=shuffle,
         collate_fn=collate_fn,
         num_workers=num_workers,
         drop_last=drop_last,
-        generator=torch.Generator().manual_seed(sampler.seed),
+        generator=torch.Generator().manual_seed(int(seed)),
     )
-
-
-def start_epoch(loader: DataLoader, epoch: int, batches_consumed: int = 0) -> None:
-    """Point ``loader`` at ``epoch``, skipping the first ``batches_consumed`` batches of this process.
-
-    Exact because batches are consecutive slices of the epoch's index list. Also reseeds the loader's own
-    generator per epoch, so worker seeds match an uninterrupted run's.
-    """
-    sampler = loader.sampler
-    if not isinstance(sampler, ResumableSampler):
-        raise TypeError("start_epoch() needs a loader built by make_loader()")
-    sampler.set_epoch(epoch, batches_consumed * loader.batch_size)
-    if loader.generator is not None:
-        loader.generator.manual_seed(_epoch_seed(sampler.seed, epoch) + 1)
-
-
-def batches_per_epoch(loader: DataLoader) -> int:
-    """Micro-batches in a full epoch for this process (independent of any skip in progress)."""
-    sampler = loader.sampler
-    n = sampler.per_replica if isinstance(sampler, ResumableSampler) else len(sampler)
-    return n // loader.batch_size if loader.drop_last else math.ceil(n / loader.batch_size)
 
 
 def count_tokens(batch: Any) -> int:

@@ -25,8 +25,12 @@ class StepMeter:
         self.total_count = 0
         self.samples = 0
         self.tokens = 0
+        self.start()
+
+    def start(self) -> None:
+        """Start the clock (at the first step, not at construction: setup is not throughput)."""
         self.start_time = time.perf_counter()
-        self._rate_mark = (self.start_time, 0, 0)
+        self._rate_mark = (self.start_time, self.samples, self.tokens)
 
     def add(self, loss: torch.Tensor, samples: int, tokens: int) -> None:
         """Record one micro-batch. No host sync."""
@@ -55,6 +59,24 @@ class StepMeter:
         """Mean loss over every micro-batch of the run (reads what is left in the window)."""
         self.take_window()
         return self.total_loss / self.total_count if self.total_count else float("nan")
+
+    def state_dict(self) -> dict[str, float]:
+        """JSON-ready, for checkpoints: the open window too (one host sync), so a resumed run logs the same
+        losses as an uninterrupted one."""
+        return {
+            "window_sum": float(self._window_sum.item()) if self._window_sum is not None else None,
+            "window_count": self._window_count,
+            "total_loss": self.total_loss,
+            "total_count": self.total_count,
+        }
+
+    def load_state_dict(self, state: dict[str, float], device: torch.device) -> None:
+        if state.get("window_sum") is not None:
+            # fp32 sums survive the trip through a Python float exactly
+            self._window_sum = torch.tensor(state["window_sum"], dtype=torch.float32, device=device)
+        self._window_count = int(state.get("window_count", 0))
+        self.total_loss = float(state.get("total_loss", 0.0))
+        self.total_count = int(state.get("total_count", 0))
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start_time

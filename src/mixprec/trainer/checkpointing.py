@@ -1,0 +1,132 @@
+"""checkpoint-N folders: written whole or not at all, read back without unpickling, pruned safely.
+
+A checkpoint is one ``Accelerator.save_state`` folder, ``<output_dir>/checkpoint-<step>/``, with the
+trainer's JSON files written into the same atomic folder (``extra_json``)::
+
+    model.safetensors       the model (safetensors: no code can run on load)
+    optimizer.pt            optimizer state      } torch.load(weights_only=True): tensors and plain
+    scheduler.pt            LR scheduler state   } containers only; anything else is refused
+    rng_state_<rank>.pt     python/numpy/torch/CUDA generators of each process
+    scaler.json             loss scaler state and its step record
+    accelerator.json        data positions (epoch, batches handed out), accumulation counter
+    trainer_state.json      TrainerState (HF's file name and fields)
+    trainer_extra.json      the trainer's data position and running-loss window (an exact resume)
+    training_args.json      the arguments of the run (for people; never read back into the run)
+
+The folder is staged as ``.checkpoint-<step>.tmp-*`` and renamed into place (see
+:mod:`mixprec.checkpoint.atomic`), so a kill at any instant leaves the previous checkpoints as they were and
+no ``checkpoint-*`` folder that is half written. Old checkpoints are pruned only after the new one is
+committed, and each is first renamed out of the ``checkpoint-*`` namespace, so a kill during the deletion
+cannot leave a damaged folder that looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from mixprec.checkpoint import load_json, recover
+
+PREFIX = "checkpoint-"
+STATE_NAME = "trainer_state"
+EXTRA_NAME = "trainer_extra"
+ARGS_NAME = "training_args"
+REQUIRED = ("accelerator.json", f"{STATE_NAME}.json", f"{EXTRA_NAME}.json")
+_NAME = re.compile(rf"^{PREFIX}(\d+)$")
+
+
+def step_of(path: Path) -> int | None:
+    match = _NAME.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def is_complete(path: str | os.PathLike[str]) -> bool:
+    """A folder holding the files every checkpoint has (the atomic write makes presence mean complete; the
+    check keeps a foreign or hand-copied folder from being taken for one)."""
+    path = Path(path)
+    return all((path / name).is_file() for name in REQUIRED)
+
+
+def recover_checkpoints(output_dir: str | os.PathLike[str]) -> None:
+    """Finish commits a crash interrupted between their two renames (see ``atomic.recover``). Main process
+    only, before anyone lists the checkpoints."""
+    root = Path(output_dir)
+    if root.is_dir():
+        for entry in root.iterdir():
+            if entry.name.startswith(f".{PREFIX}") and entry.name.endswith(".old"):
+                recover(root / entry.name[1 : -len(".old")])
+
+
+def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[Path]:
+    """Complete checkpoint-N folders of ``output_dir``, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None and is_complete(p)]
+    return sorted(found, key=lambda p: step_of(p) or 0)
+
+
+def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def resolve_resume(resume_from_checkpoint: bool | str | os.PathLike[str] | None, output_dir: str) -> Path | None:
+    """``None``/``False``: start fresh. ``True``: the latest complete checkpoint of ``output_dir`` (ValueError if
+    there is none). A path: that checkpoint, which must be complete."""
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return None
+    if resume_from_checkpoint is True:
+        found = latest_checkpoint(output_dir)
+        if found is None:
+            raise ValueError(
+                f"train(resume_from_checkpoint=True): no complete checkpoint-N folder in {output_dir!r}; "
+                "train without resume_from_checkpoint to start fresh"
+            )
+        return found
+    path = Path(resume_from_checkpoint)
+    if not path.is_dir():
+        raise ValueError(f"train(resume_from_checkpoint={str(path)!r}): no such folder")
+    if not is_complete(path):
+        raise ValueError(
+            f"train(resume_from_checkpoint={str(path)!r}): the folder is not a complete checkpoint "
+            f"(it lacks one of {', '.join(REQUIRED)}); use resume_from_checkpoint=True for the latest complete one"
+        )
+    return path
+
+
+def save_checkpoint(output_dir: str | os.PathLike[str], step: int, accelerator: Any, files: dict[str, Any]) -> Path:
+    """Write checkpoint-``step`` atomically with the trainer's JSON ``files`` ({name: object}) inside.
+    Collective: every process calls it (each saves its RNG state; sharded models gather)."""
+    return accelerator.save_state(Path(output_dir) / f"{PREFIX}{step}", extra_json=files)
+
+
+def prune_checkpoints(output_dir: str | os.PathLike[str], limit: int | None, keep: str | None = None) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond ``limit``, never ``keep`` (the best one, as HF does).
+    Call only after the newest checkpoint is committed. Returns what was deleted."""
+    if limit is None:
+        return []
+    found = list_checkpoints(output_dir)
+    protected = {Path(keep).resolve()} if keep else set()
+    # HF's rule: with limit 1 and a best checkpoint that is not the last, keep both
+    limit = max(limit, 2) if protected and found and found[-1].resolve() not in protected and limit == 1 else limit
+    deletable = [p for p in found if p.resolve() not in protected]
+    excess = len(found) - limit
+    removed = []
+    for path in deletable[: max(excess, 0)]:
+        doomed = path.with_name(f".{path.name}.deleting")
+        os.rename(path, doomed)  # out of the checkpoint-* namespace first: a kill mid-delete leaves no fake
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path)
+    for stale in Path(output_dir).glob(f".{PREFIX}*.deleting"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return removed
+
+
+def read_trainer_files(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The trainer's state and extra of a checkpoint (JSON only: nothing here can run code)."""
+    path = Path(path)
+    return load_json(path / f"{STATE_NAME}.json"), load_json(path / f"{EXTRA_NAME}.json")

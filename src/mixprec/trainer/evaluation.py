@@ -1,0 +1,170 @@
+"""The evaluation loop behind ``Trainer.evaluate()`` and ``Trainer.predict()``.
+
+The model runs in eval mode without gradients, through the prepared model (so under the run's precision,
+with fp32 outputs). Losses are summed on the device and read once at the end; predictions and labels are
+moved to the host only when ``compute_metrics`` (or ``predict``) needs them. Under several processes every
+process evaluates its shard of the prepared loader (each example in exactly one shard) and the results are
+gathered with ``Accelerator.gather``, which accepts shards of different sizes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from mixprec.diagnostics._loss import extract_loss  # one loss rule, shared with the diagnosis
+from mixprec.trainer.data import count_samples
+from mixprec.trainer.state import EvalPrediction
+
+
+@dataclass
+class EvalResult:
+    metrics: dict[str, float]
+    predictions: Any
+    label_ids: Any
+
+
+def logits_of(outputs: Any) -> Any:
+    """Everything a model returned except its loss (HF's rule): one tensor, or a tuple of them."""
+    if isinstance(outputs, torch.Tensor):
+        return None
+    if isinstance(outputs, Mapping):
+        values = [v for k, v in outputs.items() if k != "loss" and isinstance(v, torch.Tensor)]
+    elif hasattr(outputs, "loss") and hasattr(outputs, "logits"):
+        values = [outputs.logits]
+    elif isinstance(outputs, (tuple, list)):
+        values = [v for v in outputs[1:] if isinstance(v, torch.Tensor)]
+    else:
+        values = []
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _labels_of(batch: Any, label_names: Sequence[str]) -> Any:
+    if not isinstance(batch, Mapping):
+        return None
+    found = [batch[k] for k in label_names if k in batch]
+    if not found:
+        return None
+    return found[0] if len(found) == 1 else tuple(found)
+
+
+def _concat(chunks: list[Any]) -> Any:
+    """Concatenate per-batch arrays along the batch axis, padding ragged later axes with -100 (HF's pad)."""
+    if not chunks:
+        return None
+    if isinstance(chunks[0], tuple):
+        return tuple(_concat([c[i] for c in chunks]) for i in range(len(chunks[0])))
+    if chunks[0].ndim == 0 or all(c.shape[1:] == chunks[0].shape[1:] for c in chunks):
+        return np.concatenate([np.atleast_1d(c) for c in chunks])
+    shape = [max(c.shape[d] for c in chunks) for d in range(1, chunks[0].ndim)]
+    out = np.full((sum(len(c) for c in chunks), *shape), -100, dtype=chunks[0].dtype)
+    row = 0
+    for c in chunks:
+        out[(slice(row, row + len(c)), *(slice(0, s) for s in c.shape[1:]))] = c
+        row += len(c)
+    return out
+
+
+def _to_host(x: Any) -> Any:
+    """numpy on the host (a copy: one sync per call on an accelerator); low-precision floats become fp32."""
+    if x is None:
+        return None
+    if isinstance(x, tuple):
+        return tuple(_to_host(v) for v in x)
+    return x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
+
+
+def evaluation_loop(
+    model: torch.nn.Module,
+    loader: Any,
+    accelerator: Any,
+    *,
+    dataset_size: int,
+    label_names: Sequence[str],
+    want_predictions: bool,
+    compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None,
+    preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None,
+    prefix: str,
+    on_batch: Callable[[], None] | None = None,
+) -> EvalResult:
+    """Run ``model`` over ``loader``; return ``<prefix>_loss``, ``<prefix>_<metric>`` and timing metrics.
+
+    Host syncs: one for the loss at the end; plus one copy per batch to the host when predictions are kept.
+    """
+    start = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    world = accelerator.num_processes
+    loss_sum: torch.Tensor | None = None
+    counted = 0
+    preds, labels = [], []
+    try:
+        with torch.no_grad():
+            for batch in loader:
+                n = count_samples(batch)
+                outputs = model(**batch) if isinstance(batch, Mapping) else model(batch)
+                loss = _optional_loss(outputs, required=not want_predictions)
+                if loss is not None:
+                    weighted = loss.detach().float() * n  # batch means weighted by size: a mean over examples
+                    loss_sum = weighted if loss_sum is None else loss_sum + weighted
+                counted += n
+                if want_predictions:
+                    logits, label = logits_of(outputs), _labels_of(batch, label_names)
+                    if preprocess_logits_for_metrics is not None and logits is not None:
+                        logits = preprocess_logits_for_metrics(logits, label)
+                    if world > 1:
+                        logits, label = _gather(accelerator, logits), _gather(accelerator, label)
+                    preds.append(_to_host(logits))
+                    labels.append(_to_host(label))
+                if on_batch is not None:
+                    on_batch()
+    finally:
+        model.train(was_training)
+
+    metrics: dict[str, float] = {}
+    if loss_sum is not None:
+        totals = torch.stack([loss_sum, torch.tensor(float(counted), device=loss_sum.device)])
+        if world > 1:
+            totals = accelerator.reduce(totals, reduction="sum")
+        total_loss, total_count = totals.tolist()  # the one host sync of the loop
+        metrics[f"{prefix}_loss"] = total_loss / max(total_count, 1.0)
+    predictions = _concat([p for p in preds if p is not None]) if preds and preds[0] is not None else None
+    label_ids = _concat([lab for lab in labels if lab is not None]) if labels and labels[0] is not None else None
+    if compute_metrics is not None and predictions is not None:
+        computed = compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids))
+        for key, value in (computed or {}).items():
+            metrics[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = _plain(value)
+    runtime = time.perf_counter() - start
+    metrics[f"{prefix}_runtime"] = round(runtime, 4)
+    metrics[f"{prefix}_samples_per_second"] = round(dataset_size / max(runtime, 1e-9), 3)
+    return EvalResult(metrics, predictions, label_ids)
+
+
+def _optional_loss(outputs: Any, required: bool) -> torch.Tensor | None:
+    try:
+        return extract_loss(outputs)
+    except ValueError:
+        if required:
+            raise
+        return None  # prediction without labels: there is no loss to report, only outputs
+
+
+def _gather(accelerator: Any, x: Any) -> Any:
+    if x is None:
+        return None
+    if isinstance(x, tuple):
+        return tuple(_gather(accelerator, v) for v in x)
+    return accelerator.gather(x)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (np.generic, torch.Tensor)):
+        return value.item()
+    return value

@@ -1,0 +1,75 @@
+"""The optimizer and learning-rate schedule a Trainer builds when the user passes none.
+
+AdamW with HF's defaults; weight decay only on tensors with two or more dimensions (matrices and
+embeddings), never on biases and norm gains, as nanoGPT and HF both do. The schedules are ``LambdaLR`` over
+picklable-free ``functools.partial`` objects, so the scheduler's state dict is plain numbers (saved as JSON).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from mixprec.trainer.args import OptimConfig, ScheduleConfig
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no parameters with requires_grad=True: there is nothing to train")
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [
+        g
+        for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
+    if cfg.optim == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.learning_rate)
+    return torch.optim.AdamW(
+        groups,
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_epsilon,
+        fused=cfg.optim == "adamw_torch_fused",
+    )
+
+
+def _linear(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return step / max(1, warmup)
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def _cosine(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def _constant(step: int, warmup: int, total: int) -> float:
+    return 1.0
+
+
+def _constant_with_warmup(step: int, warmup: int, total: int) -> float:
+    return step / max(1, warmup) if step < warmup else 1.0
+
+
+_SCHEDULES = {
+    "linear": _linear,
+    "cosine": _cosine,
+    "constant": _constant,
+    "constant_with_warmup": _constant_with_warmup,
+}
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """HF's schedules (same formulas as ``transformers.get_scheduler``) over ``total_steps`` optimizer steps."""
+    warmup = 0 if cfg.lr_scheduler_type == "constant" else cfg.num_warmup_steps(total_steps)
+    fn = functools.partial(_SCHEDULES[cfg.lr_scheduler_type], warmup=warmup, total=total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

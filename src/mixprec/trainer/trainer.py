@@ -1,0 +1,488 @@
+"""The Trainer: the seed's third snippet, for real.
+
+::
+
+    args = TrainingArguments(output_dir="./results", evaluation_strategy="epoch", fp16=True)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset["train"],
+                      eval_dataset=dataset["validation"], compute_metrics=compute_metrics)
+    trainer.train()
+
+Built on the :class:`~mixprec.accelerator.accelerator.Accelerator`: precision, loss scaling, gradient
+accumulation, processes and checkpoint files are all its work; the Trainer adds the loop and its
+bookkeeping (:mod:`~mixprec.trainer.loop`), evaluation (:mod:`~mixprec.trainer.evaluation`), checkpoint-N
+folders (:mod:`~mixprec.trainer.checkpointing`), logs, plots and the end summary. Under ``torchrun`` every
+process trains; the main one logs and writes files.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mixprec.accelerator.accelerator import Accelerator
+from mixprec.checkpoint import load_tensors, save_json, save_tensors
+from mixprec.diagnostics._loss import extract_loss  # one loss rule, shared with the diagnosis
+from mixprec.trainer import checkpointing as ckpt
+from mixprec.trainer.args import TrainingArguments
+from mixprec.trainer.callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback, TrainerControl
+from mixprec.trainer.data import (
+    ColumnFilter,
+    DataPosition,
+    check_dataset,
+    default_collator,
+    forward_arg_names,
+    make_loader,
+)
+from mixprec.trainer.evaluation import EvalResult, evaluation_loop
+from mixprec.trainer.logging import JsonlLogger, TensorBoardLogger
+from mixprec.trainer.loop import Plan, TrainingLoop, call_model
+from mixprec.trainer.meter import StepMeter
+from mixprec.trainer.optim import build_optimizer, build_scheduler
+from mixprec.trainer.progress import ProgressCallback
+from mixprec.trainer.state import PredictionOutput, TrainerState, TrainOutput
+
+logger = logging.getLogger("mixprec.trainer")
+
+
+def set_seed(seed: int) -> None:
+    """Seed python, numpy and torch (every device), as HF's ``set_seed``."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Train, evaluate and predict with any ``nn.Module`` whose forward takes the batch's keys and returns
+    a loss (``.loss``, a dict's "loss", or a tuple's first item), HF transformers models included."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        *,
+        processing_class: Any = None,
+        compute_metrics: Any = None,
+        callbacks: list[TrainerCallback | type[TrainerCallback]] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        preprocess_logits_for_metrics: Any = None,
+    ) -> None:
+        if model is None:
+            raise ValueError("Trainer(model=None): pass the torch.nn.Module to train")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"Trainer(model=...): expected a torch.nn.Module, got {type(model).__name__}")
+        self.args = args if args is not None else TrainingArguments()
+        self.args.validate()
+        args = self.args
+        if train_dataset is not None:
+            check_dataset(train_dataset, "train_dataset")
+        if eval_dataset is not None:
+            check_dataset(eval_dataset, "eval_dataset")
+        if args.eval_strategy != "no" and eval_dataset is None:
+            raise ValueError(
+                f"TrainingArguments(eval_strategy={args.eval_strategy!r}) needs an eval_dataset: pass "
+                "Trainer(eval_dataset=...) or set eval_strategy='no'"
+            )
+        set_seed(args.seed)
+        self.accelerator = Accelerator(
+            mixed_precision=args.precision,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            distributed=args.distributed,
+            cpu=args.use_cpu,
+            scaler_kwargs=args.precision_config.scaler_kwargs(),
+        )
+        self.model = model.to(self.accelerator.device)  # prepared (forward patched) when first used
+        self._model_prepared = False
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.processing_class = processing_class
+        self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        keep = forward_arg_names(model) if args.remove_unused_columns else None
+        self.data_collator = ColumnFilter(data_collator or default_collator, keep)
+        self.optimizer, self.lr_scheduler = optimizers
+        self._label_names = list(args.label_names or ["labels"])
+        self._eval_loaders: dict[int, Any] = {}
+        self._trained = False
+        self.diagnosis: Any = None
+        # Prepared first, before any eval loader: save_state records data positions in preparation order.
+        self._train_loader = self._prepare_train_loader() if train_dataset is not None else None
+
+        self.state = TrainerState(
+            is_local_process_zero=self.accelerator.is_local_main_process,
+            is_world_process_zero=self.accelerator.is_main_process,
+        )
+        self.control = TrainerControl()
+        self.meter = StepMeter(self._current_lr, self._current_scale)
+        self.callback_handler = CallbackHandler([DefaultFlowCallback])
+        self._jsonl: JsonlLogger | None = None
+        self._progress: ProgressCallback | None = None
+        if self.accelerator.is_main_process:
+            self._jsonl = JsonlLogger(args.output_dir)
+            self.callback_handler.add_callback(self._jsonl)
+            if "tensorboard" in args.report_to:
+                self.callback_handler.add_callback(TensorBoardLogger(args.logging_dir))
+            if not args.disable_tqdm:
+                self._progress = ProgressCallback()
+                self.callback_handler.add_callback(self._progress)
+        for cb in callbacks or []:
+            self.callback_handler.add_callback(cb)
+        self.callback_handler.model = self.model
+        self.event("on_init_end")
+
+    # -- callbacks -----------------------------------------------------------------------------------
+
+    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        self.callback_handler.remove_callback(callback)
+
+    def event(self, name: str, **kwargs: Any) -> TrainerControl:
+        """Run callback event ``name``; a callback may replace ``self.control``."""
+        self.control = self.callback_handler.call_event(name, self.args, self.state, self.control, **kwargs)
+        return self.control
+
+    def record_event(self, name: str, step: int, **fields: Any) -> None:
+        """A metrics.jsonl record outside log_history (skipped steps, loss-scale changes); main process only."""
+        if self._jsonl is not None:
+            self._jsonl.write({"event": name, "step": step, **fields})
+
+    def close_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.on_train_end(self.args, self.state, self.control)
+
+    def is_world_process_zero(self) -> bool:
+        return self.accelerator.is_main_process
+
+    # -- the model and its loss ----------------------------------------------------------------------
+
+    def _prepared_model(self) -> torch.nn.Module:
+        if not self._model_prepared:
+            self.model = self.accelerator.prepare_model(self.model)
+            if self.args.torch_compile:
+                self.model.compile()
+            self._model_prepared = True
+        return self.model
+
+    def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False) -> Any:
+        """The loss of one batch (override to customise, as in HF). Raises ValueError if there is none."""
+        outputs = call_model(model, inputs)
+        loss = extract_loss(outputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def _current_lr(self) -> float:
+        return float(self.lr_scheduler.get_last_lr()[0]) if self.lr_scheduler is not None else 0.0
+
+    def _current_scale(self) -> float:
+        return self.accelerator.scaler.get_scale() if self.accelerator.scaler.is_enabled() else 1.0
+
+    # -- data ----------------------------------------------------------------------------------------
+
+    def _prepare_train_loader(self) -> Any:
+        args = self.args
+        loader = make_loader(
+            self.train_dataset,
+            args.per_device_train_batch_size,
+            self.data_collator,
+            shuffle=True,
+            seed=args.data_seed,
+            num_workers=args.dataloader_num_workers,
+            drop_last=args.dataloader_drop_last,
+        )
+        return self.accelerator.prepare_data_loader(loader)
+
+    def get_train_dataloader(self) -> Any:
+        if self._train_loader is None:
+            raise ValueError("Trainer: training needs a train_dataset; pass Trainer(train_dataset=...)")
+        return self._train_loader
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer.evaluate() needs an eval_dataset: pass Trainer(eval_dataset=...) or evaluate(ds)")
+        if id(dataset) not in self._eval_loaders:
+            check_dataset(dataset, "eval_dataset")
+            loader = make_loader(
+                dataset,
+                self.args.per_device_eval_batch_size,
+                self.data_collator,
+                shuffle=False,
+                seed=0,
+                num_workers=self.args.dataloader_num_workers,
+            )
+            self._eval_loaders[id(dataset)] = (dataset, self.accelerator.prepare_data_loader(loader))
+        return self._eval_loaders[id(dataset)][1]
+
+    # -- training ------------------------------------------------------------------------------------
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        """Build AdamW (or SGD) and the LR schedule from the arguments, unless given to ``Trainer``."""
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(self.model, self.args.optimization)
+        if self.lr_scheduler is None:
+            self.lr_scheduler = build_scheduler(self.optimizer, self.args.schedule, num_training_steps)
+
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
+        """Train for ``max_steps`` or ``num_train_epochs``; resume from a checkpoint (``True``: the latest
+        complete one in output_dir). On SIGTERM: saves a checkpoint at the next step boundary and exits
+        the process with status 143 (128 + SIGTERM), so schedulers see a job that did not finish."""
+        if self._trained:
+            raise RuntimeError("Trainer.train() was already called; build a new Trainer to train again")
+        self._trained = True
+        args, acc = self.args, self.accelerator
+        args.validate()
+        loader = self.get_train_dataloader()
+        if acc.is_main_process:
+            ckpt.recover_checkpoints(args.output_dir)
+        acc.wait_for_everyone()
+        checkpoint = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir)
+        plan = Plan.make(len(loader), args)
+        if args.diagnose_at_start and checkpoint is None:
+            self._diagnose()
+        model = self._prepared_model()
+        self.create_optimizer_and_scheduler(plan.max_steps)
+        self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
+        self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
+        self.callback_handler.train_dataloader = loader
+        self.state.max_steps = plan.max_steps
+        self.state.num_train_epochs = plan.num_epochs
+        self.state.train_batch_size = args.per_device_train_batch_size
+        self.state.logging_steps, self.state.eval_steps = args.logging_steps, args.eval_steps
+        self.state.save_steps = args.save_steps
+        start = self._load_checkpoint(checkpoint, plan) if checkpoint is not None else DataPosition()
+        model.train()
+        loop = TrainingLoop(self, loader, plan, start)
+        steps_before = self.state.global_step
+        loop.run()
+        if loop.interrupted is None and args.load_best_model_at_end:
+            self._load_best_model()
+        output = self._finish(steps_before)
+        if loop.interrupted is not None:
+            acc.print(f"mixprec: stopped by signal {loop.interrupted} at step {self.state.global_step}; resume with "
+                      "trainer.train(resume_from_checkpoint=True)", file=sys.stderr)  # fmt: skip
+            raise SystemExit(128 + loop.interrupted)
+        return output
+
+    def _diagnose(self) -> None:
+        """``diagnose_at_start``: measure gradient ranges before the first step; start the fp16 loss scale at
+        the recommended value (the same on every process: the largest recommendation wins)."""
+        try:
+            from mixprec.diagnostics.diagnose import diagnose
+        except ImportError as err:
+            raise ValueError(
+                f"TrainingArguments(diagnose_at_start=True): mixprec.diagnostics is unavailable ({err})"
+            ) from err
+        if self._model_prepared:
+            raise RuntimeError("diagnose_at_start measures the model before it is prepared: call train() first")
+        args, acc = self.args, self.accelerator
+        loader = make_loader(
+            self.train_dataset, args.per_device_train_batch_size, self.data_collator, shuffle=False, seed=0
+        )
+        target = acc.mixed_precision if acc.mixed_precision in ("fp16", "bf16") else "fp16"
+        optimizer = "sgd" if args.optim == "sgd" else "adam"
+        report = diagnose(self.model, loader, precision_target=target, lr=args.learning_rate, optimizer=optimizer)
+        self.diagnosis = report
+        scale = float(acc.reduce(torch.tensor(report.recommended_init_scale), reduction="max").item())
+        if acc.scaler.is_enabled():
+            acc.scaler.update(new_scale=scale)  # clamped to [min_loss_scale, max]
+        self.record_event("diagnosis", 0, applied_init_scale=scale if acc.scaler.is_enabled() else None,
+                          report=report.to_dict())  # fmt: skip
+        acc.print(
+            f"mixprec diagnose: recommends {report.recommended_precision} with initial loss scale "
+            f"{report.recommended_init_scale:g}; running {acc.mixed_precision}"
+            + (f" from loss scale {acc.scaler.get_scale():g}" if acc.scaler.is_enabled() else ""),
+            file=sys.stderr,
+        )
+        if report.recommended_precision != acc.mixed_precision:
+            logger.warning(
+                "diagnose_at_start recommends precision=%r (%s); training with %r as asked",
+                report.recommended_precision,
+                "; ".join(report.reasons),
+                acc.mixed_precision,
+            )
+
+    def maybe_log_save_evaluate(self, grad_norm: torch.Tensor | None, position: DataPosition) -> None:
+        control = self.control
+        if control.should_log:
+            control.should_log = False
+            self._log_training(grad_norm)
+        if control.should_evaluate:
+            control.should_evaluate = False
+            metrics = self.evaluate()
+            self._track_best(metrics)
+        if control.should_save:
+            control.should_save = False
+            self._save_checkpoint(position)
+
+    def _log_training(self, grad_norm: torch.Tensor | None) -> None:
+        loss = self.meter.take_window()  # a host sync, on logging steps only
+        if loss is None:
+            return
+        logs: dict[str, Any] = {"loss": loss}
+        if grad_norm is not None:
+            logs["grad_norm"] = float(grad_norm)
+        logs["learning_rate"] = self._current_lr()
+        if self.accelerator.scaler.is_enabled():
+            logs["loss_scale"] = self._current_scale()
+            logs["skipped_steps"] = self.state.skipped_steps
+        self.log(logs)
+
+    def log(self, logs: dict[str, Any]) -> None:
+        """Append ``logs`` (with epoch and step) to ``state.log_history`` and send it to the loggers."""
+        if self.state.epoch is not None:
+            logs = {**logs, "epoch": self.state.epoch}
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.event("on_log", logs=logs)
+
+    def _track_best(self, metrics: dict[str, float]) -> None:
+        ev = self.args.evaluation
+        if not (ev.load_best_model_at_end or ev.metric_for_best_model):
+            return
+        key = ev.metric_key()
+        if key not in metrics:
+            raise KeyError(
+                f"TrainingArguments(metric_for_best_model={ev.metric_for_best_model!r}): the evaluation returned "
+                f"no {key!r} (it returned {', '.join(sorted(metrics))})"
+            )
+        if ev.is_better(metrics[key], self.state.best_metric):
+            self.state.best_metric = float(metrics[key])
+            self.state.best_global_step = self.state.global_step
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, position: DataPosition) -> Path:
+        args, state = self.args, self.state
+        path = Path(args.output_dir) / f"{ckpt.PREFIX}{state.global_step}"
+        if state.best_global_step == state.global_step:
+            state.best_model_checkpoint = str(path)
+        files = {
+            ckpt.STATE_NAME: state.to_dict(),
+            ckpt.EXTRA_NAME: {"data_position": position.to_dict(), "meter": self.meter.state_dict()},
+            ckpt.ARGS_NAME: args.to_dict(),
+        }
+        ckpt.save_checkpoint(args.output_dir, state.global_step, self.accelerator, files)
+        if self.accelerator.is_main_process:  # only now that the new one is complete
+            ckpt.prune_checkpoints(args.output_dir, args.save_total_limit, keep=state.best_model_checkpoint)
+        self.accelerator.wait_for_everyone()
+        self.event("on_save", checkpoint=str(path))
+        return path
+
+    def _load_checkpoint(self, path: Path, plan: Plan) -> DataPosition:
+        """Restore model, optimizer, scheduler, scaler, data position and RNG states, then the trainer's own
+        state. Nothing is unpickled: a tampered file is refused before any state changes hands."""
+        self.accelerator.load_state(path)
+        saved, extra = ckpt.read_trainer_files(path)
+        known = {k: v for k, v in saved.items() if k in TrainerState.__dataclass_fields__}
+        fresh = self.state
+        self.state = TrainerState(**known)
+        self.state.is_local_process_zero = fresh.is_local_process_zero
+        self.state.is_world_process_zero = fresh.is_world_process_zero
+        self.meter.load_state_dict(extra.get("meter", {}), self.accelerator.device)
+        if self._jsonl is not None:
+            self._jsonl.truncate_after(self.state.global_step)
+        logger.info("resumed from %s at step %d", path, self.state.global_step)
+        return DataPosition.from_dict(extra["data_position"])
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if best is None or not Path(best).is_dir():
+            return
+        weights = load_tensors(Path(best) / "model.safetensors", device=self.accelerator.device)
+        self.accelerator.unwrap_model(self.model).load_state_dict(weights)
+        logger.info("loaded the best model (%s = %s) from %s", self.args.evaluation.metric_key(),
+                    self.state.best_metric, best)  # fmt: skip
+
+    def _finish(self, steps_before: int) -> TrainOutput:
+        from mixprec.trainer.summary import build_summary, format_summary, write_summary
+
+        acc, args, state = self.accelerator, self.args, self.state
+        self.close_progress()  # before the summary and plots, which take a moment
+        totals = acc.reduce(torch.tensor([self.meter.samples, self.meter.tokens], dtype=torch.float64))
+        summary = build_summary(
+            precision=acc.precision.describe(),
+            global_step=state.global_step,
+            steps_this_run=state.global_step - steps_before,
+            skipped_steps=state.skipped_steps,
+            final_scale=self._current_scale() if acc.scaler.is_enabled() else None,
+            runtime=self.meter.elapsed(),
+            samples=int(totals[0]),
+            tokens=int(totals[1]),
+            train_loss=self.meter.mean_loss(),
+            epoch=state.epoch,
+            best_metric=state.best_metric,
+            best_model_checkpoint=state.best_model_checkpoint,
+            metric_name=args.evaluation.metric_key() if state.best_metric is not None else None,
+            device=acc.device,
+        )
+        if acc.is_main_process:
+            write_summary(summary, args.output_dir)
+            if args.save_plots and self._jsonl is not None:
+                from mixprec.trainer.plots import plot_run
+
+                plot_run(self._jsonl.path, args.output_dir)
+            print(format_summary(summary), file=sys.stderr, flush=True)
+        self.event("on_train_end", summary=summary)
+        return TrainOutput(state.global_step, summary["train_loss"], summary)
+
+    # -- evaluation and prediction -------------------------------------------------------------------
+
+    def _run_eval(self, dataset: Any, prefix: str, want_predictions: bool) -> EvalResult:
+        loader = self.get_eval_dataloader(dataset)
+        self.callback_handler.eval_dataloader = loader
+        return evaluation_loop(
+            self._prepared_model(),
+            loader,
+            self.accelerator,
+            dataset_size=len(dataset if dataset is not None else self.eval_dataset),
+            label_names=self._label_names,
+            want_predictions=want_predictions,
+            compute_metrics=self.compute_metrics,
+            preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
+            prefix=prefix,
+            on_batch=lambda: self.event("on_prediction_step"),
+        )
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:
+        """Loss and ``compute_metrics`` over the evaluation set, logged with prefix ``eval_``."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        want = self.compute_metrics is not None and not self.args.prediction_loss_only
+        metrics = self._run_eval(dataset, metric_key_prefix, want).metrics
+        self.log(metrics)
+        self.event("on_evaluate", metrics=metrics)
+        return metrics
+
+    def predict(self, test_dataset: Any, ignore_keys: Any = None, metric_key_prefix: str = "test") -> PredictionOutput:
+        """Predictions (everything the model returns but the loss), labels and metrics, as HF's."""
+        result = self._run_eval(test_dataset, metric_key_prefix, want_predictions=True)
+        self.event("on_predict", metrics=result.metrics)
+        return PredictionOutput(result.predictions, result.label_ids, result.metrics)
+
+    # -- the final model -----------------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """Write the (unwrapped) model's weights as safetensors (HF models via ``save_pretrained``), with the
+        tokenizer/processor when one was given. Main process only."""
+        out = Path(output_dir or self.args.output_dir)
+        model = self.accelerator.unwrap_model(self.model)
+        if self.accelerator.is_main_process:
+            out.mkdir(parents=True, exist_ok=True)
+            if hasattr(model, "save_pretrained"):
+                model.save_pretrained(str(out))
+            else:
+                save_tensors(model.state_dict(), out / "model.safetensors")
+            if hasattr(self.processing_class, "save_pretrained"):
+                self.processing_class.save_pretrained(str(out))
+            save_json(self.args.to_dict(), out / "training_args.json")
+        self.accelerator.wait_for_everyone()
+        return out

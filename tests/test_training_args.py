@@ -1,0 +1,172 @@
+"""TrainingArguments: HF's names and defaults, the evaluation_strategy alias, precision as one field, validation
+that names the field and the fix, and grouped views that follow later edits."""
+
+from __future__ import annotations
+
+import enum
+import json
+
+import pytest
+
+from mixprec import TrainingArguments
+
+# Fields whose names exist in both classes: the defaults must agree, so a script moving over from
+# transformers keeps its behaviour.
+SHARED = [
+    "num_train_epochs", "max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
+    "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+    "warmup_steps", "lr_scheduler_type", "max_grad_norm", "seed", "fp16", "bf16", "dataloader_num_workers",
+    "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "torch_compile", "eval_strategy",
+    "eval_steps", "save_strategy", "save_steps", "save_total_limit", "logging_steps", "logging_strategy",
+    "logging_first_step", "dataloader_drop_last", "remove_unused_columns", "label_names", "disable_tqdm",
+    "prediction_loss_only", "use_cpu", "data_seed",
+]  # fmt: skip
+
+
+def _plain(value):
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def test_defaults_match_hugging_face_where_names_overlap(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.TrainingArguments(output_dir=str(tmp_path))
+    ours = TrainingArguments(output_dir=str(tmp_path))
+    differ = {}
+    for name in SHARED:
+        theirs, mine = _plain(getattr(hf, name)), getattr(ours, name)
+        if name == "eval_steps" and theirs is None:
+            theirs = hf.logging_steps  # HF resolves None to logging_steps at use; we resolve it at construction
+        if name == "data_seed" and theirs is None:
+            theirs = hf.seed
+        if theirs != mine:
+            differ[name] = (theirs, mine)
+    assert differ == {}
+    assert hf.report_to in ([], "none", ["none"]) and ours.report_to == []
+
+
+def test_the_documented_hf_defaults():
+    a = TrainingArguments()
+    assert (a.num_train_epochs, a.per_device_train_batch_size, a.learning_rate) == (3.0, 8, 5e-5)
+    assert (a.lr_scheduler_type, a.adam_beta1, a.adam_beta2, a.adam_epsilon) == ("linear", 0.9, 0.999, 1e-8)
+    assert (a.weight_decay, a.logging_steps, a.save_steps, a.seed) == (0.0, 500, 500, 42)
+    assert a.precision == "fp32" and not a.fp16 and not a.bf16
+
+
+def test_evaluation_strategy_is_accepted_as_the_old_name_of_eval_strategy():
+    a = TrainingArguments(output_dir="./results", evaluation_strategy="epoch", fp16=True)
+    assert a.eval_strategy == "epoch"
+    assert a.evaluation_strategy is None  # one source of truth after construction
+    assert TrainingArguments(evaluation_strategy="steps", eval_strategy="steps").eval_strategy == "steps"
+
+
+def test_conflicting_evaluation_strategy_and_eval_strategy_are_refused():
+    with pytest.raises(ValueError, match=r"evaluation_strategy='epoch'.*eval_strategy='steps'"):
+        TrainingArguments(evaluation_strategy="epoch", eval_strategy="steps")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "precision", "fp16", "bf16"),
+    [
+        ({"fp16": True}, "fp16", True, False),
+        ({"bf16": True}, "bf16", False, True),
+        ({"precision": "16-mixed"}, "fp16", True, False),
+        ({"precision": "bf16", "bf16": True}, "bf16", False, True),
+        ({"precision": "no"}, "fp32", False, False),
+        ({"precision": "auto"}, "auto", False, False),
+    ],
+)
+def test_precision_is_the_one_field_fp16_and_bf16_resolve_to(kwargs, precision, fp16, bf16):
+    a = TrainingArguments(**kwargs)
+    assert (a.precision, a.fp16, a.bf16) == (precision, fp16, bf16)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"fp16": True, "bf16": True}, r"bf16=True.*both set"),
+        ({"precision": "bf16", "fp16": True}, r"precision='bf16'.*conflicts with fp16=True"),
+        ({"precision": "fp17"}, r"TrainingArguments\(precision='fp17'\).*choose one of: no, fp32, fp16, bf16, auto"),
+        ({"max_steps": -5}, r"max_steps=-5.*-1 to train for num_train_epochs"),
+        ({"max_steps": 0}, r"max_steps=0"),
+        ({"num_train_epochs": 0}, r"num_train_epochs=0"),
+        ({"eval_strategy": "sometimes"}, r"eval_strategy='sometimes'.*'no', 'steps', 'epoch'"),
+        ({"save_strategy": "best"}, r"save_strategy='best'"),
+        ({"logging_steps": 0}, r"logging_steps=0.*integer >= 1"),
+        ({"gradient_accumulation_steps": 0}, r"gradient_accumulation_steps=0"),
+        ({"learning_rate": -1.0}, r"learning_rate=-1.0.*>= 0"),
+        ({"adam_beta2": 1.0}, r"adam_beta2=1.0.*\[0, 1\)"),
+        ({"warmup_steps": 5, "warmup_ratio": 0.1}, r"warmup_ratio=0.1.*not both"),
+        ({"lr_scheduler_type": "cyclic"}, r"lr_scheduler_type='cyclic'.*'linear'"),
+        ({"report_to": "wandb"}, r"report_to='wandb'.*tensorboard.*metrics.jsonl"),
+        ({"report_to": ["none", "tensorboard"]}, r"'none' cannot be combined"),
+        ({"init_loss_scale": 0.5}, r"init_loss_scale=0.5.*min_loss_scale=1.0"),
+        ({"loss_scale_hysteresis": 0}, r"loss_scale_hysteresis=0"),
+        ({"max_consecutive_skips": 0}, r"max_consecutive_skips=0"),
+        ({"distributed": "horovod"}, r"distributed='horovod'"),
+        ({"load_best_model_at_end": True}, r"load_best_model_at_end=True.*eval_strategy"),
+        (
+            {"load_best_model_at_end": True, "eval_strategy": "epoch", "save_strategy": "steps"},
+            r"save_strategy='steps'.*must equal eval_strategy='epoch'",
+        ),
+        (
+            {"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 30, "save_steps": 50},
+            r"save_steps=50.*multiple of eval_steps=30",
+        ),
+        ({"metric_for_best_model": "accuracy"}, r"metric_for_best_model='accuracy'.*eval_strategy"),
+    ],
+)
+def test_bad_arguments_name_the_field_and_the_fix(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        TrainingArguments(**kwargs)
+
+
+def test_scaler_knobs_become_grad_scaler_arguments():
+    a = TrainingArguments(
+        fp16=True,
+        init_loss_scale=1024,
+        loss_scale_growth_interval=50,
+        loss_scale_hysteresis=3,
+        min_loss_scale=4,
+        max_consecutive_skips=7,
+    )
+    assert a.precision_config.scaler_kwargs() == {
+        "init_scale": 1024.0,
+        "growth_interval": 50,
+        "hysteresis": 3,
+        "min_scale": 4.0,
+        "max_consecutive_skips": 7,
+    }
+
+
+def test_grouped_views_follow_later_edits_and_validate_them():
+    a = TrainingArguments()
+    a.num_train_epochs = 5
+    a.learning_rate = 1e-3
+    assert a.schedule.num_train_epochs == 5
+    assert a.optimization.learning_rate == 1e-3
+    a.logging_steps = 0
+    with pytest.raises(ValueError, match="logging_steps=0"):
+        a.validate()
+
+
+def test_eval_steps_defaults_to_logging_steps_and_warmup_ratio_rounds_up():
+    a = TrainingArguments(eval_strategy="steps", logging_steps=7, warmup_ratio=0.1)
+    assert a.eval_steps == 7
+    assert a.schedule.num_warmup_steps(25) == 3
+    assert TrainingArguments(warmup_steps=4).schedule.num_warmup_steps(25) == 4
+
+
+def test_best_metric_direction_follows_hf():
+    ev = TrainingArguments(eval_strategy="epoch", metric_for_best_model="loss").evaluation
+    assert ev.metric_key() == "eval_loss" and ev.is_better(0.5, 0.6) and not ev.is_better(0.7, 0.6)
+    ev = TrainingArguments(eval_strategy="epoch", metric_for_best_model="accuracy").evaluation
+    assert ev.metric_key() == "eval_accuracy" and ev.is_better(0.7, 0.6)
+
+
+def test_to_dict_is_json_and_round_trips():
+    a = TrainingArguments(output_dir="out", fp16=True, evaluation_strategy="epoch", report_to="none")
+    text = a.to_json_string()
+    back = TrainingArguments.from_dict(json.loads(text))
+    assert back == a
+    with pytest.raises(ValueError, match="no field"):
+        TrainingArguments.from_dict({"output_dir": "x", "not_a_field": 1})
