@@ -1,0 +1,144 @@
+"""``mixprec bench``: the same model and data under fp32, fp16, bf16 and "auto", side by side."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+
+from mixprec.bench import BenchConfig, Workload, format_table, run_bench, to_json, workload_from_dataset, write_chart
+from mixprec.cli._common import add_data_model_args, load_model_and_data, positive_int
+from mixprec.cli._config import explicit_flags
+from mixprec.cli.main import CliError
+from mixprec.models import GPT_PRESETS
+
+# The default run must finish in well under a minute on 2 shared CPU cores, where one fp16 step of the
+# default model is ~10x an fp32 step: hence a small batch and few steps. Raise them for steadier numbers.
+DEFAULT_BATCH_SIZE = 4
+DEFAULT_SEQ_LEN = 64
+# more distinct batches than this add nothing to a timing run; steps beyond it cycle through them
+_MAX_BATCHES = 64
+_WORKLOAD_FLAGS = ("data", "text_field", "model", "seq_len", "batch_size", "seed")
+
+EPILOG = """\
+examples:
+  mixprec bench                                 built-in GPT, fp32 / fp16 / bf16 / auto, table on stdout
+  mixprec bench --steps 5 --rounds 5            steadier medians (takes longer)
+  mixprec bench --precisions fp32,bf16 --model tiny
+  mixprec bench --json > bench.json             the JSON document alone on stdout, progress on stderr
+  mixprec bench --output bench.png              also write a PNG chart
+  mixprec bench --data notes.txt --model ./my-hf-model --batch-size 8 --seq-len 256
+  OMP_NUM_THREADS=1 mixprec bench               on a shared machine, one thread per process is steadier
+
+Each precision trains its own copy of the same initial model on the same batches; rounds are interleaved
+(each round times every precision, starting with a different one), and the median per-step time is
+reported with its interquartile range. Peak memory: CUDA max_memory_allocated, or on a CPU (Linux) the
+growth of the process's peak resident set while a fresh copy trains, after warm-up. MFU is against a
+matmul of the same dtype measured at start on this machine (the peak is named in the output).
+"""
+
+
+def _nonnegative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="time fp32, fp16, bf16 and auto on the same model: step time, tokens/s, memory, loss, MFU",
+        description="Benchmark the same model and data under several precisions, interleaved, in one process.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_data_model_args(parser, batch_size=DEFAULT_BATCH_SIZE)
+    group = parser.add_argument_group("benchmark")
+    group.add_argument(
+        "--precisions",
+        metavar="LIST",
+        default="fp32,fp16,bf16,auto",
+        help="comma-separated precisions to compare (default: fp32,fp16,bf16,auto)",
+    )
+    group.add_argument("--steps", metavar="N", type=positive_int, default=2, help="timed steps per round (default: 2)")
+    group.add_argument("--rounds", metavar="N", type=positive_int, default=3, help="interleaved rounds (default: 3)")
+    group.add_argument(
+        "--warmup", metavar="N", type=_nonnegative, default=1, help="untimed steps per precision first (default: 1)"
+    )
+    group.add_argument("--lr", metavar="X", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
+    group.add_argument(
+        "--threads", metavar="N", type=positive_int, default=None, help="torch intra-op threads (default: torch's)"
+    )
+    group.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    group.add_argument("--json", action="store_true", help="print only the JSON document on stdout")
+    group.add_argument("--output", metavar="PNG", default=None, help="write a chart of step time and memory")
+    parser.set_defaults(func=run)
+
+
+def _workload_args(args: argparse.Namespace) -> dict[str, Any]:
+    values = {name: getattr(args, name) for name in _WORKLOAD_FLAGS}
+    if values["seq_len"] is None:
+        # bench's own default (shorter than train's); a Hugging Face model keeps the shared default
+        preset = GPT_PRESETS.get(values["model"])
+        values["seq_len"] = min(DEFAULT_SEQ_LEN, preset.block_size) if preset else None
+    return values
+
+
+def _build_workload(values: dict[str, Any], num_batches: int) -> Workload:
+    namespace = argparse.Namespace(**values, precision="auto")
+    model, train, val, info = load_model_and_data(namespace)
+    description = f"{info.model_description}; {info.corpus}; batch {values['batch_size']} x {info.seq_len} tokens"
+    return workload_from_dataset(
+        model,
+        train,
+        val,
+        batch_size=values["batch_size"],
+        num_batches=num_batches,
+        seed=values["seed"],
+        description=description,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if "precision" in explicit_flags(args):
+        raise CliError(
+            f"bench compares several precisions: use --precisions (e.g. --precisions fp32,{args.precision}), "
+            f"not --precision"
+        )
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)  # this command's process only
+    try:
+        config = BenchConfig(
+            precisions=args.precisions,
+            steps=args.steps,
+            rounds=args.rounds,
+            warmup=args.warmup,
+            lr=args.lr,
+            measure_memory=not args.no_memory,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc).replace("BenchConfig.", "--")) from None  # the message names the flag
+
+    def log(msg: str) -> None:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+    values = _workload_args(args)
+    num_batches = min(_MAX_BATCHES, config.warmup + config.rounds * config.steps)
+    workload = _build_workload(values, num_batches)
+    log(f"workload: {workload.description}")
+    result = run_bench(workload, config, log=log)
+    table = format_table(result)
+    if args.output:
+        log(f"chart written to {write_chart(result, args.output)}")
+    if args.json:
+        print(table, file=sys.stderr)
+        print(to_json(result))
+    else:
+        print(table)
+    return 0
