@@ -367,9 +367,13 @@ class GradScaler:
             for (device, _), grads in groups.items():
                 flag = flags.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device))
-            found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
-            for flag in flags.values():
-                torch.maximum(found_inf, flag.to(found_inf.device, non_blocking=True), out=found_inf)
+            home = self._scale.device
+            if len(flags) == 1 and next(iter(flags)) == home:  # the usual case: nothing to combine
+                found_inf = next(iter(flags.values()))
+            else:
+                found_inf = torch.zeros((), dtype=torch.float32, device=home)
+                for flag in flags.values():
+                    torch.maximum(found_inf, flag.to(home, non_blocking=True), out=found_inf)
             if self._found_inf_reducer is not None:
                 self._found_inf_reducer(found_inf)
                 found_inf.clamp_(max=1.0)  # a SUM reducer would count ranks
