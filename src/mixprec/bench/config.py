@@ -34,7 +34,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.precisions, str):
-            self.precisions = tuple(p for p in self.precisions.split(",") if p.strip())
+            self.precisions = tuple(p.strip() for p in self.precisions.split(",") if p.strip())
         self.precisions = tuple(self.precisions)
         if not self.precisions:
             raise ValueError("BenchConfig.precisions must name at least one precision")

@@ -1,0 +1,57 @@
+"""``mixprec bench``: the table, --json alone on stdout, the chart, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mixprec.cli.main import main
+
+FAST = ["bench", "--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--rounds", "1", "--steps", "1",
+        "--warmup", "0"]  # fmt: skip
+
+
+def test_table_on_stdout_has_every_precision(capsys):
+    assert main([*FAST, "--no-memory"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines() if line.split()]
+    for name in ("fp32", "fp16", "bf16", "auto"):
+        assert name in rows, name
+    assert "built-in GPT 'tiny'" in out
+
+
+def test_json_alone_on_stdout_table_on_stderr_and_a_chart(tmp_path):
+    # a real process: catches prints from any layer (warnings, progress), C-level writes included
+    png = tmp_path / "bench.png"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = [*FAST, "--precisions", "fp32,bf16", "--json", "--output", str(png)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "mixprec.cli.main", *argv], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)  # the whole of stdout is one JSON document
+    assert [r["precision"] for r in doc["results"]] == ["fp32", "bf16"]
+    assert doc["results"][1]["compute_dtype"] == "bfloat16"
+    assert doc["config"]["rounds"] == 1 and doc["config"]["steps"] == 1
+    assert doc["results"][0]["peak_mem_bytes"] is None or doc["results"][0]["peak_mem_bytes"] > 0
+    assert "[bench]" in proc.stderr and "precision" in proc.stderr  # progress and the table
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--precisions", "fp32,fp17"], "unknown precision 'fp17'"),
+        (["--precision", "bf16"], "use --precisions"),
+        (["--lr", "0"], "--lr must be > 0"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    assert main([*FAST, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
