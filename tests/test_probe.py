@@ -17,7 +17,8 @@ def test_probe_times_a_training_step_in_every_mode_and_reports_its_cost():
     assert all(t > 0 for t in result.step_seconds.values())
     # it timed at least a warm-up and one round of each mode, so it cost more than one step of each
     assert result.cost_seconds > sum(result.step_seconds.values())
-    assert result.chosen == probe_module.choose(result.step_seconds)
+    assert result.chosen == probe_module.choose(result.step_seconds, result.best_seconds)
+    assert all(result.best_seconds[n] <= result.step_seconds[n] for n in result.step_seconds)
     assert result.threads == torch.get_num_threads()
     assert result.speedups()["fp32"] == 1.0
 

@@ -52,7 +52,8 @@ def resolve_precision(name: str = AUTO, device: torch.device | str | None = None
 
     "auto" chooses for the device and records why in ``.reason``: on CUDA bf16 where the GPU supports it,
     else fp16; on a CPU the fastest of fp32/bf16/fp16 by a cached training-step probe (first call on a CPU
-    costs about 0.2 s). Raises :class:`PrecisionNotSupportedError` for a mode the device cannot run.
+    costs a fraction of a second on a quiet machine, seconds on a busy one). Raises
+    :class:`PrecisionNotSupportedError` for a mode the device cannot run.
     """
     key = canonical_name(name)
     dev = torch.device(device) if device is not None else None
