@@ -5,9 +5,10 @@
 dataset, batch size, collate_fn, workers and ``drop_last``, with each sample seen exactly once per epoch
 across all processes. The shuffle seed is drawn once from the loader's generator (or torch's global RNG, so
 ``torch.manual_seed`` governs it) on the main process and shared, and each epoch's order depends on
-``(seed, epoch)`` only. Iterating the prepared loader again starts the next epoch: ``set_epoch`` is
-automatic. Its position (epoch, batches handed out) is saved by ``save_state`` and resumed by
-``load_state``.
+``(seed, epoch)`` only (the loader gets a private generator for worker seeds, reseeded per epoch, so
+creating its iterator draws nothing from the global RNG). Iterating the prepared loader again starts the
+next epoch: ``set_epoch`` is automatic. Its position (epoch, batches handed out) is saved by
+``save_state`` and resumed by ``load_state``.
 
 A loader whose sampler is already split (``DistributedSampler``, or any sampler with ``num_replicas``, such
 as the Trainer's) is kept as it is (``set_epoch`` is called for torch's ``DistributedSampler``; other
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from mixprec.accelerator.sharding import ShardedBatchSampler
+from mixprec.accelerator.sharding import ShardedBatchSampler, epoch_seed
 
 if TYPE_CHECKING:
     from mixprec.accelerator.distributed import DistributedStrategy
@@ -91,6 +92,9 @@ class PreparedDataLoader:
         self.epoch, self._yielded, self._started, self._finished = epoch, start, True, False
         if self.batch_sampler is not None:
             self.batch_sampler.set_epoch(epoch, start)
+            # iter(DataLoader) draws a worker base seed from its generator (else from the global RNG, which
+            # would shift a resumed run's dropout masks): a private one, reseeded per epoch.
+            self._loader.generator.manual_seed(epoch_seed(self.batch_sampler.seed, epoch) + 1)
         elif isinstance(self._loader.sampler, DistributedSampler):
             self._loader.sampler.set_epoch(epoch)
         self._gradients.end_of_dataloader = False
@@ -201,7 +205,7 @@ def _rebuild(loader: DataLoader, batch_sampler: ShardedBatchSampler) -> DataLoad
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
         "multiprocessing_context": loader.multiprocessing_context,
-        "generator": loader.generator,
+        "generator": torch.Generator(),
         "persistent_workers": loader.persistent_workers,
     }
     if loader.num_workers > 0:

@@ -82,6 +82,8 @@ class DistributedStrategy:
     """One process. Collectives are identities, so callers write the same code for one process or many."""
 
     name: ClassVar[str] = "single"
+    saves_partial_gradients: ClassVar[bool] = True
+    """Whether ``save_state`` can write mid-accumulation gradient sums (plain local ``.grad`` tensors)."""
 
     def __init__(self, env: LaunchEnv, device: torch.device) -> None:
         self.env = env

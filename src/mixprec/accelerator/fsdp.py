@@ -42,6 +42,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
     """
 
     name = "fsdp"
+    saves_partial_gradients = False  # unsynced sums live unsharded inside FSDP2 during no_sync
 
     def __init__(
         self,

@@ -83,7 +83,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(self.num_samples))
-        g = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
+        g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
         return torch.randperm(self.num_samples, generator=g).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -99,6 +99,6 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return len(self._steps)
 
 
-def _epoch_seed(seed: int, epoch: int) -> int:
+def epoch_seed(seed: int, epoch: int) -> int:
     # Distinct seeds per (seed, epoch); 2**31 - 1 is prime, so nearby seeds and epochs do not collide.
     return (seed * 1_000_003 + epoch * (2**31 - 1)) % (2**63 - 1)

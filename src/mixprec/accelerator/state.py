@@ -9,6 +9,8 @@ Layout (``_1``, ``_2``... for the second, third object of a kind, in the order t
     scaler.json             loss scaler state and its step record
     custom_<i>.pt           objects passed to register_for_checkpointing (weights_only)
     rng_state_<rank>.pt     python/numpy/torch/CUDA generators of each process (weights_only)
+    gradients.rank<r>.safetensors   only when saved inside an accumulation window: each process's partial
+                            gradient sums (not under FSDP2, which refuses such a save)
     <name>.json             extra_json={"name": ...} (the Trainer's trainer_state.json)
 
 The main process writes the shared parts, each process its RNG state, all into one temporary folder that
@@ -89,6 +91,10 @@ def _name(kind: str, index: int, ext: str) -> str:
     return f"{kind}.{ext}" if index == 0 else f"{kind}_{index}.{ext}"
 
 
+def _grads_name(model_index: int, rank: int) -> str:
+    return f"{_name('gradients', model_index, 'rank')}{rank}.safetensors"
+
+
 def save_state(run: RunState, output_dir: str | Path, extra_json: Mapping[str, Any] | None = None) -> Path:
     """Write the folder atomically on every process; returns its path. Collective: call it on every process."""
     target, reg, strategy = Path(output_dir), run.registry, run.strategy
@@ -100,6 +106,13 @@ def save_state(run: RunState, output_dir: str | Path, extra_json: Mapping[str, A
     # others waiting in a collective.
     models = [strategy.model_state_dict(m) for m in reg.models]
     optimizers = [strategy.optimizer_state_dict(reg.owner(o), o.optimizer) for o in reg.optimizers]
+    partial = run.gradients.micro_step > 0  # inside an accumulation window: the gradient sums are state too
+    if partial and not strategy.saves_partial_gradients:
+        raise CheckpointError(
+            f"save_state inside an accumulation window ({run.gradients.micro_step} of "
+            f"{run.gradients.accumulation_steps} micro-batches summed) is not supported under {strategy.name}: "
+            "save right after an optimizer step (when accelerator.sync_gradients is True)"
+        )
     tmp = temp_path(target, _TAG)
     error: BaseException | None = None
     if main:
@@ -112,6 +125,9 @@ def save_state(run: RunState, output_dir: str | Path, extra_json: Mapping[str, A
         if main:
             _write_shared(run, tmp, models, optimizers, extra_json or {})
         save_torch(rng_state(), tmp / f"rng_state_{strategy.process_index}.pt")
+        for i, model in enumerate(reg.models if partial else []):  # local (unsynced) sums: one file per process
+            grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+            save_tensors(grads, tmp / _grads_name(i, strategy.process_index))
     except Exception as err:  # reported to the other processes, then re-raised
         error = err
     _agree(strategy, error, target, tmp)
@@ -211,15 +227,23 @@ def load_state(run: RunState, input_dir: str | Path) -> dict[str, Any]:
         scheduler.load_state_dict(load_torch(path / _name("scheduler", i, "pt")))
     for i, obj in enumerate(reg.custom[: saved.get("custom", 0)]):
         obj.load_state_dict(load_torch(path / f"custom_{i}.pt"))
-    if run.scaler.is_enabled():
-        run.scaler.load_state_dict(load_json(path / "scaler.json"))
+    run.scaler.load_state_dict(load_json(path / "scaler.json"))  # a disabled scaler keeps its step record too
     for loader, position in zip(reg.dataloaders, meta["dataloaders"]):
         if position is not None:
             loader.load_state_dict(position)
     run.gradients.load_state_dict(meta["gradients"])
+    for i, model in enumerate(reg.models):
+        _restore_gradients(model, path / _grads_name(i, strategy.process_index))
     _restore_rng(path, strategy, int(meta["num_processes"]))
     strategy.barrier()
     return meta
+
+
+def _restore_gradients(model: torch.nn.Module, file: Path) -> None:
+    """Gradient sums of an unfinished accumulation window, or none (a state saved at a step boundary)."""
+    grads = load_tensors(file) if file.is_file() else {}
+    for name, p in model.named_parameters():
+        p.grad = grads[name].to(device=p.device, dtype=p.dtype) if name in grads else None
 
 
 def _restore_rng(path: Path, strategy: DistributedStrategy, saved_processes: int) -> None:
