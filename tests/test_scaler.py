@@ -491,6 +491,41 @@ def test_fused_adamw_matches_foreach_and_reports_the_same_skips():
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)  # fp32 Adam arithmetic, two implementations
 
 
+def test_fused_optimizer_after_unscale_and_clipping_is_not_unscaled_twice():
+    results = []
+    for fused in (False, True):
+        model = linear()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+        scaler = GradScaler()
+        for _ in range(3):
+            scaler.scale(model(torch.ones(2, 4)).square().sum()).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        results.append(model.weight.detach())
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_found_inf_reducer_makes_every_rank_skip_together(fused):
+    # A distributed strategy installs an in-place all-reduce of the inf flag. Simulated here: another rank
+    # overflowed (the flag becomes 1 although our gradients are finite), or a SUM over two overflowing
+    # ranks (2.0, which a fused optimizer would not treat as a skip unless the scaler clamps it).
+    for reducer in (lambda t: t.fill_(1.0), lambda t: t.add_(1.0).mul_(2.0)):
+        model = linear()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+        scaler = GradScaler()
+        scaler.set_found_inf_reducer(reducer)
+        one_step(scaler, model, opt)  # state exists; this step is skipped too (the reducer says so)
+        before = snapshot(model, opt)
+        one_step(scaler, model, opt)
+        assert_unchanged(before, model, opt)
+        assert scaler.record.skipped_steps == 2
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 # -- host syncs ------------------------------------------------------------------------------------------
 
 
