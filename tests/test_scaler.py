@@ -240,8 +240,8 @@ def _scales(scaler: GradScaler, pattern: str) -> list[float]:
 
 def test_hysteresis_tolerates_overflows_and_backs_off_on_the_nth():
     s = GradScaler(init_scale=64.0, hysteresis=3, growth_interval=1000)
-    # backs off on the 3rd overflow; the count is restored after the back-off, so again on the 6th
-    assert _scales(s, "xxxxxx") == [64, 64, 32, 32, 32, 16]
+    # backs off on the 3rd overflow; the count is spent, so every further overflow backs off until growth
+    assert _scales(s, "xxxxxx") == [64, 64, 32, 16, 8, 4]
     assert s.record.skipped_steps == 6  # tolerated overflows still skip the step
 
 
@@ -338,10 +338,10 @@ class _ReferenceScale:
 
     def update(self, skipped: bool) -> None:
         if skipped:
-            self.streak, self.left = 0, self.left - 1
+            self.streak, self.left = 0, max(self.left - 1, 0)
             if self.left > 0:
                 return
-            self.left, self.scale = self.h, self.f(self.scale * self.bf)
+            self.scale = self.f(self.scale * self.bf)
         else:
             self.streak += 1
             if self.streak == self.gi:

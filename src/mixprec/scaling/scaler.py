@@ -64,9 +64,9 @@ class GradScaler:
         device: where the scale lives. Optional: by default the device of the first scaled loss.
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: as ``torch.amp.GradScaler``.
         hysteresis: the scale backs off on the ``hysteresis``-th overflowing step; the ones before it are
-            skipped with the scale held (1 = torch's behaviour: every overflow backs off). The count is
-            restored when the scale grows (as in Megatron-LM and DeepSpeed) and also after each back-off
-            (unlike them: there, once the count is spent, every overflow backs off until the next growth).
+            skipped with the scale held (1 = torch's behaviour: every overflow backs off). As in Megatron-LM
+            and DeepSpeed, the count is restored only when the scale grows: once it is spent, every
+            overflow backs off, so a persistent overflow still drives the scale down quickly.
         min_scale, max_scale: bounds the scale never leaves.
         max_consecutive_skips: raise :class:`ConsecutiveSkipsError` after this many skipped steps in a row
             (``None`` never raises).
@@ -396,13 +396,11 @@ class GradScaler:
     def _advance(self, found_inf: torch.Tensor, skipped: bool) -> None:
         """Move the scale one step: torch's update kernel on the device, the same arithmetic on the host."""
         if skipped:
-            self._hysteresis_left -= 1
+            self._hysteresis_left = max(self._hysteresis_left - 1, 0)
+            self._clean_streak = 0
             if self._hysteresis_left > 0:  # tolerated overflow: the step is skipped, the scale holds
-                self._clean_streak = 0
                 self._growth_tracker.zero_()
                 return
-            self._hysteresis_left = self.hysteresis
-            self._clean_streak = 0
             self._scale_host = _fp32(self._scale_host * self._backoff_factor)
         else:
             self._clean_streak += 1
