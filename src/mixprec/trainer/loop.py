@@ -175,7 +175,6 @@ class TrainingLoop:
         """Log which parameters held non-finite gradients. One host sync, on skipped steps only, before
         zero_grad clears the evidence."""
         t = self.t
-        t.state.skipped_steps += 1
         names = t.accelerator.scaler.nonfinite_grad_names(t.optimizer.optimizer)
         step = t.state.global_step + 1
         shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")

@@ -46,8 +46,8 @@ class TrainerState:
     trial_name: str | None = None
     trial_params: dict[str, Any] | None = None
     stateful_callbacks: dict[str, Any] = field(default_factory=dict)
-    skipped_steps: int = 0
-    """Optimizer steps the loss scaler skipped for non-finite gradients (mixprec's addition)."""
+    # Exactly HF's fields, so transformers.TrainerState.load_from_json reads our trainer_state.json. The count
+    # of skipped steps lives in the loss scaler's record (saved with the scaler) and in each log entry.
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -162,6 +162,11 @@ class Trainer:
         if self._progress is not None:
             self._progress.on_train_end(self.args, self.state, self.control)
 
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps the loss scaler skipped in this run, a resumed one included (from its record)."""
+        return self.accelerator.scaler.record.skipped_steps
+
     def is_world_process_zero(self) -> bool:
         return self.accelerator.is_main_process
 
@@ -255,12 +260,13 @@ class Trainer:
         self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
         self.callback_handler.train_dataloader = loader
+        start = self._load_checkpoint(checkpoint) if checkpoint is not None else DataPosition()
+        # this run's plan, also over a loaded state (a resume may train longer than the run it continues)
         self.state.max_steps = plan.max_steps
         self.state.num_train_epochs = plan.num_epochs
         self.state.train_batch_size = args.per_device_train_batch_size
         self.state.logging_steps, self.state.eval_steps = args.logging_steps, args.eval_steps
         self.state.save_steps = args.save_steps
-        start = self._load_checkpoint(checkpoint, plan) if checkpoint is not None else DataPosition()
         model.train()
         loop = TrainingLoop(self, loader, plan, start)
         steps_before = self.state.global_step
@@ -335,7 +341,7 @@ class Trainer:
         logs["learning_rate"] = self._current_lr()
         if self.accelerator.scaler.is_enabled():
             logs["loss_scale"] = self._current_scale()
-            logs["skipped_steps"] = self.state.skipped_steps
+            logs["skipped_steps"] = self.skipped_steps
         self.log(logs)
 
     def log(self, logs: dict[str, Any]) -> None:
@@ -378,9 +384,9 @@ class Trainer:
         self.event("on_save", checkpoint=str(path))
         return path
 
-    def _load_checkpoint(self, path: Path, plan: Plan) -> DataPosition:
+    def _load_checkpoint(self, path: Path) -> DataPosition:
         """Restore model, optimizer, scheduler, scaler, data position and RNG states, then the trainer's own
-        state. Nothing is unpickled: a tampered file is refused before any state changes hands."""
+        state. Nothing is unpickled: a tampered file raises (UnsafeCheckpointError) before training starts."""
         self.accelerator.load_state(path)
         saved, extra = ckpt.read_trainer_files(path)
         known = {k: v for k, v in saved.items() if k in TrainerState.__dataclass_fields__}
@@ -413,7 +419,7 @@ class Trainer:
             precision=acc.precision.describe(),
             global_step=state.global_step,
             steps_this_run=state.global_step - steps_before,
-            skipped_steps=state.skipped_steps,
+            skipped_steps=self.skipped_steps,
             final_scale=self._current_scale() if acc.scaler.is_enabled() else None,
             runtime=self.meter.elapsed(),
             samples=int(totals[0]),

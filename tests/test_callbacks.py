@@ -1,0 +1,158 @@
+"""Callbacks with HF's contract: events, arguments, TrainerControl, and the default flow."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from mixprec import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from mixprec.trainer.callbacks import EVENTS, CallbackHandler, DefaultFlowCallback
+from trainer_utils import make_examples, make_model
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _args(tmp_path, **kwargs) -> TrainingArguments:
+    base = {"output_dir": str(tmp_path), "disable_tqdm": True, "save_plots": False, "save_strategy": "no"}
+    return TrainingArguments(**{**base, **kwargs})
+
+
+class Recorder(TrainerCallback):
+    """Counts every event and keeps what HF callbacks read."""
+
+    def __init__(self):
+        self.events = Counter()
+        self.order = []
+        self.kwargs = {}
+
+    def __getattribute__(self, name):
+        if name in EVENTS:
+
+            def record(args, state, control, **kwargs):
+                self.events[name] += 1
+                self.order.append(name)
+                self.kwargs[name] = {"args": args, "state": state, "control": control, **kwargs}
+
+            return record
+        return super().__getattribute__(name)
+
+
+def test_every_event_fires_with_hf_arguments(tmp_path):
+    rec = Recorder()
+    # 16 examples / batch 4 = 4 batches per epoch; accumulation 2 -> 2 steps per epoch, 2 epochs
+    args = _args(
+        tmp_path,
+        num_train_epochs=2,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        logging_steps=1,
+    )
+    trainer = Trainer(
+        make_model(), args, train_dataset=make_examples(16), eval_dataset=make_examples(4, 1), callbacks=[rec]
+    )
+    trainer.train()
+    e = rec.events
+    assert (e["on_init_end"], e["on_train_begin"], e["on_train_end"]) == (1, 1, 1)
+    assert (e["on_epoch_begin"], e["on_epoch_end"]) == (2, 2)
+    assert e["on_step_begin"] == e["on_step_end"] == e["on_optimizer_step"] == e["on_pre_optimizer_step"] == 4
+    assert e["on_substep_end"] == 4  # the micro-batches that only accumulate
+    assert (e["on_evaluate"], e["on_save"]) == (2, 2)
+    assert e["on_log"] == 4 + 2  # a training entry per step, an evaluation entry per epoch
+    assert e["on_prediction_step"] == 2  # one eval batch per evaluation
+    step_end = rec.kwargs["on_step_end"]
+    assert step_end["args"] is args and isinstance(step_end["state"], TrainerState)
+    assert isinstance(step_end["control"], TrainerControl)
+    assert step_end["model"] is trainer.model and step_end["optimizer"] is trainer.optimizer
+    assert step_end["lr_scheduler"] is trainer.lr_scheduler and step_end["train_dataloader"] is not None
+    assert rec.kwargs["on_evaluate"]["metrics"]["eval_loss"] > 0
+    assert rec.kwargs["on_log"]["logs"] == {k: v for k, v in trainer.state.log_history[-1].items() if k != "step"}
+    assert rec.kwargs["on_save"]["checkpoint"].endswith("checkpoint-4")
+    assert "summary" in rec.kwargs["on_train_end"]
+    assert rec.order[:3] == ["on_init_end", "on_train_begin", "on_epoch_begin"]
+    # HF's order within a step: begin, micro-batch(es), pre-optimizer, optimizer, end
+    first = rec.order.index("on_step_begin")
+    assert rec.order[first : first + 5] == [
+        "on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end"
+    ]  # fmt: skip
+
+
+def test_a_callback_can_stop_training_and_request_a_save(tmp_path):
+    class StopAt3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                control.should_training_stop = True
+                control.should_save = True
+
+    trainer = Trainer(make_model(), _args(tmp_path, max_steps=10), train_dataset=make_examples(64), callbacks=[StopAt3])
+    assert trainer.train().global_step == 3
+    assert (tmp_path / "checkpoint-3").is_dir()
+
+
+def test_a_callback_returning_a_control_replaces_it(tmp_path):
+    class Replace(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            return TrainerControl(should_training_stop=state.global_step >= 2)
+
+    trainer = Trainer(
+        make_model(), _args(tmp_path, max_steps=10), train_dataset=make_examples(64), callbacks=[Replace()]
+    )
+    assert trainer.train().global_step == 2
+
+
+def test_a_transformers_callback_works_unchanged(tmp_path):
+    transformers = pytest.importorskip("transformers")
+
+    class HFCounter(transformers.TrainerCallback):
+        steps = 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            HFCounter.steps = state.global_step
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            assert "loss" in logs or "eval_loss" in logs
+
+    trainer = Trainer(make_model(), _args(tmp_path, max_steps=3, logging_steps=1), train_dataset=make_examples(32))
+    trainer.add_callback(HFCounter)
+    trainer.train()
+    assert HFCounter.steps == 3
+
+
+def test_handler_add_pop_remove():
+    handler = CallbackHandler([DefaultFlowCallback])
+    rec = Recorder()
+    handler.add_callback(rec)
+    assert handler.pop_callback(Recorder) is rec
+    handler.add_callback(rec)
+    handler.remove_callback(rec)
+    assert [type(cb) for cb in handler.callbacks] == [DefaultFlowCallback]
+    with pytest.raises(TypeError, match="subclass mixprec.TrainerCallback"):
+        handler.add_callback(object())
+
+
+def test_default_flow_decisions():
+    flow = DefaultFlowCallback()
+    args = TrainingArguments(
+        eval_strategy="steps", eval_steps=4, save_steps=6, logging_steps=2, logging_first_step=True
+    )
+    state = TrainerState(max_steps=10, logging_steps=2, eval_steps=4, save_steps=6)
+    seen = {}
+    for step in range(1, 11):
+        state.global_step = step
+        control = flow.on_step_end(args, state, TrainerControl())
+        seen[step] = (control.should_log, control.should_evaluate, control.should_save, control.should_training_stop)
+    assert [s for s, c in seen.items() if c[0]] == [1, 2, 4, 6, 8, 10]
+    assert [s for s, c in seen.items() if c[1]] == [4, 8, 10]  # and at the end
+    assert [s for s, c in seen.items() if c[2]] == [6, 10]  # and at the end
+    assert [s for s, c in seen.items() if c[3]] == [10]
+    epoch = flow.on_epoch_end(TrainingArguments(eval_strategy="epoch", save_strategy="epoch"), state, TrainerControl())
+    assert epoch.should_evaluate and epoch.should_save and not epoch.should_log

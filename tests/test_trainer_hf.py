@@ -1,0 +1,78 @@
+"""Hugging Face models and datasets through the Trainer, unchanged: a GPT-2 from a small config (nothing is
+downloaded) trains in fp16 and in bf16 on a ``datasets`` split, and saves with save_pretrained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+from mixprec import Trainer, TrainingArguments  # noqa: E402
+
+VOCAB, SEQ = 64, 16
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def lm_split(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    # a repeating pattern per row, so the next token is predictable and the loss can fall
+    starts = torch.randint(0, VOCAB, (n, 1), generator=g)
+    ids = (starts + torch.arange(SEQ)) % VOCAB
+    return datasets.Dataset.from_dict(
+        {"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist(), "labels": ids.tolist()}
+    )
+
+
+def matmul_output_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
+    # GPT-2's projections are transformers' Conv1D (an addmm), its head an nn.Linear
+    seen: set[torch.dtype] = set()
+    kinds = (torch.nn.Linear, transformers.pytorch_utils.Conv1D)
+    for m in model.modules():
+        if isinstance(m, kinds):
+            m.register_forward_hook(lambda mod, inputs, out: seen.add(out.dtype))
+    return seen
+
+
+@pytest.mark.parametrize(("flag", "dtype"), [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_hf_gpt2_trains_in_low_precision_on_a_datasets_split(tmp_path, flag, dtype):
+    model = tiny_gpt2()
+    dtypes = matmul_output_dtypes(model)
+    dataset = datasets.DatasetDict({"train": lm_split(64, 0), "validation": lm_split(16, 1)})
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        eval_strategy="epoch",
+        num_train_epochs=2,
+        learning_rate=3e-3,
+        logging_steps=4,
+        disable_tqdm=True,
+        save_plots=False,
+        save_strategy="no",
+        **{flag: True},
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=dataset["train"], eval_dataset=dataset["validation"])
+    trainer.train()
+    assert dtypes == {dtype}
+    evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
+    assert len(evals) == 2 and evals[-1] < evals[0]
+    assert trainer.model is model  # the unwrapped HF model
+    assert next(model.parameters()).dtype == torch.float32  # fp32 master weights
+
+    trainer.save_model(str(tmp_path / "final"))
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "final"))
+    for (name, a), b in zip(model.state_dict().items(), reloaded.state_dict().values()):
+        assert torch.equal(a, b), name
