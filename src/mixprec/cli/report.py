@@ -1,0 +1,125 @@
+"""What ``mixprec train`` prints: the run header, the end-of-run summary table and the generated sample.
+
+Pure formatting: every function takes plain values and returns text, so the table is tested without
+training anything. The numbers come from the Trainer (its summary dict and ``state.log_history``).
+"""
+
+from __future__ import annotations
+
+import math
+import unicodedata
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["format_duration", "format_table", "last_value", "perplexity", "printable", "summary_rows"]
+
+
+def perplexity(loss: float | None) -> float | None:
+    """``exp(loss)``: the number of equally likely bytes the model is choosing between (inf past 700 nats)."""
+    if loss is None or not math.isfinite(loss):
+        return None
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def format_duration(seconds: float) -> str:
+    """ "42.1s", "3m 05s", "1h 02m"."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes}m {secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m"
+
+
+def _bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2**20:,.0f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def _loss(loss: float | None) -> str:
+    if loss is None:
+        return "-"
+    ppl = perplexity(loss)
+    return f"{loss:.4f} nats/byte (perplexity {ppl:.2f})" if ppl is not None else f"{loss}"
+
+
+def last_value(log_history: Sequence[dict[str, Any]], key: str) -> tuple[float, int] | None:
+    """The last ``(value, step)`` of ``key`` in a Trainer's log history, or None if it was never logged."""
+    for entry in reversed(log_history):
+        value = entry.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value), int(entry.get("step", 0))
+    return None
+
+
+def summary_rows(
+    *,
+    summary: dict[str, Any],
+    log_history: Sequence[dict[str, Any]],
+    eval_loss: float | None,
+    unigram_baseline: float,
+    epochs_done: float | None,
+    wall_seconds: float,
+    num_processes: int,
+    run_dir: str,
+) -> list[tuple[str, str]]:
+    """The rows of the end-of-run table, from the Trainer's summary dict and log history."""
+    rows: list[tuple[str, str]] = []
+    rows.append(("precision", f"{summary.get('precision')}: {summary.get('precision_reason') or '-'}"))
+    steps = summary.get("global_step", 0)
+    epochs = f" ({epochs_done:.3g} epochs)" if epochs_done is not None else ""
+    rows.append(("steps", f"{steps}{epochs}, {summary.get('skipped_steps', 0)} skipped"))
+    scale = summary.get("final_loss_scale")
+    if scale is None or summary.get("precision") != "fp16":
+        rows.append(("loss scale", f"none ({summary.get('precision')} trains without loss scaling)"))
+    else:
+        rows.append(("loss scale", f"{scale:g} at the end"))
+    train = last_value(log_history, "loss")
+    rows.append(("train loss", _loss(train[0]) + f", last logged at step {train[1]}" if train else "-"))
+    rows.append(("validation loss", _loss(eval_loss)))
+    base = f"{_loss(unigram_baseline)}, the best a model ignoring context can do"
+    rows.append(("unigram baseline", base))
+    if eval_loss is not None:
+        gap = unigram_baseline - eval_loss
+        verdict = "below" if gap > 0 else "ABOVE"
+        rows.append(("learned", f"validation loss {abs(gap):.2f} nats/byte {verdict} the unigram baseline"))
+    tps = summary.get("train_tokens_per_second")
+    per = f" (all {num_processes} processes together)" if num_processes > 1 else ""
+    if tps is not None:
+        rows.append(("throughput", f"{tps:,.0f} tokens/s{per}"))
+    else:
+        rows.append(("throughput", f"{summary.get('train_samples_per_second', 0):,.1f} samples/s{per}"))
+    peak = summary.get("peak_memory_bytes")
+    kind = summary.get("peak_memory_kind")
+    rows.append(("peak memory", _bytes(peak) + (f" ({kind})" if kind else "")))
+    rows.append(
+        ("time", f"{format_duration(wall_seconds)} in all, {format_duration(summary.get('train_runtime', 0))} training")
+    )
+    rows.append(("run folder", run_dir))
+    return rows
+
+
+def format_table(rows: Sequence[tuple[str, str]], title: str) -> str:
+    """Two aligned columns under a title rule."""
+    width = max(len(k) for k, _ in rows)
+    rule = "-" * max(len(title), 60)
+    lines = [title, rule]
+    lines += [f"{key.ljust(width)}  {value}" for key, value in rows]
+    lines.append(rule)
+    return "\n".join(lines)
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: control characters other than newline and tab (which could move
+    the cursor or ring the bell) become U+FFFD, as do the U+FFFD an invalid byte sequence decoded to."""
+    out = []
+    for ch in text:
+        if ch in "\n\t":
+            out.append(ch)
+        elif unicodedata.category(ch) in ("Cc", "Cs", "Co", "Cn") or ch == "\r":
+            out.append("\ufffd")
+        else:
+            out.append(ch)
+    return "".join(out)
