@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from mixprec.cli.main import main
 
@@ -16,8 +17,11 @@ FAST = ["bench", "--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--r
 
 
 def test_table_on_stdout_has_every_precision(capsys):
+    threads = torch.get_num_threads()
     assert main([*FAST, "--no-memory"]) == 0
+    assert torch.get_num_threads() == threads  # bench's 1-thread default does not leak into the caller
     out = capsys.readouterr().out
+    assert "cpu (" in out and " 1 thread," in out
     rows = [line.split()[0] for line in out.splitlines() if line.split()]
     for name in ("fp32", "fp16", "bf16", "auto"):
         assert name in rows, name

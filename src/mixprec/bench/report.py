@@ -52,7 +52,8 @@ def format_table(result: BenchResult) -> str:
     widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [
-        f"mixprec bench on {data['device']} ({data['device_name']}, {data['threads']} threads, torch "
+        f"mixprec bench on {data['device']} ({data['device_name']}, {data['threads']} "
+        f"thread{'' if data['threads'] == 1 else 's'}, torch "
         f"{data['torch_version']})",
         f"workload: {data['workload']}",
         f"{data['config']['rounds']} interleaved rounds x {data['config']['steps']} timed steps per precision after "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -18,6 +19,11 @@ from mixprec.models import GPT_PRESETS
 # default model is ~10x an fp32 step: hence a small batch and few steps. Raise them for steadier numbers.
 DEFAULT_BATCH_SIZE = 4
 DEFAULT_SEQ_LEN = 64
+# One intra-op thread on a CPU by default: with several, OpenMP threads of a small model wait on each other
+# whenever anything else runs on the machine, and the timings measure the neighbours (on the shared 2-core
+# dev box at load 7, the default run took 203 s with 2 threads and the fp32 step was ~15x slower than with
+# 1; the ranking of the precisions even flipped). --threads N measures a multi-threaded run.
+CPU_THREADS = 1
 # more distinct batches than this add nothing to a timing run; steps beyond it cycle through them
 _MAX_BATCHES = 64
 _WORKLOAD_FLAGS = ("data", "text_field", "model", "seq_len", "batch_size", "seed")
@@ -30,7 +36,7 @@ examples:
   mixprec bench --json > bench.json             the JSON document alone on stdout, progress on stderr
   mixprec bench --output bench.png              also write a PNG chart
   mixprec bench --data notes.txt --model ./my-hf-model --batch-size 8 --seq-len 256
-  OMP_NUM_THREADS=1 mixprec bench               on a shared machine, one thread per process is steadier
+  mixprec bench --threads 2                     a multi-threaded CPU run (default: 1 thread, steadier)
 
 Each precision trains its own copy of the same initial model on the same batches; rounds are interleaved
 (each round times every precision, starting with a different one), and the median per-step time is
@@ -73,7 +79,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     group.add_argument("--lr", metavar="X", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
     group.add_argument(
-        "--threads", metavar="N", type=positive_int, default=None, help="torch intra-op threads (default: torch's)"
+        "--threads",
+        metavar="N",
+        type=positive_int,
+        default=None,
+        help=f"torch intra-op threads (default: {CPU_THREADS} on a CPU, see below; torch's own on a GPU)",
     )
     group.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     group.add_argument("--json", action="store_true", help="print only the JSON document on stdout")
@@ -111,8 +121,18 @@ def run(args: argparse.Namespace) -> int:
             f"bench compares several precisions: use --precisions (e.g. --precisions fp32,{args.precision}), "
             f"not --precision"
         )
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)  # this command's process only
+    cuda = torch.cuda.is_available()
+    threads = args.threads if args.threads is not None else (None if cuda else CPU_THREADS)
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(previous)  # a caller of main() (a notebook, a test) keeps its own setting
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         config = BenchConfig(
             precisions=args.precisions,
@@ -133,6 +153,11 @@ def run(args: argparse.Namespace) -> int:
     workload = _build_workload(values, num_batches)
     log(f"workload: {workload.description}")
     result = run_bench(workload, config, log=log)
+    if result.device == "cpu" and hasattr(os, "getloadavg"):
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+        if load > cores:
+            result.notes.append(f"load average {load:.1f} on {cores} cores: other work shares this CPU, so the "
+                                "timings include its interference (the spread shows how much)")  # fmt: skip
     table = format_table(result)
     if args.output:
         log(f"chart written to {write_chart(result, args.output)}")
