@@ -21,8 +21,8 @@ DEFAULT_BATCH_SIZE = 4
 DEFAULT_SEQ_LEN = 64
 # One intra-op thread on a CPU by default: with several, OpenMP threads of a small model wait on each other
 # whenever anything else runs on the machine, and the timings measure the neighbours (on the shared 2-core
-# dev box at load 7, the default run took 203 s with 2 threads and the fp32 step was ~15x slower than with
-# 1; the ranking of the precisions even flipped). --threads N measures a multi-threaded run.
+# dev box at load 7, the default run took 203 s with 2 threads and the fp32 step was ~13x slower than with
+# 1, squeezing the ratios between precisions). --threads N measures a multi-threaded run.
 CPU_THREADS = 1
 # more distinct batches than this add nothing to a timing run; steps beyond it cycle through them
 _MAX_BATCHES = 64
