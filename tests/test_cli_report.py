@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 from mixprec.cli.report import format_duration, format_table, last_value, perplexity, printable, summary_rows
 
@@ -59,6 +60,12 @@ def test_fp32_has_no_loss_scale_and_a_loss_above_the_baseline_says_so():
     rows = _rows(summary={**SUMMARY, "precision": "fp32", "final_loss_scale": None}, eval_loss=3.5)
     assert rows["loss scale"] == "none (fp32 trains without loss scaling)"
     assert "ABOVE" in rows["learned"]
+
+
+def test_a_diagnosis_gets_its_row():
+    diagnosis = SimpleNamespace(recommended_precision="fp16", recommended_init_scale=8192.0)
+    assert _rows(diagnosis=diagnosis)["diagnosis"].startswith("recommended fp16 from loss scale 8192")
+    assert "diagnosis" not in _rows()
 
 
 def test_several_processes_are_named_in_the_throughput():

@@ -197,15 +197,17 @@ def _console_script() -> Path:
     return exe
 
 
-def test_console_script_trains_in_fp16_with_a_loss_scale_plot(tmp_path, corpus):
+def test_console_script_diagnoses_then_trains_in_fp16_with_a_loss_scale_plot(tmp_path, corpus):
     run = tmp_path / "run"
-    argv = [*FAST[:-1], "fp16", "--data", corpus, "--max-steps", "3", "--output-dir", str(run)]
+    argv = [*FAST[:-1], "fp16", "--diagnose", "--data", corpus, "--max-steps", "3", "--output-dir", str(run)]
     proc = subprocess.run(
         [str(_console_script()), "train", *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=_env()
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "\nprecision         fp16: fp16 was asked for" in proc.stdout
     assert "\nloss scale        " in proc.stdout and "at the end" in proc.stdout
+    assert "\ndiagnosis         recommended " in proc.stdout
+    assert [e["event"] for e in _metrics(run) if e.get("event") == "diagnosis"] == ["diagnosis"]
     png = (run / "loss_scale.png").read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 1000
     assert "Traceback" not in proc.stderr

@@ -64,10 +64,20 @@ def summary_rows(
     wall_seconds: float,
     num_processes: int,
     run_dir: str,
+    diagnosis: Any = None,
 ) -> list[tuple[str, str]]:
-    """The rows of the end-of-run table, from the Trainer's summary dict and log history."""
+    """The rows of the end-of-run table, from the Trainer's summary dict and log history (and the
+    ``mixprec.diagnostics`` Report of ``--diagnose``, if one ran)."""
     rows: list[tuple[str, str]] = []
     rows.append(("precision", f"{summary.get('precision')}: {summary.get('precision_reason') or '-'}"))
+    if diagnosis is not None:
+        rows.append(
+            (
+                "diagnosis",
+                f"recommended {diagnosis.recommended_precision} from loss scale "
+                f"{diagnosis.recommended_init_scale:g} (metrics.jsonl has the full report)",
+            )
+        )
     steps = summary.get("global_step", 0)
     epochs = f" ({epochs_done:.3g} epochs)" if epochs_done is not None else ""
     rows.append(("steps", f"{steps}{epochs}, {summary.get('skipped_steps', 0)} skipped"))

@@ -381,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
         wall_seconds=time.perf_counter() - wall_start,
         num_processes=_world_size(),
         run_dir=str(run_dir),
+        diagnosis=trainer.diagnosis,
     )
     record = {
         "flags": _saved_flags(args),
