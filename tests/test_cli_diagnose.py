@@ -1,0 +1,57 @@
+"""`mixprec diagnose`: the report a user reads (table), the one a script reads (--json), the PNG, and
+one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mixprec.cli.main import main
+
+FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--batches", "2"]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("def add(a, b):\n    return a + b\n" * 200)
+    return path
+
+
+def test_json_is_the_report_alone_on_stdout(corpus, tmp_path):
+    png = tmp_path / "hist.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mixprec.cli.main", "diagnose", "--data", str(corpus), *FAST, "--json",
+         "--plot", str(png)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)  # nothing else on stdout
+    assert report["recommended_precision"] in ("fp16", "bf16", "fp32")
+    assert report["recommended_init_scale"] >= 1
+    assert report["first_nonfinite"] is None
+    names = [layer["name"] for layer in report["layers"]]
+    assert any(name.endswith("c_attn") for name in names)
+    for layer in report["layers"]:
+        for key in ("grad_underflow_fp16", "grad_subnormal_fp16", "act_overflow_fp16", "grad_underflow_bf16"):
+            assert key in layer
+    assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_table_names_the_recommendation_and_the_layers(corpus, tmp_path, capsys):
+    assert main(["diagnose", "--data", str(corpus), *FAST, "--no-plot", "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended precision:" in out and "initial loss scale" in out
+    assert "first non-finite under fp16: none found" in out
+    assert not (tmp_path / "mixprec-diagnose.png").exists()
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["diagnose", "--data", str(tmp_path / "missing.txt"), *FAST, "--no-plot"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mixprec diagnose: error:") and "missing.txt" in err and "\n" not in err
+    assert main(["diagnose", "--precision", "fp17", *FAST, "--no-plot"]) == 2
+    assert "fp17" in capsys.readouterr().err
