@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import runpy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -294,3 +297,12 @@ def test_tensorboard_without_the_package_is_a_clear_error(tmp_path):
         pytest.skip("tensorboard is installed")
     with pytest.raises(ValueError, match="pip install tensorboard"):
         Trainer(make_model(), quiet_args(tmp_path, report_to="tensorboard"), train_dataset=make_examples(8))
+
+
+def test_the_example_runs(tmp_path, monkeypatch):
+    example = Path(__file__).parents[1] / "examples" / "trainer_snippet.py"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [example.name, "--corpus-bytes", "2000", "--seq-len", "32"])
+    runpy.run_path(str(example), run_name="__main__")
+    entries = [json.loads(line) for line in (tmp_path / "results" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["epoch"] for e in entries if "eval_next_byte_accuracy" in e] == [1.0, 2.0, 3.0]

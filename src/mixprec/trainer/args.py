@@ -15,209 +15,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from mixprec.precision.registry import canonical_name
-
-STRATEGIES = ("no", "steps", "epoch")
-SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
-REPORTERS = ("tensorboard",)  # JSONL is always written; these are the extras
-DISTRIBUTED = (None, "ddp", "fsdp")
-
-
-def _fail(name: str, value: Any, rule: str) -> None:
-    raise ValueError(f"TrainingArguments({name}={value!r}): {rule}")
-
-
-def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> None:
-    low = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        _fail(name, value, f"must be an integer >= {low}")
-
-
-def _choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
-    if value not in choices:
-        _fail(name, value, f"choose one of: {', '.join(map(repr, choices))}")
-
-
-# -- the grouped configs -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PrecisionConfig:
-    """Which precision, and how the fp16 loss scaler behaves."""
-
-    precision: str
-    """Canonical precision name: "fp32", "fp16", "bf16" or "auto" (resolved by the Accelerator)."""
-    init_loss_scale: float
-    """Loss scale of the first step (fp16 only)."""
-    loss_scale_growth_interval: int
-    """Clean steps before the scale doubles."""
-    loss_scale_hysteresis: int
-    """Overflowing steps tolerated before the scale halves."""
-    min_loss_scale: float
-    """Floor the scale never falls below."""
-    max_consecutive_skips: int | None
-    """Skipped steps in a row that stop training with ConsecutiveSkipsError (None: never)."""
-    diagnose_at_start: bool
-    """Run mixprec.diagnostics.diagnose first and start the scaler at its recommended scale."""
-
-    def __post_init__(self) -> None:
-        if not self.init_loss_scale > 0:
-            _fail("init_loss_scale", self.init_loss_scale, "must be > 0 (for example 2**16)")
-        if not self.min_loss_scale > 0:
-            _fail("min_loss_scale", self.min_loss_scale, "must be > 0")
-        if self.init_loss_scale < self.min_loss_scale:
-            _fail("init_loss_scale", self.init_loss_scale, f"must be >= min_loss_scale={self.min_loss_scale}")
-        _positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)
-        _positive_int("loss_scale_hysteresis", self.loss_scale_hysteresis)
-        if self.max_consecutive_skips is not None:
-            _positive_int("max_consecutive_skips", self.max_consecutive_skips)
-
-    def scaler_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :class:`~mixprec.scaling.scaler.GradScaler` (via the Accelerator)."""
-        return {
-            "init_scale": float(self.init_loss_scale),
-            "growth_interval": self.loss_scale_growth_interval,
-            "hysteresis": self.loss_scale_hysteresis,
-            "min_scale": float(self.min_loss_scale),
-            "max_consecutive_skips": self.max_consecutive_skips,
-        }
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """The optimizer built when ``Trainer(optimizers=(None, ...))``, and what happens to each step."""
-
-    optim: str
-    learning_rate: float
-    weight_decay: float
-    adam_beta1: float
-    adam_beta2: float
-    adam_epsilon: float
-    max_grad_norm: float | None
-    gradient_accumulation_steps: int
-
-    def __post_init__(self) -> None:
-        _choice("optim", self.optim, OPTIMIZERS)
-        if not self.learning_rate >= 0:
-            _fail("learning_rate", self.learning_rate, "must be >= 0")
-        if not self.weight_decay >= 0:
-            _fail("weight_decay", self.weight_decay, "must be >= 0")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                _fail(name, getattr(self, name), "must be in [0, 1)")
-        if not self.adam_epsilon > 0:
-            _fail("adam_epsilon", self.adam_epsilon, "must be > 0")
-        if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
-            _fail("max_grad_norm", self.max_grad_norm, "must be >= 0 (0 or None turns clipping off)")
-        _positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
-
-
-@dataclass(frozen=True)
-class ScheduleConfig:
-    """How long to train and how the learning rate moves."""
-
-    num_train_epochs: float
-    max_steps: int
-    """Optimizer steps to run; overrides num_train_epochs when > 0 (-1: use num_train_epochs)."""
-    lr_scheduler_type: str
-    warmup_steps: int
-    warmup_ratio: float
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int):
-            _fail("max_steps", self.max_steps, "must be an integer (-1 to train for num_train_epochs)")
-        if self.max_steps == 0 or self.max_steps < -1:
-            _fail("max_steps", self.max_steps, "must be > 0, or -1 to train for num_train_epochs")
-        if self.max_steps == -1 and not self.num_train_epochs > 0:
-            _fail("num_train_epochs", self.num_train_epochs, "must be > 0 (or set max_steps > 0)")
-        _choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
-        _positive_int("warmup_steps", self.warmup_steps, allow_zero=True)
-        if not 0.0 <= self.warmup_ratio <= 1.0:
-            _fail("warmup_ratio", self.warmup_ratio, "must be in [0, 1]")
-        if self.warmup_steps > 0 and self.warmup_ratio > 0:
-            _fail("warmup_ratio", self.warmup_ratio, f"set warmup_steps={self.warmup_steps} or warmup_ratio, not both")
-
-    def num_warmup_steps(self, total_steps: int) -> int:
-        """Warmup in optimizer steps: warmup_steps if set, else ceil(warmup_ratio * total) as HF does."""
-        if self.warmup_steps > 0:
-            return self.warmup_steps
-        return math.ceil(self.warmup_ratio * total_steps)
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """When to evaluate, and which metric decides the best checkpoint."""
-
-    eval_strategy: str
-    eval_steps: int
-    per_device_eval_batch_size: int
-    load_best_model_at_end: bool
-    metric_for_best_model: str | None
-    greater_is_better: bool | None
-    prediction_loss_only: bool
-
-    def __post_init__(self) -> None:
-        _choice("eval_strategy", self.eval_strategy, STRATEGIES)
-        _positive_int("eval_steps", self.eval_steps)
-        _positive_int("per_device_eval_batch_size", self.per_device_eval_batch_size)
-
-    def metric_key(self) -> str:
-        """The log key of the best-model metric ("eval_loss" by default)."""
-        name = self.metric_for_best_model or "loss"
-        return name if name.startswith("eval_") else f"eval_{name}"
-
-    def is_better(self, value: float, best: float | None) -> bool:
-        if best is None:
-            return True
-        greater = self.greater_is_better
-        if greater is None:  # HF's rule: losses are minimised, every other metric maximised
-            greater = self.metric_key() != "eval_loss"
-        return value > best if greater else value < best
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """When to write checkpoint-N folders and how many to keep."""
-
-    save_strategy: str
-    save_steps: int
-    save_total_limit: int | None
-
-    def __post_init__(self) -> None:
-        _choice("save_strategy", self.save_strategy, STRATEGIES)
-        _positive_int("save_steps", self.save_steps)
-        if self.save_total_limit is not None:
-            _positive_int("save_total_limit", self.save_total_limit)
-
-
-@dataclass(frozen=True)
-class LoggingConfig:
-    """What is logged, how often, and where (metrics.jsonl always; TensorBoard when asked)."""
-
-    logging_strategy: str
-    logging_steps: int
-    logging_first_step: bool
-    report_to: tuple[str, ...]
-    logging_dir: str
-    disable_tqdm: bool
-    save_plots: bool
-
-    def __post_init__(self) -> None:
-        _choice("logging_strategy", self.logging_strategy, STRATEGIES)
-        _positive_int("logging_steps", self.logging_steps)
-        for name in self.report_to:
-            if name not in REPORTERS:
-                _fail(
-                    "report_to",
-                    name,
-                    f"mixprec reports to: {', '.join(REPORTERS)}, 'all' or 'none' (metrics.jsonl is always written)",
-                )
-
+from mixprec.trainer.configs import (
+    DISTRIBUTED,
+    REPORTERS,
+    CheckpointConfig,
+    EvalConfig,
+    LoggingConfig,
+    OptimConfig,
+    PrecisionConfig,
+    ScheduleConfig,
+    check_choice,
+    check_positive_int,
+    fail,
+)
 
 # -- the public, flat, HF-compatible dataclass ---------------------------------------------------------
 
@@ -324,11 +138,11 @@ class TrainingArguments:
             self.logging_dir = f"{self.output_dir.rstrip('/')}/runs"
         if self.data_seed is None:
             self.data_seed = self.seed
-        _positive_int("per_device_train_batch_size", self.per_device_train_batch_size)
-        _positive_int("dataloader_num_workers", self.dataloader_num_workers, allow_zero=True)
-        _choice("distributed", self.distributed, DISTRIBUTED)
+        check_positive_int("per_device_train_batch_size", self.per_device_train_batch_size)
+        check_positive_int("dataloader_num_workers", self.dataloader_num_workers, allow_zero=True)
+        check_choice("distributed", self.distributed, DISTRIBUTED)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            _fail("seed", self.seed, "must be an integer")
+            fail("seed", self.seed, "must be an integer")
         self.validate()
 
     # -- normalisation --------------------------------------------------------------------------------
@@ -338,7 +152,7 @@ class TrainingArguments:
         if alias is None:
             return
         if self.eval_strategy != "no" and self.eval_strategy != alias:
-            _fail(
+            fail(
                 "evaluation_strategy",
                 alias,
                 f"conflicts with eval_strategy={self.eval_strategy!r}; they are the same setting, set only "
@@ -349,7 +163,7 @@ class TrainingArguments:
 
     def _resolve_precision(self) -> None:
         if self.fp16 and self.bf16:
-            _fail("bf16", self.bf16, "fp16=True and bf16=True were both set; choose one (or set precision=...)")
+            fail("bf16", self.bf16, "fp16=True and bf16=True were both set; choose one (or set precision=...)")
         flag = "fp16" if self.fp16 else "bf16" if self.bf16 else None
         if self.precision is None:
             self.precision = flag or "fp32"
@@ -358,7 +172,7 @@ class TrainingArguments:
         except (TypeError, ValueError) as err:
             raise ValueError(f"TrainingArguments(precision={self.precision!r}): {err}") from None
         if flag is not None and name != flag:
-            _fail("precision", self.precision, f"conflicts with {flag}=True; set one of them")
+            fail("precision", self.precision, f"conflicts with {flag}=True; set one of them")
         self.precision = name
         # Keep the HF flags truthful, so code that reads args.fp16 sees what will run.
         self.fp16 = name == "fp16"
@@ -369,7 +183,7 @@ class TrainingArguments:
         names = [value] if isinstance(value, str) else list(value or [])
         if "none" in names:
             if len(names) > 1:
-                _fail("report_to", value, "'none' cannot be combined with other reporters")
+                fail("report_to", value, "'none' cannot be combined with other reporters")
             return ()
         if "all" in names:
             import importlib.util
@@ -415,22 +229,22 @@ class TrainingArguments:
         ck = self.checkpointing
         if ev.load_best_model_at_end:
             if ev.eval_strategy == "no":
-                _fail("load_best_model_at_end", True, "needs eval_strategy='steps' or 'epoch' to know the best")
+                fail("load_best_model_at_end", True, "needs eval_strategy='steps' or 'epoch' to know the best")
             if ck.save_strategy != ev.eval_strategy:
-                _fail(
+                fail(
                     "save_strategy",
                     ck.save_strategy,
                     f"must equal eval_strategy={ev.eval_strategy!r} when load_best_model_at_end=True, so every "
                     "evaluated model has a checkpoint to return to",
                 )
             if ev.eval_strategy == "steps" and ck.save_steps % ev.eval_steps != 0:
-                _fail(
+                fail(
                     "save_steps",
                     ck.save_steps,
                     f"must be a multiple of eval_steps={ev.eval_steps} when load_best_model_at_end=True",
                 )
         if self.metric_for_best_model is not None and ev.eval_strategy == "no":
-            _fail("metric_for_best_model", self.metric_for_best_model, "needs eval_strategy='steps' or 'epoch'")
+            fail("metric_for_best_model", self.metric_for_best_model, "needs eval_strategy='steps' or 'epoch'")
 
     # -- serialisation --------------------------------------------------------------------------------
 

@@ -22,13 +22,21 @@ cannot leave a damaged folder that looks like a checkpoint.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mixprec.checkpoint import load_json, recover
+from mixprec.checkpoint import load_json, load_tensors, recover
+from mixprec.trainer.data import DataPosition
+from mixprec.trainer.state import TrainerState
+
+if TYPE_CHECKING:
+    from mixprec.trainer.trainer import Trainer
+
+logger = logging.getLogger("mixprec.trainer")
 
 PREFIX = "checkpoint-"
 STATE_NAME = "trainer_state"
@@ -130,3 +138,53 @@ def read_trainer_files(path: str | os.PathLike[str]) -> tuple[dict[str, Any], di
     """The trainer's state and extra of a checkpoint (JSON only: nothing here can run code)."""
     path = Path(path)
     return load_json(path / f"{STATE_NAME}.json"), load_json(path / f"{EXTRA_NAME}.json")
+
+
+# -- the Trainer's side ----------------------------------------------------------------------------------
+
+
+def save_trainer_checkpoint(trainer: Trainer, position: DataPosition) -> Path:
+    """checkpoint-<global_step> with the trainer's state; then prune, then ``on_save``. Collective."""
+    args, state, acc = trainer.args, trainer.state, trainer.accelerator
+    path = Path(args.output_dir) / f"{PREFIX}{state.global_step}"
+    if state.best_global_step == state.global_step:
+        state.best_model_checkpoint = str(path)
+    files = {
+        STATE_NAME: state.to_dict(),
+        EXTRA_NAME: {"data_position": position.to_dict(), "meter": trainer.meter.state_dict()},
+        ARGS_NAME: args.to_dict(),
+    }
+    save_checkpoint(args.output_dir, state.global_step, acc, files)
+    if acc.is_main_process:  # only now that the new one is complete
+        prune_checkpoints(args.output_dir, args.save_total_limit, keep=state.best_model_checkpoint)
+    acc.wait_for_everyone()
+    trainer.event("on_save", checkpoint=str(path))
+    return path
+
+
+def load_trainer_checkpoint(trainer: Trainer, path: Path) -> DataPosition:
+    """Restore model, optimizer, scheduler, scaler, data position and RNG states (the Accelerator's
+    load_state), then the trainer's state, loss window and log; return where the data stands. Nothing is
+    unpickled: a tampered file raises (UnsafeCheckpointError) before training starts."""
+    trainer.accelerator.load_state(path)
+    saved, extra = read_trainer_files(path)
+    fresh = trainer.state
+    trainer.state = TrainerState(**{k: v for k, v in saved.items() if k in TrainerState.__dataclass_fields__})
+    trainer.state.is_local_process_zero = fresh.is_local_process_zero
+    trainer.state.is_world_process_zero = fresh.is_world_process_zero
+    trainer.meter.load_state_dict(extra.get("meter", {}), trainer.accelerator.device)
+    if trainer._jsonl is not None:
+        trainer._jsonl.truncate_after(trainer.state.global_step)
+    logger.info("resumed from %s at step %d", path, trainer.state.global_step)
+    return DataPosition.from_dict(extra["data_position"])
+
+
+def load_best_model(trainer: Trainer) -> None:
+    """``load_best_model_at_end``: the best checkpoint's weights into the model (one process or DDP)."""
+    best = trainer.state.best_model_checkpoint
+    if best is None or not Path(best).is_dir():
+        return
+    weights = load_tensors(Path(best) / "model.safetensors", device=trainer.accelerator.device)
+    trainer.accelerator.unwrap_model(trainer.model).load_state_dict(weights)
+    logger.info("loaded the best model (%s = %s) from %s", trainer.args.evaluation.metric_key(),
+                trainer.state.best_metric, best)  # fmt: skip

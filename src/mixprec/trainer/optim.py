@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from mixprec.trainer.args import OptimConfig, ScheduleConfig
+from mixprec.trainer.configs import OptimConfig, ScheduleConfig
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

@@ -11,9 +11,14 @@ import json
 import resource
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from mixprec.trainer.state import TrainOutput
+
+if TYPE_CHECKING:
+    from mixprec.trainer.trainer import Trainer
 
 SUMMARY_FILE = "train_summary.json"
 
@@ -94,3 +99,38 @@ def write_summary(summary: dict[str, Any], output_dir: str | Path) -> Path:
     path = Path(output_dir) / SUMMARY_FILE
     path.write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
     return path
+
+
+def finish_run(trainer: Trainer, steps_before: int) -> TrainOutput:
+    """Close the bar, summarise (samples and tokens summed over processes: one collective), write the
+    summary and the plots (main process), fire ``on_train_end``."""
+    acc, args, state = trainer.accelerator, trainer.args, trainer.state
+    trainer.close_progress()  # before the summary and plots, which take a moment
+    # on the device, which the collective's backend needs (nccl reduces CUDA tensors only)
+    counts = torch.tensor([trainer.meter.samples, trainer.meter.tokens], dtype=torch.float64, device=acc.device)
+    samples, tokens = acc.reduce(counts).tolist()
+    summary = build_summary(
+        precision=acc.precision.describe(),
+        global_step=state.global_step,
+        steps_this_run=state.global_step - steps_before,
+        skipped_steps=trainer.skipped_steps,
+        final_scale=acc.scaler.get_scale() if acc.scaler.is_enabled() else None,
+        runtime=trainer.meter.elapsed(),
+        samples=int(samples),
+        tokens=int(tokens),
+        train_loss=trainer.meter.mean_loss(),
+        epoch=state.epoch,
+        best_metric=state.best_metric,
+        best_model_checkpoint=state.best_model_checkpoint,
+        metric_name=args.evaluation.metric_key() if state.best_metric is not None else None,
+        device=acc.device,
+    )
+    if acc.is_main_process:
+        write_summary(summary, args.output_dir)
+        if args.save_plots and trainer._jsonl is not None:
+            from mixprec.trainer.plots import plot_run
+
+            plot_run(trainer._jsonl.path, args.output_dir)
+        print(format_summary(summary), file=sys.stderr, flush=True)
+    trainer.event("on_train_end", summary=summary)
+    return TrainOutput(state.global_step, summary["train_loss"], summary)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from mixprec.accelerator.accelerator import Accelerator
-from mixprec.checkpoint import load_tensors, save_json, save_tensors
+from mixprec.checkpoint import save_json, save_tensors
 from mixprec.diagnostics._loss import extract_loss  # one loss rule, shared with the diagnosis
 from mixprec.trainer import checkpointing as ckpt
 from mixprec.trainer.args import TrainingArguments
@@ -39,6 +39,7 @@ from mixprec.trainer.data import (
     forward_arg_names,
     make_loader,
 )
+from mixprec.trainer.diagnosis import diagnose_at_start
 from mixprec.trainer.evaluation import EvalResult, evaluation_loop
 from mixprec.trainer.logging import JsonlLogger, TensorBoardLogger
 from mixprec.trainer.loop import Plan, TrainingLoop, call_model
@@ -46,6 +47,7 @@ from mixprec.trainer.meter import StepMeter
 from mixprec.trainer.optim import build_optimizer, build_scheduler
 from mixprec.trainer.progress import ProgressCallback
 from mixprec.trainer.state import PredictionOutput, TrainerState, TrainOutput
+from mixprec.trainer.summary import finish_run
 
 logger = logging.getLogger("mixprec.trainer")
 
@@ -254,13 +256,13 @@ class Trainer:
         checkpoint = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir)
         plan = Plan.make(len(loader), args)
         if args.diagnose_at_start and checkpoint is None:
-            self._diagnose()
+            self.diagnosis = diagnose_at_start(self)
         model = self._prepared_model()
         self.create_optimizer_and_scheduler(plan.max_steps)
         self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
         self.callback_handler.train_dataloader = loader
-        start = self._load_checkpoint(checkpoint) if checkpoint is not None else DataPosition()
+        start = ckpt.load_trainer_checkpoint(self, checkpoint) if checkpoint is not None else DataPosition()
         # this run's plan, also over a loaded state (a resume may train longer than the run it continues)
         self.state.max_steps = plan.max_steps
         self.state.num_train_epochs = plan.num_epochs
@@ -272,51 +274,13 @@ class Trainer:
         steps_before = self.state.global_step
         loop.run()
         if loop.interrupted is None and args.load_best_model_at_end:
-            self._load_best_model()
-        output = self._finish(steps_before)
+            ckpt.load_best_model(self)
+        output = finish_run(self, steps_before)
         if loop.interrupted is not None:
             acc.print(f"mixprec: stopped by signal {loop.interrupted} at step {self.state.global_step}; resume with "
                       "trainer.train(resume_from_checkpoint=True)", file=sys.stderr)  # fmt: skip
             raise SystemExit(128 + loop.interrupted)
         return output
-
-    def _diagnose(self) -> None:
-        """``diagnose_at_start``: measure gradient ranges before the first step; start the fp16 loss scale at
-        the recommended value (the same on every process: the largest recommendation wins)."""
-        try:
-            from mixprec.diagnostics.diagnose import diagnose
-        except ImportError as err:
-            raise ValueError(
-                f"TrainingArguments(diagnose_at_start=True): mixprec.diagnostics is unavailable ({err})"
-            ) from err
-        if self._model_prepared:
-            raise RuntimeError("diagnose_at_start measures the model before it is prepared: call train() first")
-        args, acc = self.args, self.accelerator
-        loader = make_loader(
-            self.train_dataset, args.per_device_train_batch_size, self.data_collator, shuffle=False, seed=0
-        )
-        target = acc.mixed_precision if acc.mixed_precision in ("fp16", "bf16") else "fp16"
-        optimizer = "sgd" if args.optim == "sgd" else "adam"
-        report = diagnose(self.model, loader, precision_target=target, lr=args.learning_rate, optimizer=optimizer)
-        self.diagnosis = report
-        scale = float(acc.reduce(torch.tensor(report.recommended_init_scale), reduction="max").item())
-        if acc.scaler.is_enabled():
-            acc.scaler.update(new_scale=scale)  # clamped to [min_loss_scale, max]
-        self.record_event("diagnosis", 0, applied_init_scale=scale if acc.scaler.is_enabled() else None,
-                          report=report.to_dict())  # fmt: skip
-        acc.print(
-            f"mixprec diagnose: recommends {report.recommended_precision} with initial loss scale "
-            f"{report.recommended_init_scale:g}; running {acc.mixed_precision}"
-            + (f" from loss scale {acc.scaler.get_scale():g}" if acc.scaler.is_enabled() else ""),
-            file=sys.stderr,
-        )
-        if report.recommended_precision != acc.mixed_precision:
-            logger.warning(
-                "diagnose_at_start recommends precision=%r (%s); training with %r as asked",
-                report.recommended_precision,
-                "; ".join(report.reasons),
-                acc.mixed_precision,
-            )
 
     def maybe_log_save_evaluate(self, grad_norm: torch.Tensor | None, position: DataPosition) -> None:
         control = self.control
@@ -329,7 +293,7 @@ class Trainer:
             self._track_best(metrics)
         if control.should_save:
             control.should_save = False
-            self._save_checkpoint(position)
+            ckpt.save_trainer_checkpoint(self, position)
 
     def _log_training(self, grad_norm: torch.Tensor | None) -> None:
         loss = self.meter.take_window()  # a host sync, on logging steps only
@@ -364,82 +328,6 @@ class Trainer:
         if ev.is_better(metrics[key], self.state.best_metric):
             self.state.best_metric = float(metrics[key])
             self.state.best_global_step = self.state.global_step
-
-    # -- checkpoints ---------------------------------------------------------------------------------
-
-    def _save_checkpoint(self, position: DataPosition) -> Path:
-        args, state = self.args, self.state
-        path = Path(args.output_dir) / f"{ckpt.PREFIX}{state.global_step}"
-        if state.best_global_step == state.global_step:
-            state.best_model_checkpoint = str(path)
-        files = {
-            ckpt.STATE_NAME: state.to_dict(),
-            ckpt.EXTRA_NAME: {"data_position": position.to_dict(), "meter": self.meter.state_dict()},
-            ckpt.ARGS_NAME: args.to_dict(),
-        }
-        ckpt.save_checkpoint(args.output_dir, state.global_step, self.accelerator, files)
-        if self.accelerator.is_main_process:  # only now that the new one is complete
-            ckpt.prune_checkpoints(args.output_dir, args.save_total_limit, keep=state.best_model_checkpoint)
-        self.accelerator.wait_for_everyone()
-        self.event("on_save", checkpoint=str(path))
-        return path
-
-    def _load_checkpoint(self, path: Path) -> DataPosition:
-        """Restore model, optimizer, scheduler, scaler, data position and RNG states, then the trainer's own
-        state. Nothing is unpickled: a tampered file raises (UnsafeCheckpointError) before training starts."""
-        self.accelerator.load_state(path)
-        saved, extra = ckpt.read_trainer_files(path)
-        known = {k: v for k, v in saved.items() if k in TrainerState.__dataclass_fields__}
-        fresh = self.state
-        self.state = TrainerState(**known)
-        self.state.is_local_process_zero = fresh.is_local_process_zero
-        self.state.is_world_process_zero = fresh.is_world_process_zero
-        self.meter.load_state_dict(extra.get("meter", {}), self.accelerator.device)
-        if self._jsonl is not None:
-            self._jsonl.truncate_after(self.state.global_step)
-        logger.info("resumed from %s at step %d", path, self.state.global_step)
-        return DataPosition.from_dict(extra["data_position"])
-
-    def _load_best_model(self) -> None:
-        best = self.state.best_model_checkpoint
-        if best is None or not Path(best).is_dir():
-            return
-        weights = load_tensors(Path(best) / "model.safetensors", device=self.accelerator.device)
-        self.accelerator.unwrap_model(self.model).load_state_dict(weights)
-        logger.info("loaded the best model (%s = %s) from %s", self.args.evaluation.metric_key(),
-                    self.state.best_metric, best)  # fmt: skip
-
-    def _finish(self, steps_before: int) -> TrainOutput:
-        from mixprec.trainer.summary import build_summary, format_summary, write_summary
-
-        acc, args, state = self.accelerator, self.args, self.state
-        self.close_progress()  # before the summary and plots, which take a moment
-        totals = acc.reduce(torch.tensor([self.meter.samples, self.meter.tokens], dtype=torch.float64))
-        summary = build_summary(
-            precision=acc.precision.describe(),
-            global_step=state.global_step,
-            steps_this_run=state.global_step - steps_before,
-            skipped_steps=self.skipped_steps,
-            final_scale=self._current_scale() if acc.scaler.is_enabled() else None,
-            runtime=self.meter.elapsed(),
-            samples=int(totals[0]),
-            tokens=int(totals[1]),
-            train_loss=self.meter.mean_loss(),
-            epoch=state.epoch,
-            best_metric=state.best_metric,
-            best_model_checkpoint=state.best_model_checkpoint,
-            metric_name=args.evaluation.metric_key() if state.best_metric is not None else None,
-            device=acc.device,
-        )
-        if acc.is_main_process:
-            write_summary(summary, args.output_dir)
-            if args.save_plots and self._jsonl is not None:
-                from mixprec.trainer.plots import plot_run
-
-                plot_run(self._jsonl.path, args.output_dir)
-            print(format_summary(summary), file=sys.stderr, flush=True)
-        self.event("on_train_end", summary=summary)
-        return TrainOutput(state.global_step, summary["train_loss"], summary)
 
     # -- evaluation and prediction -------------------------------------------------------------------
 

@@ -1,0 +1,209 @@
+"""The grouped configs behind TrainingArguments: small frozen dataclasses, each validating its own fields.
+
+``TrainingArguments`` builds them on access (``args.precision_config``, ``args.optimization``,
+``args.schedule``, ``args.evaluation``, ``args.checkpointing``, ``args.logging``), and the Trainer reads only
+these. Messages name the ``TrainingArguments`` field and the fix, since that is what the user wrote.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+STRATEGIES = ("no", "steps", "epoch")
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
+REPORTERS = ("tensorboard",)  # JSONL is always written; these are the extras
+DISTRIBUTED = (None, "ddp", "fsdp")
+
+
+def fail(name: str, value: Any, rule: str) -> None:
+    raise ValueError(f"TrainingArguments({name}={value!r}): {rule}")
+
+
+def check_positive_int(name: str, value: Any, *, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        fail(name, value, f"must be an integer >= {low}")
+
+
+def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
+    if value not in choices:
+        fail(name, value, f"choose one of: {', '.join(map(repr, choices))}")
+
+
+# -- the grouped configs -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Which precision, and how the fp16 loss scaler behaves."""
+
+    precision: str
+    """Canonical precision name: "fp32", "fp16", "bf16" or "auto" (resolved by the Accelerator)."""
+    init_loss_scale: float
+    """Loss scale of the first step (fp16 only)."""
+    loss_scale_growth_interval: int
+    """Clean steps before the scale doubles."""
+    loss_scale_hysteresis: int
+    """Overflowing steps tolerated before the scale halves."""
+    min_loss_scale: float
+    """Floor the scale never falls below."""
+    max_consecutive_skips: int | None
+    """Skipped steps in a row that stop training with ConsecutiveSkipsError (None: never)."""
+    diagnose_at_start: bool
+    """Run mixprec.diagnostics.diagnose first and start the scaler at its recommended scale."""
+
+    def __post_init__(self) -> None:
+        if not self.init_loss_scale > 0:
+            fail("init_loss_scale", self.init_loss_scale, "must be > 0 (for example 2**16)")
+        if not self.min_loss_scale > 0:
+            fail("min_loss_scale", self.min_loss_scale, "must be > 0")
+        if self.init_loss_scale < self.min_loss_scale:
+            fail("init_loss_scale", self.init_loss_scale, f"must be >= min_loss_scale={self.min_loss_scale}")
+        check_positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)
+        check_positive_int("loss_scale_hysteresis", self.loss_scale_hysteresis)
+        if self.max_consecutive_skips is not None:
+            check_positive_int("max_consecutive_skips", self.max_consecutive_skips)
+
+    def scaler_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`~mixprec.scaling.scaler.GradScaler` (via the Accelerator)."""
+        return {
+            "init_scale": float(self.init_loss_scale),
+            "growth_interval": self.loss_scale_growth_interval,
+            "hysteresis": self.loss_scale_hysteresis,
+            "min_scale": float(self.min_loss_scale),
+            "max_consecutive_skips": self.max_consecutive_skips,
+        }
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The optimizer built when ``Trainer(optimizers=(None, ...))``, and what happens to each step."""
+
+    optim: str
+    learning_rate: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_epsilon: float
+    max_grad_norm: float | None
+    gradient_accumulation_steps: int
+
+    def __post_init__(self) -> None:
+        check_choice("optim", self.optim, OPTIMIZERS)
+        if not self.learning_rate >= 0:
+            fail("learning_rate", self.learning_rate, "must be >= 0")
+        if not self.weight_decay >= 0:
+            fail("weight_decay", self.weight_decay, "must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                fail(name, getattr(self, name), "must be in [0, 1)")
+        if not self.adam_epsilon > 0:
+            fail("adam_epsilon", self.adam_epsilon, "must be > 0")
+        if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
+            fail("max_grad_norm", self.max_grad_norm, "must be >= 0 (0 or None turns clipping off)")
+        check_positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """How long to train and how the learning rate moves."""
+
+    num_train_epochs: float
+    max_steps: int
+    """Optimizer steps to run; overrides num_train_epochs when > 0 (-1: use num_train_epochs)."""
+    lr_scheduler_type: str
+    warmup_steps: int
+    warmup_ratio: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int):
+            fail("max_steps", self.max_steps, "must be an integer (-1 to train for num_train_epochs)")
+        if self.max_steps == 0 or self.max_steps < -1:
+            fail("max_steps", self.max_steps, "must be > 0, or -1 to train for num_train_epochs")
+        if self.max_steps == -1 and not self.num_train_epochs > 0:
+            fail("num_train_epochs", self.num_train_epochs, "must be > 0 (or set max_steps > 0)")
+        check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
+        check_positive_int("warmup_steps", self.warmup_steps, allow_zero=True)
+        if not 0.0 <= self.warmup_ratio <= 1.0:
+            fail("warmup_ratio", self.warmup_ratio, "must be in [0, 1]")
+        if self.warmup_steps > 0 and self.warmup_ratio > 0:
+            fail("warmup_ratio", self.warmup_ratio, f"set warmup_steps={self.warmup_steps} or warmup_ratio, not both")
+
+    def num_warmup_steps(self, total_steps: int) -> int:
+        """Warmup in optimizer steps: warmup_steps if set, else ceil(warmup_ratio * total) as HF does."""
+        if self.warmup_steps > 0:
+            return self.warmup_steps
+        return math.ceil(self.warmup_ratio * total_steps)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """When to evaluate, and which metric decides the best checkpoint."""
+
+    eval_strategy: str
+    eval_steps: int
+    per_device_eval_batch_size: int
+    load_best_model_at_end: bool
+    metric_for_best_model: str | None
+    greater_is_better: bool | None
+    prediction_loss_only: bool
+
+    def __post_init__(self) -> None:
+        check_choice("eval_strategy", self.eval_strategy, STRATEGIES)
+        check_positive_int("eval_steps", self.eval_steps)
+        check_positive_int("per_device_eval_batch_size", self.per_device_eval_batch_size)
+
+    def metric_key(self) -> str:
+        """The log key of the best-model metric ("eval_loss" by default)."""
+        name = self.metric_for_best_model or "loss"
+        return name if name.startswith("eval_") else f"eval_{name}"
+
+    def is_better(self, value: float, best: float | None) -> bool:
+        if best is None:
+            return True
+        greater = self.greater_is_better
+        if greater is None:  # HF's rule: losses are minimised, every other metric maximised
+            greater = self.metric_key() != "eval_loss"
+        return value > best if greater else value < best
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """When to write checkpoint-N folders and how many to keep."""
+
+    save_strategy: str
+    save_steps: int
+    save_total_limit: int | None
+
+    def __post_init__(self) -> None:
+        check_choice("save_strategy", self.save_strategy, STRATEGIES)
+        check_positive_int("save_steps", self.save_steps)
+        if self.save_total_limit is not None:
+            check_positive_int("save_total_limit", self.save_total_limit)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What is logged, how often, and where (metrics.jsonl always; TensorBoard when asked)."""
+
+    logging_strategy: str
+    logging_steps: int
+    logging_first_step: bool
+    report_to: tuple[str, ...]
+    logging_dir: str
+    disable_tqdm: bool
+    save_plots: bool
+
+    def __post_init__(self) -> None:
+        check_choice("logging_strategy", self.logging_strategy, STRATEGIES)
+        check_positive_int("logging_steps", self.logging_steps)
+        for name in self.report_to:
+            if name not in REPORTERS:
+                fail(
+                    "report_to",
+                    name,
+                    f"mixprec reports to: {', '.join(REPORTERS)}, 'all' or 'none' (metrics.jsonl is always written)",
+                )

@@ -1,0 +1,62 @@
+"""``diagnose_at_start``: measure the model's gradient ranges before the first step, start the loss scale there.
+
+Runs :func:`mixprec.diagnostics.diagnose` on the first training batches (in order, from a loader of its own,
+so the training data order is untouched), with the model as the user built it: before ``prepare`` patches
+its forward with autocast, since the diagnosis measures in fp32 itself and leaves the model, its gradients
+and the RNG states as it found them. The report goes to metrics.jsonl; the fp16 scaler starts at the
+recommended scale (the same on every process: the largest recommendation wins). A recommended precision
+other than the one asked for is logged, never applied: the run keeps the precision it was given.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TYPE_CHECKING, Any
+
+from mixprec.trainer.data import make_loader
+
+if TYPE_CHECKING:
+    from mixprec.trainer.trainer import Trainer
+
+logger = logging.getLogger("mixprec.trainer")
+
+
+def diagnose_at_start(trainer: Trainer) -> Any:
+    """Diagnose, apply the recommended initial loss scale (fp16), log; return the Report. Costs a few
+    forward/backward passes and host syncs, once."""
+    try:
+        from mixprec.diagnostics.diagnose import diagnose
+    except ImportError as err:
+        raise ValueError(
+            f"TrainingArguments(diagnose_at_start=True): mixprec.diagnostics is unavailable ({err})"
+        ) from err
+    if trainer._model_prepared:
+        raise RuntimeError("diagnose_at_start measures the model before it is prepared: call train() first")
+    args, acc = trainer.args, trainer.accelerator
+    loader = make_loader(
+        trainer.train_dataset, args.per_device_train_batch_size, trainer.data_collator, shuffle=False, seed=0
+    )
+    target = acc.mixed_precision if acc.mixed_precision in ("fp16", "bf16") else "fp16"
+    optimizer = "sgd" if args.optim == "sgd" else "adam"
+    report = diagnose(trainer.model, loader, precision_target=target, lr=args.learning_rate, optimizer=optimizer)
+    scale = float(acc.reduce(float(report.recommended_init_scale), reduction="max").item())
+    scaling = acc.scaler.is_enabled()
+    if scaling:
+        acc.scaler.update(new_scale=scale)  # clamped to [min_loss_scale, max_scale]
+    trainer.record_event("diagnosis", 0, applied_init_scale=acc.scaler.get_scale() if scaling else None,
+                         report=report.to_dict())  # fmt: skip
+    acc.print(
+        f"mixprec diagnose: recommends {report.recommended_precision} with initial loss scale "
+        f"{report.recommended_init_scale:g}; running {acc.mixed_precision}"
+        + (f" from loss scale {acc.scaler.get_scale():g}" if scaling else ""),
+        file=sys.stderr,
+    )
+    if report.recommended_precision != acc.mixed_precision:
+        logger.warning(
+            "diagnose_at_start recommends precision=%r (%s); training with %r as asked",
+            report.recommended_precision,
+            "; ".join(report.reasons),
+            acc.mixed_precision,
+        )
+    return report

@@ -1,0 +1,74 @@
+"""The Trainer under torchrun (2 processes, gloo, CPU): every process trains, the main one logs and saves."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo"),
+]
+
+SCRIPT = Path(__file__).with_name("trainer_torchrun_script.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("trainer-torchrun")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+        str(SCRIPT), str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return out, [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
+
+
+def test_every_process_trains_to_identical_parameters(run):
+    _, ranks = run
+    assert [r["num_processes"] for r in ranks] == [2, 2]
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] == 6  # 22 samples / (2 x 4) -> 3 steps x 2 epochs
+    assert ranks[0]["params"] == ranks[1]["params"]
+
+
+def test_only_the_main_process_logs_and_saves(run):
+    out, ranks = run
+    assert [r["writes_logs"] for r in ranks] == [True, False]
+    entries = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [e["step"] for e in entries if "loss" in e]
+    assert train_steps == [1, 2, 3, 4, 5, 6]  # one writer: no step logged twice
+    assert sorted(p.name for p in (out / "run").iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-3",
+        "checkpoint-6",
+    ]
+    assert {p.name for p in (out / "run" / "checkpoint-6").glob("rng_state_*.pt")} == {
+        "rng_state_0.pt",
+        "rng_state_1.pt",
+    }
+
+
+def test_evaluation_counts_every_example_once_and_agrees_across_processes(run):
+    _, ranks = run
+
+    def results(rank: dict) -> list[dict]:
+        return [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))} for e in rank["evals"]]
+
+    assert results(ranks[0]) == results(ranks[1]) and len(results(ranks[0])) == 2
+    # 7 validation examples split 4 + 3 and gathered: each exactly once
+    assert [e["eval_examples"] for e in ranks[0]["evals"]] == [7.0, 7.0]
