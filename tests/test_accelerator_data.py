@@ -72,6 +72,19 @@ def test_prepared_loader_counts_epochs_and_resumes_mid_epoch() -> None:
     assert first_two and loader.state_dict() == {"epoch": 3, "batches": 0, "seed": state["seed"]}
 
 
+def test_an_epoch_whose_last_batch_was_handed_out_counts_as_done() -> None:
+    # A save right after the last step of an epoch (the loop has not asked for the next batch yet) must
+    # resume at the next epoch, not replay the empty end of this one.
+    accelerator = Accelerator(verbose=False)
+    loader = accelerator.prepare(DataLoader(list(range(6)), batch_size=3, shuffle=True))
+    for i, _ in enumerate(loader):
+        if i == 1:
+            state = loader.state_dict()
+    assert state["epoch"] == 1 and state["batches"] == 0
+    loader.load_state_dict(state)
+    assert len(list(loader)) == 2 and loader.state_dict()["epoch"] == 2
+
+
 def test_torch_manual_seed_governs_the_shuffle() -> None:
     def order(seed: int) -> list[int]:
         torch.manual_seed(seed)

@@ -118,7 +118,8 @@ class PreparedDataLoader:
             return None
         if self._resume is not None:  # loaded or set, not iterated yet
             epoch, batches = self._resume
-        elif self._finished:
+        elif self._finished or (self._started and self._yielded >= len(self.batch_sampler)):
+            # every batch handed out (even if the loop has not asked for the next one yet): epoch done
             epoch, batches = self.epoch + 1, 0
         else:
             epoch, batches = self.epoch, (self._yielded if self._started else 0)
