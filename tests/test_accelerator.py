@@ -4,6 +4,10 @@ accumulation, clipping, and the errors a user meets."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -305,6 +309,13 @@ def test_the_resolved_mode_is_reported_once(capsys: pytest.CaptureFixture[str]) 
     assert accelerator.mixed_precision == "fp16"
 
 
+def test_auto_reports_what_it_chose_and_why(capsys: pytest.CaptureFixture[str]) -> None:
+    accelerator = Accelerator(mixed_precision="auto")
+    assert accelerator.mixed_precision in ("fp32", "fp16", "bf16")  # never "auto" once resolved
+    line = capsys.readouterr().err
+    assert f"mixprec: {accelerator.mixed_precision} on cpu" in line and "auto on cpu measured" in line
+
+
 def test_single_process_collectives_are_identities() -> None:
     accelerator = Accelerator(verbose=False)
     x = torch.arange(3.0)
@@ -313,3 +324,17 @@ def test_single_process_collectives_are_identities() -> None:
     assert accelerator.gather(torch.tensor(2.0)).shape == (1,)
     assert accelerator.num_processes == 1 and accelerator.is_main_process and accelerator.process_index == 0
     accelerator.wait_for_everyone()
+
+
+@pytest.mark.slow
+def test_the_example_script_runs(tmp_path: Path) -> None:
+    script = Path(__file__).parents[1] / "examples" / "accelerator_loop.py"
+    args = ["--max-steps", "2", "--corpus-bytes", "20000", "--batch-size", "4", "--seq-len", "32"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script), *args, "--save", str(tmp_path / "state")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "done: 2 optimizer steps" in proc.stdout and (tmp_path / "state" / "model.safetensors").is_file()
+    assert "mixprec: fp16 on cpu" in proc.stderr

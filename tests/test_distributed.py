@@ -121,3 +121,7 @@ def test_save_state_and_load_state_across_processes(ranks: list[dict], kind: str
 
 def test_gather_accepts_different_row_counts(ranks: list[dict]) -> None:
     assert ranks[0]["uneven_gather"] == ranks[1]["uneven_gather"] == [0, 0, 1]
+
+
+def test_auto_resolves_to_one_precision_on_every_rank(ranks: list[dict]) -> None:
+    assert ranks[0]["auto"] == ranks[1]["auto"] in ("fp32", "fp16", "bf16")

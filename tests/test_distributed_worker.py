@@ -150,6 +150,8 @@ def main() -> None:
     results["world"] = {"num_processes": first.num_processes, "backend": dist.get_backend()}
     results["uneven_gather"] = first.gather(torch.arange(first.process_index + 1)).tolist()
     results["no_sync"] = no_sync_grads()
+    # "auto" times a probe on each process (a loaded machine may time them differently): all take rank 0's
+    results["auto"] = Accelerator(mixed_precision="auto", verbose=False).mixed_precision
     for distributed in (None, "fsdp"):
         for precision in ("fp32", "fp16"):
             t0 = time.perf_counter()
