@@ -65,7 +65,8 @@ def test_train_writes_the_run_folder_and_prints_the_summary(tmp_path, corpus, ca
     assert "fp32: fp32 was asked for" in out
     assert "4 (2 epochs), 0 skipped" in out
     assert "tokens/s" in out and "peak memory" in out and "MiB" in out
-    assert "sample (prompt 'def ', 24 bytes" in out
+    sample = out.split("sample from the trained model (prompt 'def ', temperature 0.8):\n")[1]
+    assert sample.startswith("def ") and len(sample.rstrip("\n")) >= 4 + 24 - 4  # bytes may merge into characters
 
     # one evaluation per epoch (2 steps each), on the held-out split
     evals = [e for e in _metrics(run) if "eval_loss" in e]
@@ -112,14 +113,8 @@ def test_resume_continues_from_the_last_checkpoint_with_the_runs_own_flags(tmp_p
     assert load_config_file(run / "config.toml")["model"] == "tiny"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Trainer/Accelerator bug: a run whose last step ends an epoch saves the loader position as "
-    "(epoch e, all batches handed out) while the Trainer's position is (e + 1, 0), so a resume with more "
-    "epochs replays the empty end of epoch e and trains nothing (PreparedDataLoader.state_dict should "
-    "count a fully handed-out epoch as finished)",
-)
 def test_resume_with_more_epochs_after_a_finished_run(tmp_path, corpus, capsys):
+    # a run whose last step ends an epoch, extended by resuming with more epochs (was a loader-position bug)
     run = tmp_path / "run"
     one_step_epochs = ["--epoch-tokens", "128"]  # 4 chunks of 32: one step of batch 4
     assert main(["train", "--data", corpus, *FAST, *one_step_epochs, "--epochs", "1", "--output-dir", str(run)]) == 0
@@ -140,6 +135,19 @@ def test_config_file_sets_the_flags_and_the_command_line_overrides_it(tmp_path, 
     assert record["flags"]["lr"] == 0.001 and record["flags"]["max_steps"] == 2
     assert record["training_arguments"]["per_device_train_batch_size"] == 4
     assert record["summary"]["global_step"] == 2
+
+
+def test_a_local_hugging_face_config_trains(tmp_path, corpus, capsys):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=1, n_head=2)
+    cfg.save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    argv = ["--model", str(tmp_path / "hf"), *FAST[2:], "--max-steps", "2", "--output-dir", str(run)]
+    assert main(["train", "--data", corpus, *argv]) == 0
+    out = capsys.readouterr().out
+    assert "Hugging Face GPT2LMHeadModel" in out and "initialised from its config" in out
+    assert "2 (1 epochs), 0 skipped" in out
+    assert (run / "checkpoint-2" / "model.safetensors").is_file()
 
 
 def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:

@@ -290,18 +290,19 @@ def _subset_tokens(dataset: Any) -> torch.Tensor:
     return torch.cat([dataset[i]["input_ids"] for i in range(len(dataset))])
 
 
-def _sample(model: torch.nn.Module, seed: int, device: torch.device) -> str:
-    """A short continuation of SAMPLE_PROMPT, decoded as UTF-8 with invalid bytes replaced."""
+def _sample(model: torch.nn.Module, seed: int, device: torch.device, block_size: int) -> str:
+    """The prompt and a short sampled continuation (temperature 0.8, top 50), decoded as UTF-8 with invalid
+    bytes replaced. Seeded, so the same run prints the same sample."""
     prompt = torch.tensor([encode(SAMPLE_PROMPT)], dtype=torch.long, device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    if isinstance(model, GPT):  # its own sampler, seeded
+    if isinstance(model, GPT):  # its own sampler: crops the context to its block size
+        gen = torch.Generator(device=device).manual_seed(seed)
         out = model.generate(prompt, SAMPLE_BYTES, temperature=0.8, top_k=50, generator=gen)
-    else:  # a Hugging Face model
+    else:  # a Hugging Face model: generate() does not crop, so stay within its positions
         torch.manual_seed(seed)
-        out = model.generate(
-            prompt, max_new_tokens=SAMPLE_BYTES, do_sample=True, temperature=0.8, top_k=50, pad_token_id=0
-        )
-    return decode([int(i) % 256 for i in out[0].tolist()])
+        new = max(0, min(SAMPLE_BYTES, block_size - prompt.shape[1]))
+        out = model.generate(prompt, max_new_tokens=new, do_sample=True, temperature=0.8, top_k=50, pad_token_id=0)
+    # a vocabulary larger than the 256 bytes may still emit an id it never trained on: leave those out
+    return decode([i for i in out[0].tolist() if 0 <= i < 256])
 
 
 def _emit(text: str = "") -> None:
@@ -369,9 +370,12 @@ def run(args: argparse.Namespace) -> int:
 
     if not _is_main():
         return 0
-    unwrapped = trainer.model
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     device = next(unwrapped.parameters()).device
-    sample = report.printable(_sample(unwrapped, args.seed, device))
+    try:
+        sample = report.printable(_sample(unwrapped, args.seed, device, info.block_size))
+    except (RuntimeError, ValueError, IndexError, TypeError) as exc:  # the run itself succeeded and is saved
+        sample = f"(no sample: generation failed: {exc})"
     rows = report.summary_rows(
         summary=summary,
         log_history=history,
@@ -398,6 +402,6 @@ def run(args: argparse.Namespace) -> int:
     _emit()
     _emit(report.format_table(rows, "mixprec train: summary"))
     _emit()
-    _emit(f"sample (prompt {SAMPLE_PROMPT!r}, {SAMPLE_BYTES} bytes, temperature 0.8):")
-    _emit(SAMPLE_PROMPT + sample[len(SAMPLE_PROMPT) :])
+    _emit(f"sample from the trained model (prompt {SAMPLE_PROMPT!r}, temperature 0.8):")
+    _emit(sample)
     return 0
