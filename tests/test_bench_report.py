@@ -17,7 +17,9 @@ REQUIRED = {"precision", "step_time_s", "step_time_spread_s", "tokens_per_s", "s
 def result():
     batches = make_batches(n=3, batch=4)
     workload = Workload(make_tiny_lm(), batches[:2], batches[2], description="tiny LM", flops_per_token=1e3)
-    cfg = BenchConfig(precisions=("fp32", "fp16", "bf16", "auto"), steps=1, rounds=1, warmup=0, measure_peak=False)
+    # memory is covered in test_bench_runner; here only how the report shows it
+    cfg = BenchConfig(precisions=("fp32", "fp16", "bf16", "auto"), steps=1, rounds=1, warmup=0, measure_peak=False,
+                      measure_memory=False)  # fmt: skip
     return run_bench(workload, cfg)
 
 
@@ -27,7 +29,7 @@ def test_table_has_a_row_per_precision_and_names_its_measures(result):
     for name in ("fp32", "fp16", "bf16", "auto"):
         assert any(line.startswith(name) for line in lines), name
     assert "interquartile" in table
-    assert "peak mem:" in table
+    assert "peak mem: not measured" in table
     assert "auto chose" in table
 
 
