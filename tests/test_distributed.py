@@ -91,6 +91,14 @@ def test_accumulation_skips_the_gradient_all_reduce_until_the_last_micro_batch(r
     }
 
 
+def test_fsdp2_accumulates_like_ddp(ranks: list[dict]) -> None:
+    # FSDP2 skips its reduce-scatter on the first micro-batch (set_requires_gradient_sync(False)) and
+    # reduces the sum on the second; fp32, so the tolerance is that of test_fsdp2_agrees_with_ddp.
+    ddp, fsdp = ranks[0]["accumulated"]["ddp"], ranks[0]["accumulated"]["fsdp"]
+    for name, values in ddp.items():
+        assert max(abs(x - y) for x, y in zip(values, fsdp[name])) <= TOLERANCE["fp32"], name
+
+
 # FSDP2 vs DDP. fp32: the same arithmetic up to reduction order (observed: identical). fp16: FSDP2
 # gathers fp16 weights (MixedPrecisionPolicy), so embedding lookups and additions that autocast leaves
 # alone run in fp16 there, fp32 under DDP; over 15 AdamW steps the observed gap is ~1.4e-4.

@@ -110,6 +110,19 @@ def no_sync_grads() -> dict:
     return out
 
 
+def accumulated(distributed: str | None) -> dict[str, list[float]] | None:
+    """Two optimizer steps of two micro-batches each (no_sync on the first of each pair)."""
+    accelerator = Accelerator(gradient_accumulation_steps=2, distributed=distributed, verbose=False)
+    model, optimizer, loader, scheduler = build(accelerator)
+    for _, batch in zip(range(4), loader):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(batch["input_ids"], labels=batch["labels"]).loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    return full_params(accelerator, model)
+
+
 def save_and_load(accelerator: Accelerator, objects, folder: Path, distributed: str | None) -> dict:
     model = objects[0]
     accelerator.save_state(folder)
@@ -150,6 +163,7 @@ def main() -> None:
     results["world"] = {"num_processes": first.num_processes, "backend": dist.get_backend()}
     results["uneven_gather"] = first.gather(torch.arange(first.process_index + 1)).tolist()
     results["no_sync"] = no_sync_grads()
+    results["accumulated"] = {"ddp": accumulated(None), "fsdp": accumulated("fsdp")}
     # "auto" times a probe on each process (a loaded machine may time them differently): all take rank 0's
     results["auto"] = Accelerator(mixed_precision="auto", verbose=False).mixed_precision
     for distributed in (None, "fsdp"):

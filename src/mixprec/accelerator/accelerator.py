@@ -376,7 +376,7 @@ def _is_wrapper(model: torch.nn.Module) -> bool:
 
 def _map_tensors(data: Any, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> Any:
     if isinstance(data, torch.Tensor):
-        return fn(data)
+        return fn(data.to(device))  # nccl collectives need device tensors (a no-op on the CPU)
     if isinstance(data, Mapping):
         return type(data)({k: _map_tensors(v, fn, device) for k, v in data.items()})
     if isinstance(data, (list, tuple)):
