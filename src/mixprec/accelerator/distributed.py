@@ -13,6 +13,7 @@ MASTER_ADDR and MASTER_PORT), so a script needs no ``init_process_group`` of its
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -214,6 +215,8 @@ class ProcessGroupStrategy(DistributedStrategy):
             else:
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             self._owns_group = True
+            # A script that never calls end_training() still leaves the group cleanly (nccl warns otherwise).
+            atexit.register(self.close)
 
     @property
     def num_processes(self) -> int:
