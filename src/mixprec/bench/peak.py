@@ -66,11 +66,11 @@ def measure_peak_flops(dtype: torch.dtype, device: torch.device | str, *, repeat
     """
     device = torch.device(device)
     kind = "cuda" if device.type == "cuda" else "cpu"
-    g = torch.Generator().manual_seed(0)
     best_rate, best_size, size = 0.0, _START_SIZE, _START_SIZE
     while True:
-        a = torch.randn(size, size, generator=g).to(device=device, dtype=dtype)
-        b = torch.randn(size, size, generator=g).to(device=device, dtype=dtype)
+        # made on the device: an 8192^2 randn on the host would cost more than all the GPU timing
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
         _time_linear(a, b, device)  # the first call at a size pays for kernel selection
         seconds = [_time_linear(a, b, device) for _ in range(repeats)]
         rate = 2.0 * size**3 / max(min(seconds), 1e-12)

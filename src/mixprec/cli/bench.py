@@ -38,6 +38,11 @@ examples:
   mixprec bench --data notes.txt --model ./my-hf-model --batch-size 8 --seq-len 256
   mixprec bench --threads 2                     a multi-threaded CPU run (default: 1 thread, steadier)
 
+bench's defaults differ from train's: --batch-size 4 and --seq-len 64 (an fp16 or bf16 step can be ~10x
+an fp32 step on a CPU without native support), and one torch thread on a CPU (several threads of a small
+model wait on each other whenever anything else runs, so the timings would measure the neighbours).
+--precision is train's flag: bench compares several, given with --precisions.
+
 Each precision trains its own copy of the same initial model on the same batches; rounds are interleaved
 (each round times every precision, starting with a different one), and the median per-step time is
 reported with its interquartile range. Peak memory: CUDA max_memory_allocated, or on a CPU (Linux) the
@@ -83,7 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         type=positive_int,
         default=None,
-        help=f"torch intra-op threads (default: {CPU_THREADS} on a CPU, see below; torch's own on a GPU)",
+        help=f"torch intra-op threads (default: {CPU_THREADS} on a CPU, see below; torch's own with CUDA)",
     )
     group.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     group.add_argument("--json", action="store_true", help="print only the JSON document on stdout")
