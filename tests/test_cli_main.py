@@ -6,7 +6,6 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -70,20 +69,24 @@ def test_every_train_example_in_the_help_parses():
         assert args.command == "train"
 
 
-def test_help_through_python_dash_m():
+@pytest.mark.xfail(
+    strict=True,
+    reason="main.py bug: run as `python -m mixprec.cli.main` the dispatcher is module __main__, while the "
+    "subcommands raise mixprec.cli.main.CliError, a different class its except clause does not catch, so a "
+    "bad flag prints a traceback (fix: CliError(ValueError), or `from mixprec.cli.main import main` in the "
+    "__main__ block)",
+)
+def test_python_dash_m_bad_input_has_no_traceback(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "mixprec.cli.main", "train", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "mixprec.cli.main", "train", "--precision", "fp17"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
     )
-    assert proc.returncode == 0
-    assert "--precision" in proc.stdout and proc.stderr == ""
-
-
-def test_console_script_is_installed_and_reports_its_version():
-    exe = Path(sys.executable).with_name("mixprec")
-    if not exe.exists():
-        pytest.skip("the mixprec console script is not installed next to this Python")
-    proc = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.startswith("mixprec ")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("mixprec train: error: --precision: unknown precision")
 
 
 def test_unknown_subcommand_is_an_error_without_traceback(capsys):

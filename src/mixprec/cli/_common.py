@@ -40,6 +40,8 @@ __all__ = [
     "build_model",
     "check_precision",
     "load_model_and_data",
+    "nonnegative_int",
+    "positive_float",
     "positive_int",
 ]
 
@@ -62,6 +64,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
 def _seq_len(text: str) -> int:
     value = positive_int(text)
     if value < 2:  # one token leaves no next-token target after the shift
@@ -69,7 +82,8 @@ def _seq_len(text: str) -> int:
     return value
 
 
-def _nonnegative_int(text: str) -> int:
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
     try:
         value = int(text)
     except ValueError:
@@ -121,9 +135,7 @@ def add_data_model_args(
         default=batch_size,
         help=f"sequences per step (default: {batch_size})",
     )
-    group.add_argument(
-        "--seed", metavar="N", type=_nonnegative_int, default=seed, help=f"random seed (default: {seed})"
-    )
+    group.add_argument("--seed", metavar="N", type=nonnegative_int, default=seed, help=f"random seed (default: {seed})")
     group.add_argument(
         "--precision",
         metavar="NAME",

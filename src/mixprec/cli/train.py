@@ -11,9 +11,7 @@ Under ``torchrun --nproc_per_node=N`` the same command trains on N processes; on
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,13 +20,20 @@ from typing import Any
 import torch
 from torch.utils.data import Subset
 
-from mixprec.cli import report
-from mixprec.cli._common import DataModelInfo, add_data_model_args, load_model_and_data, positive_int
-from mixprec.cli._config import add_config_arg, apply_config, apply_config_file, dump_toml, explicit_flags
+from mixprec.cli import _rundir, report
+from mixprec.cli._common import (
+    DataModelInfo,
+    add_data_model_args,
+    load_model_and_data,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
+from mixprec.cli._config import add_config_arg, apply_config, dump_toml
 from mixprec.cli._epochs import EpochCallback, EpochChunks, evenly_spaced
 from mixprec.cli.main import CliError
 from mixprec.data import decode, encode, unigram_entropy
-from mixprec.models import GPT, GPT_PRESETS
+from mixprec.models import GPT
 
 # -- defaults, measured on the project's 2-core AMD EPYC (AVX2) machine, where "auto" picks fp32 ------------
 # About 300 steps of 16 x 256 bytes (1.2M bytes, under half of the training split, so no byte is seen twice)
@@ -41,7 +46,6 @@ DEFAULT_LR = 2e-3
 """A 0.9M-parameter model trains fastest near 1e-3..3e-3 with AdamW (nanoGPT uses 1e-3 at 10M)."""
 EVAL_TOKENS = 2**17
 """Validation tokens per evaluation (evenly spaced chunks of the held-out split): ~6% of the training time."""
-RUNS_DIR = "runs"
 SAMPLE_PROMPT = "def "
 SAMPLE_BYTES = 240
 
@@ -66,26 +70,6 @@ config file (TOML, or YAML with pyyaml): flag names as keys, e.g.
 """
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
-
-
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train",
@@ -100,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--epochs",
         metavar="N",
-        type=_positive_float,
+        type=positive_float,
         default=DEFAULT_EPOCHS,
         help=f"epochs (default: {DEFAULT_EPOCHS})",
     )
@@ -114,14 +98,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--epoch-tokens",
         metavar="N",
-        type=_nonnegative_int,
+        type=nonnegative_int,
         default=DEFAULT_EPOCH_TOKENS,
         help=f"training tokens per epoch (default: {DEFAULT_EPOCH_TOKENS:,}); 0: a full pass over the training split",
     )
     g.add_argument(
         "--lr",
         metavar="LR",
-        type=_positive_float,
+        type=positive_float,
         default=DEFAULT_LR,
         help=f"peak learning rate (default: {DEFAULT_LR:g})",
     )
@@ -129,7 +113,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--output-dir",
         metavar="DIR",
         default=None,
-        help=f"run folder (default: {RUNS_DIR}/<date>-<time>); holds config, metrics, checkpoints and plots",
+        help=f"run folder (default: {_rundir.RUNS_DIR}/<date>-<time>); holds config, metrics, checkpoints and plots",
     )
     g.add_argument(
         "--resume",
@@ -145,108 +129,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--diagnose", action="store_true", help="diagnose gradient ranges first and start the loss scale there"
     )
     parser.set_defaults(func=run)
-
-
-# -- run folder -------------------------------------------------------------------------------------------
-
-CONFIG_FILE = "config.toml"
-RUN_FILE = "run.json"
-# flags that describe this invocation, not the run: never saved into (or read back from) the run's config
-_NOT_SAVED = ("config", "resume", "output_dir")
-
-
-def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _is_main() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def _launch_time() -> datetime.datetime:
-    """When this run was launched, the same on every process of a torchrun launch.
-
-    Each process's own clock differs by a second or so, which would give each its own folder; torchrun's
-    workers share their parent (the launcher's agent), so its start time names the run (Linux /proc).
-    """
-    if _world_size() == 1:
-        return datetime.datetime.now()
-    try:
-        ticks = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        btime = next(
-            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
-        )
-        return datetime.datetime.fromtimestamp(btime + ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError, StopIteration):
-        raise CliError(
-            "under torchrun, pass --output-dir so that every process writes to the same run folder"
-        ) from None
-
-
-def _new_run_dir() -> Path:
-    stamp = _launch_time().strftime("%Y%m%d-%H%M%S")
-    path = Path(RUNS_DIR) / stamp
-    if _world_size() == 1:  # a second run in the same second gets its own folder (one process decides alone)
-        n = 1
-        while path.exists():
-            n += 1
-            path = Path(RUNS_DIR) / f"{stamp}-{n}"
-    return path
-
-
-def _checkpoints(run_dir: Path) -> list[Path]:
-    from mixprec.trainer.checkpointing import list_checkpoints
-
-    return list_checkpoints(run_dir)
-
-
-def _resolve_resume(resume: Any, output_dir: str | None) -> tuple[Path, Path]:
-    """``(run_dir, checkpoint)`` for --resume (True: the last checkpoint of --output-dir or the newest run)."""
-    if resume is True:
-        if output_dir is not None:
-            run_dir = Path(output_dir)
-        else:
-            runs = sorted(p for p in Path(RUNS_DIR).glob("*") if p.is_dir() and _checkpoints(p))
-            if not runs:
-                raise CliError(f"--resume: no run with a checkpoint in {RUNS_DIR}/; pass --resume PATH or --output-dir")
-            run_dir = runs[-1]
-    else:
-        path = Path(resume)
-        if not path.exists():
-            raise FileNotFoundError(f"--resume: no such run or checkpoint folder: {path}")
-        if _checkpoints(path):
-            run_dir = path
-        elif path.is_dir() and path.parent != path and path in _checkpoints(path.parent):
-            return path.parent, path
-        else:
-            raise CliError(f"--resume {path}: neither a run folder with checkpoint-N folders nor a checkpoint folder")
-        if output_dir is not None and Path(output_dir).resolve() != run_dir.resolve():
-            raise CliError(f"--resume {path} and --output-dir {output_dir} name different runs; pass one of them")
-    checkpoints = _checkpoints(run_dir)
-    if not checkpoints:
-        raise CliError(f"--resume: {run_dir} has no checkpoint-N folder to continue from")
-    return run_dir, checkpoints[-1]
-
-
-def _saved_flags(args: argparse.Namespace) -> dict[str, Any]:
-    skip = {"func", "command", *_NOT_SAVED}
-    flags = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in skip}
-    # paths made absolute, so `--resume` or `--config <run>/config.toml` works from any directory
-    for key in ("data", "model"):
-        if (
-            flags.get(key) is not None
-            and Path(flags[key]).exists()
-            and not (key == "model" and flags[key] in GPT_PRESETS)
-        ):
-            flags[key] = str(Path(flags[key]).resolve())
-    return flags
-
-
-def _apply_saved_run_config(args: argparse.Namespace, run_dir: Path) -> None:
-    """On --resume, the run's own saved flags fill what neither the command line nor --config set."""
-    path = run_dir / CONFIG_FILE
-    if path.is_file():
-        apply_config_file(args, path, keep=explicit_flags(args) | set(args._from_config_file))
 
 
 # -- the run ----------------------------------------------------------------------------------------------
@@ -307,7 +189,7 @@ def _sample(model: torch.nn.Module, seed: int, device: torch.device, block_size:
 
 def _emit(text: str = "") -> None:
     """Print on the main process only, safely whatever the terminal's encoding."""
-    if not _is_main():
+    if not _rundir.is_main():
         return
     enc = getattr(sys.stdout, "encoding", None) or "utf-8"
     print(text.encode(enc, errors="replace").decode(enc), flush=True)
@@ -319,11 +201,11 @@ def run(args: argparse.Namespace) -> int:
 
     resume_from: Path | None = None
     if args.resume is not None:
-        run_dir, resume_from = _resolve_resume(args.resume, args.output_dir)
-        _apply_saved_run_config(args, run_dir)
+        run_dir, resume_from = _rundir.resolve_resume(args.resume, args.output_dir)
+        _rundir.apply_saved_flags(args, run_dir)
     else:
-        run_dir = Path(args.output_dir) if args.output_dir is not None else _new_run_dir()
-        if _checkpoints(run_dir):
+        run_dir = Path(args.output_dir) if args.output_dir is not None else _rundir.new_run_dir()
+        if _rundir.checkpoints_of(run_dir):
             raise CliError(
                 f"--output-dir {run_dir} already holds a run with checkpoints; continue it with --resume, "
                 f"or choose another folder"
@@ -355,10 +237,12 @@ def run(args: argparse.Namespace) -> int:
         eval_dataset=eval_dataset,
         callbacks=[EpochCallback(train_dataset)],
     )
-    if _is_main():
+    if _rundir.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
         header = "mixprec train flags of this run; reuse with: mixprec train --config <this file>"
-        (run_dir / CONFIG_FILE).write_text(dump_toml(_saved_flags(args), header=header), encoding="utf-8")
+        (run_dir / _rundir.CONFIG_FILE).write_text(
+            dump_toml(_rundir.saved_flags(args), header=header), encoding="utf-8"
+        )
     output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     summary = dict(output.metrics)
 
@@ -368,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
         last_eval = (float(trainer.evaluate()["eval_loss"]), trainer.state.global_step)
     eval_loss = last_eval[0]
 
-    if not _is_main():
+    if not _rundir.is_main():
         return 0
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     device = next(unwrapped.parameters()).device
@@ -383,12 +267,12 @@ def run(args: argparse.Namespace) -> int:
         unigram_baseline=baseline,
         epochs_done=trainer.state.epoch,
         wall_seconds=time.perf_counter() - wall_start,
-        num_processes=_world_size(),
+        num_processes=_rundir.world_size(),
         run_dir=str(run_dir),
         diagnosis=trainer.diagnosis,
     )
     record = {
-        "flags": _saved_flags(args),
+        "flags": _rundir.saved_flags(args),
         "model": info.to_dict(),
         "training_arguments": training_args.to_dict(),
         "epoch_chunks": len(train_dataset),
@@ -398,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         "summary": summary,
         "sample": sample,
     }
-    (run_dir / RUN_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    (run_dir / _rundir.RUN_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
     _emit()
     _emit(report.format_table(rows, "mixprec train: summary"))
     _emit()
