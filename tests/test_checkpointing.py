@@ -23,6 +23,7 @@ import torch
 from mixprec import Trainer, TrainingArguments
 from mixprec.checkpoint import CheckpointError, UnsafeCheckpointError, load_tensors
 from mixprec.trainer.checkpointing import is_complete, latest_checkpoint, list_checkpoints, resolve_resume
+from mixprec.trainer.logging import read_metrics
 from trainer_kill_script import MAX_STEPS, SAVE_STEPS, build_trainer
 from trainer_utils import assert_bit_identical, flat_params, make_examples, make_model
 
@@ -107,6 +108,10 @@ def test_resume_after_kill_9_is_bit_identical_fp16(runs):
     trainer = _resume(out, "fp16")
     assert trainer.state.global_step == MAX_STEPS
     assert_bit_identical(flat_params(trainer.model), runs["reference"]["fp16"])
+    # the killed run logged step 5 before dying; the log keeps each step once, as the resumed run wrote it
+    entries = read_metrics(out / "run" / "metrics.jsonl")
+    assert [e["step"] for e in entries if "loss" in e] == list(range(1, MAX_STEPS + 1))
+    assert [e["loss"] for e in entries if "loss" in e] == [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
 
 def test_kill_during_a_save_leaves_the_previous_checkpoint_loadable_fp32(runs):

@@ -290,6 +290,19 @@ def test_progress_bar_shows_loss_lr_scale_and_throughput(tmp_path):
     assert set(shown) == {"loss", "lr", "scale", "tok/s"} and shown["scale"] == "65536"
 
 
+def test_metrics_jsonl_keeps_earlier_runs_and_reads_the_latest(tmp_path):
+    from mixprec.trainer.logging import read_metrics
+
+    args = quiet_args(tmp_path, max_steps=3, logging_steps=1)
+    Trainer(make_model(), args, train_dataset=make_examples(16)).train()
+    Trainer(
+        make_model(seed=1), quiet_args(tmp_path, max_steps=2, logging_steps=1), train_dataset=make_examples(16)
+    ).train()
+    path = tmp_path / "out" / "metrics.jsonl"
+    assert [e["step"] for e in read_metrics(path, current_run=False) if "loss" in e] == [1, 2, 3, 1, 2]
+    assert [e["step"] for e in read_metrics(path) if "loss" in e] == [1, 2]
+
+
 def test_tensorboard_without_the_package_is_a_clear_error(tmp_path):
     from mixprec.trainer.logging import tensorboard_available
 

@@ -2,8 +2,9 @@
 
 Both are callbacks on ``on_log`` and run on the main process only (the Trainer adds them there). The JSONL
 file is the run's complete record: training and evaluation entries (the same dicts as ``state.log_history``)
-plus events the history does not hold: each skipped step with the parameters whose gradients were
-non-finite, and each change of the loss scale. The plots are drawn from it.
+plus events the history does not hold: the start of each run (and of each resume), each skipped step with
+the parameters whose gradients were non-finite, and each change of the loss scale. The file is appended
+to, so several runs in one output_dir follow each other; the plots are drawn from the latest.
 """
 
 from __future__ import annotations
@@ -52,30 +53,44 @@ class JsonlLogger(TrainerCallback):
         self.write({"event": name, "step": step, **fields})
 
     def truncate_after(self, step: int) -> None:
-        """Drop entries past ``step``: after a resume from checkpoint-``step``, lines a killed run wrote
-        beyond its checkpoint describe steps that are about to run again."""
+        """Drop this run's entries past ``step``: after a resume from checkpoint-``step``, lines a killed run
+        wrote beyond its checkpoint describe steps that are about to run again. Earlier runs' lines (before
+        the last fresh start) are kept as they are."""
         if not self.path.exists():
             return
-        kept = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by the kill
-                continue
-            if int(entry.get("step", 0)) <= step:
-                kept.append(line)
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        entries = [_parse(line) for line in lines]
+        start = last_fresh_start(entries)
+        kept = lines[:start] + [
+            line for line, e in zip(lines[start:], entries[start:]) if e is not None and int(e.get("step", 0)) <= step
+        ]
         self.path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Every complete entry of a metrics.jsonl file (a last line cut short by a kill is skipped)."""
-    entries = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            entries.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return entries
+def _parse(line: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:  # a line cut short by a kill
+        return None
+
+
+def last_fresh_start(entries: list[dict[str, Any] | None]) -> int:
+    """Index of the last "train_begin" event of a run that did not resume (0 if none): where the current
+    run's record begins when several runs appended to one file."""
+    for i in range(len(entries) - 1, -1, -1):
+        e = entries[i]
+        if e is not None and e.get("event") == "train_begin" and e.get("resumed_from") is None:
+            return i
+    return 0
+
+
+def read_metrics(path: str | Path, current_run: bool = True) -> list[dict[str, Any]]:
+    """The complete entries of a metrics.jsonl file (a line cut short by a kill is skipped); with
+    ``current_run``, only those of the last run started fresh (and its resumes)."""
+    entries = [_parse(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    if current_run:
+        entries = entries[last_fresh_start(entries) :]
+    return [e for e in entries if e is not None]
 
 
 def tensorboard_available() -> bool:

@@ -255,14 +255,20 @@ class Trainer:
         acc.wait_for_everyone()
         checkpoint = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir)
         plan = Plan.make(len(loader), args)
-        if args.diagnose_at_start and checkpoint is None:
-            self.diagnosis = diagnose_at_start(self)
+        if checkpoint is None:
+            self.record_event("train_begin", 0, resumed_from=None, precision=acc.mixed_precision)
+            if args.diagnose_at_start:
+                self.diagnosis = diagnose_at_start(self)
         model = self._prepared_model()
         self.create_optimizer_and_scheduler(plan.max_steps)
         self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
         self.callback_handler.train_dataloader = loader
-        start = ckpt.load_trainer_checkpoint(self, checkpoint) if checkpoint is not None else DataPosition()
+        start = DataPosition()
+        if checkpoint is not None:
+            start = ckpt.load_trainer_checkpoint(self, checkpoint)
+            step = self.state.global_step
+            self.record_event("train_begin", step, resumed_from=step, precision=acc.mixed_precision)
         # this run's plan, also over a loaded state (a resume may train longer than the run it continues)
         self.state.max_steps = plan.max_steps
         self.state.num_train_epochs = plan.num_epochs
