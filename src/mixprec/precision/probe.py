@@ -2,16 +2,16 @@
 
 A bare matmul says little about a training step: on CPUs without AMX, fp16 GEMMs can beat fp32 while a
 whole fp16 step (autocast casts, fp32 master weights, elementwise ops, backward) is no faster, and bf16 is
-slower. So the probe times what a step does: forward and backward through linear layers, an activation and
-a norm, with the casts autocast adds. It costs a fraction of a second on a quiet machine and is cached for
-the process.
+slower. So the probe times what a language-model step does: one transformer block and a vocabulary head,
+forward and backward, with the casts autocast adds. It costs about half a second and is cached for the
+process.
 
-A low-precision mode must win by the median step time and by the best (minimum) one. On a busy machine the
-median alone misleads: fp32's short multi-threaded GEMMs lose far more to descheduled OpenMP threads than
-the long emulated fp16/bf16 steps do, so the ratio shrinks toward 1 and noise can flip it (on the 2-core dev
-box at load average 7, the median-only probe chose bf16 in 2 of 3 runs although bf16 steps cost ~5x fp32's
-at one thread there). Noise only ever adds time, so the minimum is the best estimate of what the hardware
-does; requiring both keeps the choice "fastest" in the typical and in the undisturbed case.
+It runs on one thread. What a dtype changes is the per-core kernel (native AMX/AVX512-BF16 or emulated);
+threads scale every dtype alike on a quiet machine, but on a busy one short multi-threaded fp32 ops lose far
+more to descheduled OpenMP threads than long emulated fp16/bf16 ones, and the ratio becomes noise (on the
+2-core dev box at load average 7, a 2-thread probe measured bf16 1.4x *faster* than fp32; bf16 steps of the
+real model were 1.6x slower, and 5x slower at one thread). A low-precision mode must win by the median step
+time and by the best (minimum) one: noise only ever adds time.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 # Probe shape: big enough that GEMMs dominate as in a real step, small enough to stay well under a second.
-_BATCH, _WIDTH, _HIDDEN = 64, 256, 512
+_BATCH, _SEQ, _WIDTH, _HIDDEN, _HEADS, _VOCAB = 2, 32, 128, 512, 4, 256
 _ROUNDS = 5
 # A mode whose best time is this much slower than fp32's best cannot win: stop timing it (keeps the probe
 # cheap on CPUs where low precision is emulated and an order of magnitude slower).
@@ -33,7 +33,7 @@ _DROP_RATIO = 1.5
 # A low-precision mode must beat fp32 by this much to be chosen: ties go to the numerically safer mode.
 MARGIN = 0.05
 
-_cache: dict[tuple[str, int], ProbeResult] = {}
+_cache: dict[tuple[str, int], ProbeResult] = {}  # (device type, threads)
 _lock = threading.Lock()
 
 
@@ -59,43 +59,72 @@ class ProbeResult:
         )
 
 
+class _ProbeBlock(torch.nn.Module):
+    """One pre-LN transformer block and a vocabulary head: the op mix of a real language-model step
+    (GEMMs, attention, norms, GELU, softmax cross-entropy). An MLP alone misleads: its GEMMs can favour
+    bf16 while attention, norms and casts make the whole step slower."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1 = torch.nn.LayerNorm(_WIDTH)
+        self.qkv = torch.nn.Linear(_WIDTH, 3 * _WIDTH)
+        self.proj = torch.nn.Linear(_WIDTH, _WIDTH)
+        self.ln2 = torch.nn.LayerNorm(_WIDTH)
+        self.fc = torch.nn.Linear(_WIDTH, _HIDDEN)
+        self.out = torch.nn.Linear(_HIDDEN, _WIDTH)
+        self.head = torch.nn.Linear(_WIDTH, _VOCAB)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, _HEADS, c // _HEADS).transpose(1, 2) for z in (q, k, v))
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, c))
+        x = x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, _VOCAB), targets.view(-1))
+
+
 def _probe_model() -> torch.nn.Module:
-    g = torch.Generator().manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(_WIDTH, _HIDDEN),
-        torch.nn.GELU(),
-        torch.nn.Linear(_HIDDEN, _WIDTH),
-        torch.nn.LayerNorm(_WIDTH),
-        torch.nn.Linear(_WIDTH, _WIDTH),
-    )
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    return model
+    torch_state = torch.random.get_rng_state()
+    try:  # the probe must not move the user's RNG stream (bit-exact resume depends on it)
+        torch.manual_seed(0)
+        return _ProbeBlock()
+    finally:
+        torch.random.set_rng_state(torch_state)
 
 
-def _step(model: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> None:
+def _step(model: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype | None) -> None:
     ctx = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
     with ctx:
-        out = model(x)
-    loss = out.float().square().mean()
+        loss = model(x, targets)
     loss.backward()
 
 
 def measure_cpu() -> ProbeResult:
     """Time fp32, bf16 and fp16 probe steps in interleaved rounds and choose the fastest (uncached)."""
-    start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see the module docstring: per-core speed, immune to neighbours' load
+    try:
+        return _measure(time.perf_counter())
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(start: float) -> ProbeResult:
     model = _probe_model()
-    x = torch.randn(_BATCH, _WIDTH, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(_BATCH, _SEQ, _WIDTH, generator=g)
+    targets = torch.randint(0, _VOCAB, (_BATCH, _SEQ), generator=g)
     modes: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     samples: dict[str, list[float]] = {name: [] for name in modes}
     for dtype in modes.values():  # warm-up: first calls pay for kernel selection and allocation
-        _step(model, x, dtype)
+        _step(model, x, targets, dtype)
     racing = dict(modes)
     for _ in range(_ROUNDS):  # interleaved, so a noisy neighbour hurts every mode alike
         for name, dtype in racing.items():
             t0 = time.perf_counter()
-            _step(model, x, dtype)
+            _step(model, x, targets, dtype)
             samples[name].append(time.perf_counter() - t0)
         # After every round, not only the first: on a busy machine one fp32 sample can be inflated enough to
         # keep a mode racing that its best time already rules out (the probe then cost 5-9 s, not 0.5).
@@ -104,7 +133,7 @@ def measure_cpu() -> ProbeResult:
     medians = {name: statistics.median(ts) for name, ts in samples.items()}
     minima = {name: min(ts) for name, ts in samples.items()}
     chosen = choose(medians, minima)
-    return ProbeResult(medians, chosen, time.perf_counter() - start, torch.get_num_threads(), minima)
+    return ProbeResult(medians, chosen, time.perf_counter() - start, 1, minima)
 
 
 def choose(step_seconds: dict[str, float], best_seconds: dict[str, float] | None = None) -> str:
@@ -119,8 +148,8 @@ def choose(step_seconds: dict[str, float], best_seconds: dict[str, float] | None
 
 
 def cpu_probe() -> ProbeResult:
-    """The cached probe result for this process (keyed by thread count, which changes the answer)."""
-    key = ("cpu", torch.get_num_threads())
+    """The cached probe result for this process."""
+    key = ("cpu", 1)
     with _lock:
         if key not in _cache:
             _cache[key] = measure_cpu()
