@@ -7,11 +7,19 @@ about a millisecond on this CPU, where fp16 compute is emulated and ~10x slower 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
 
-import pytest
-import torch
-import torch.nn.functional as F
+# One intra-op thread for the whole suite and the processes it launches: its models are tiny, and on a
+# shared 2-core machine a second OpenMP thread mostly waits for a core (tests ran ~2x slower with two).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 VOCAB = 16
 SEQ = 8
