@@ -125,6 +125,9 @@ def finish_run(trainer: Trainer, steps_before: int) -> TrainOutput:
         metric_name=args.evaluation.metric_key() if state.best_metric is not None else None,
         device=acc.device,
     )
+    # HF's last log entry, which scripts read from log_history[-1]
+    trainer.log({k: summary[k] for k in ("train_runtime", "train_samples_per_second", "train_steps_per_second",
+                                          "train_loss")})  # fmt: skip
     if acc.is_main_process:
         write_summary(summary, args.output_dir)
         if args.save_plots and trainer._jsonl is not None:

@@ -41,7 +41,7 @@ from mixprec.trainer.data import (
 )
 from mixprec.trainer.diagnosis import diagnose_at_start
 from mixprec.trainer.evaluation import EvalResult, evaluation_loop
-from mixprec.trainer.logging import JsonlLogger, TensorBoardLogger
+from mixprec.trainer.logging import JsonlLogger, TensorBoardLogger, tensorboard_available
 from mixprec.trainer.loop import Plan, TrainingLoop, call_model
 from mixprec.trainer.meter import StepMeter
 from mixprec.trainer.optim import build_optimizer, build_scheduler
@@ -93,6 +93,8 @@ class Trainer:
                 f"TrainingArguments(eval_strategy={args.eval_strategy!r}) needs an eval_dataset: pass "
                 "Trainer(eval_dataset=...) or set eval_strategy='no'"
             )
+        if "tensorboard" in args.report_to and not tensorboard_available():  # before joining any process group
+            TensorBoardLogger(args.logging_dir)  # raises, saying what to install
         set_seed(args.seed)
         self.accelerator = Accelerator(
             mixed_precision=args.precision,
