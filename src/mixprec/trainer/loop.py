@@ -107,7 +107,8 @@ class TrainingLoop:
                     t.state.epoch = epoch + micro / plan.batches_per_epoch
                     self.position = DataPosition(epoch, micro)
                     t.event("on_step_end", meter=t.meter)
-                    if stop.agreed(reduce_max):
+                    # a signal during the last step changes nothing: the run ends as a complete one
+                    if stop.agreed(reduce_max) and t.state.global_step < plan.max_steps:
                         self._stop_for_signal(stop.received)
                     t.maybe_log_save_evaluate(self._grad_norm, self.position)
                     if t.control.should_epoch_stop or t.control.should_training_stop:

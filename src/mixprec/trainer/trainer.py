@@ -281,13 +281,14 @@ class Trainer:
         loop = TrainingLoop(self, loader, plan, start)
         steps_before = self.state.global_step
         loop.run()
-        if loop.interrupted is None and args.load_best_model_at_end:
+        interrupted = loop.interrupted
+        if interrupted is None and args.load_best_model_at_end:
             ckpt.load_best_model(self)
         output = finish_run(self, steps_before)
-        if loop.interrupted is not None:
-            acc.print(f"mixprec: stopped by signal {loop.interrupted} at step {self.state.global_step}; resume with "
+        if interrupted is not None:
+            acc.print(f"mixprec: stopped by signal {interrupted} at step {self.state.global_step}; resume with "
                       "trainer.train(resume_from_checkpoint=True)", file=sys.stderr)  # fmt: skip
-            raise SystemExit(128 + loop.interrupted)
+            raise SystemExit(128 + interrupted)
         return output
 
     def maybe_log_save_evaluate(self, grad_norm: torch.Tensor | None, position: DataPosition) -> None:
