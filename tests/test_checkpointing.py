@@ -170,6 +170,27 @@ def test_resume_from_every_checkpoint_matches_the_uninterrupted_run(tmp_path, pr
         assert "train_runtime" in resumed.state.log_history[-1]
 
 
+def test_resume_at_an_epochs_last_step_still_runs_that_epochs_end(tmp_path):
+    # checkpoint-5 is the last step of epoch 1, saved before the epoch's evaluation: a resume from it must
+    # evaluate epoch 1 before training epoch 2, as the uninterrupted run did
+    kw = {"num_train_epochs": 3, "save_steps": 1, "eval_strategy": "epoch"}
+    data, val = make_examples(20), make_examples(8, 1)
+    full = Trainer(make_model(), _args(tmp_path / "full", **kw), train_dataset=data, eval_dataset=val)
+    full.train()
+    args = _args(tmp_path / "resumed", **{**kw, "save_strategy": "no"})
+    resumed = Trainer(make_model(seed=1), args, train_dataset=data, eval_dataset=val)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-5"))
+
+    def measured(history):  # the entries without wall-clock timings
+        return [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))} for e in history[:-1]]
+
+    assert [(e["step"], e["epoch"]) for e in resumed.state.log_history if "eval_loss" in e] == [
+        (5, 1.0), (10, 2.0), (15, 3.0)
+    ]  # fmt: skip
+    assert measured(resumed.state.log_history) == measured(full.state.log_history)
+    assert_bit_identical(flat_params(resumed.model), flat_params(full.model))
+
+
 def test_checkpoint_layout_is_safe_formats_and_hf_readable(tmp_path):
     trainer = Trainer(
         make_model(), _args(tmp_path, fp16=True, max_steps=2, save_steps=2), train_dataset=make_examples(16)

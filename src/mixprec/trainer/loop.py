@@ -97,7 +97,11 @@ class TrainingLoop:
                 micro = self.position.batches_consumed if epoch == self.position.epoch else 0
                 t.control._new_epoch()
                 t.event("on_epoch_begin")
-                for batch in self.loader:
+                # Resumed from a checkpoint taken at an epoch's last step, before that epoch's end (its
+                # evaluation, its save): nothing is left to read (the loader resumes at the next epoch), but
+                # the epoch's end still has to happen, as it did in the uninterrupted run.
+                batches = self.loader if micro < plan.batches_per_epoch else ()
+                for batch in batches:
                     micro += 1
                     stepped = self._micro_batch(batch)
                     if not stepped:
