@@ -29,7 +29,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mixprec.checkpoint import load_json, load_tensors, recover
+from mixprec.checkpoint import CheckpointError, load_json, load_tensors, recover
 from mixprec.trainer.data import DataPosition
 from mixprec.trainer.state import TrainerState
 
@@ -176,7 +176,26 @@ def load_trainer_checkpoint(trainer: Trainer, path: Path) -> DataPosition:
     if trainer._jsonl is not None:
         trainer._jsonl.truncate_after(trainer.state.global_step)
     logger.info("resumed from %s at step %d", path, trainer.state.global_step)
-    return DataPosition.from_dict(extra["data_position"])
+    position = DataPosition.from_dict(extra["data_position"])
+    _check_loader_agrees(trainer._train_loader, position, path)
+    return position
+
+
+def _check_loader_agrees(loader: Any, position: DataPosition, path: Path) -> None:
+    """The trainer's data position and the prepared loader's must name the same next batch; if a change in
+    either ever made them drift, an exact resume would silently become an inexact one."""
+    state = loader.state_dict() if hasattr(loader, "state_dict") else None
+    if state is None:  # a loader whose order the Accelerator does not own
+        return
+    mine = (position.epoch, position.batches_consumed)
+    if position.batches_consumed >= len(loader):  # the epoch's last batch was read: the next is epoch + 1
+        mine = (position.epoch + 1, 0)
+    if mine != (int(state["epoch"]), int(state["batches"])):
+        raise CheckpointError(
+            f"{path}: the trainer's data position (epoch {position.epoch}, {position.batches_consumed} batches) "
+            f"and the data loader's (epoch {state['epoch']}, {state['batches']} batches) disagree; the "
+            "checkpoint was written by an incompatible version"
+        )
 
 
 def load_best_model(trainer: Trainer) -> None:
