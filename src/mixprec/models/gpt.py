@@ -289,10 +289,12 @@ class GPT(nn.Module):
         """Logits for every position and, with ``labels``, the mean next-token cross entropy.
 
         ``labels`` has the shape of ``input_ids`` and is shifted here (position t predicts label t + 1), so
-        ``labels=input_ids`` is the usual call; label -100 is ignored. Padding is not masked out of the loss
-        automatically: set those labels to -100. ``attention_mask`` (1 = token, 0 = padding) keeps queries
-        from attending to padded keys; positions are still 0..T-1. Without a mask the causal flash path is
-        used. No host sync; the loss is an fp32 tensor even under fp16/bf16 autocast.
+        ``labels=input_ids`` is the usual call; label -100 is ignored (a batch whose every label is -100 has a
+        NaN loss, 0/0, as in PyTorch). Padding is not masked out of the loss automatically: set those labels
+        to -100. ``attention_mask`` (1 = token, 0 = padding) keeps queries from attending to padded keys;
+        positions are still 0..T-1. Without a mask the causal flash path is used. Token ids are not range
+        checked (that would sync): an id >= vocab_size is an index error on CPU, a device assert on CUDA.
+        No host sync; the loss is an fp32 tensor even under fp16/bf16 autocast.
         """
         h = self._hidden_states(input_ids, attention_mask)
         logits = self.lm_head(h)
