@@ -281,3 +281,14 @@ def test_generate_rejects_bad_arguments():
         model.generate(prompt, 2, temperature=-1)
     with pytest.raises(ValueError, match="top_k"):
         model.generate(prompt, 2, top_k=0)
+
+
+def test_num_parameters_takes_hf_keywords():
+    # the HF Trainer calls model.num_parameters(only_trainable=..., exclude_embeddings=True)
+    model = GPT.from_preset("tiny")
+    total = model.num_parameters()
+    wte, wpe = model.transformer.wte.weight.numel(), model.transformer.wpe.weight.numel()
+    assert model.num_parameters(exclude_embeddings=True) == total - wte - wpe
+    assert model.num_parameters(only_trainable=True) == total
+    model.transformer.wpe.weight.requires_grad_(False)
+    assert model.num_parameters(only_trainable=True) == total - wpe

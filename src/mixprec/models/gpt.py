@@ -221,13 +221,25 @@ class GPT(nn.Module):
         params.update(overrides)
         return cls(GPTConfig(**params))
 
-    def num_parameters(self, exclude_position_embeddings: bool = False) -> int:
+    def num_parameters(
+        self,
+        exclude_position_embeddings: bool = False,
+        *,
+        only_trainable: bool = False,
+        exclude_embeddings: bool = False,
+    ) -> int:
         """Number of distinct parameters (the tied embedding counted once).
 
         ``exclude_position_embeddings=True`` is nanoGPT's "non-embedding" count, the N of the 6N FLOP rule:
         the token embedding stays because, tied to ``lm_head``, it does a matmul every step.
+        ``only_trainable`` and ``exclude_embeddings`` are HF ``PreTrainedModel.num_parameters``'s keywords
+        (the HF Trainer calls it with them); the latter leaves out both embeddings.
         """
-        n = sum(p.numel() for p in self.parameters())  # parameters() already yields a tied tensor once
+        params = [p for p in self.parameters() if p.requires_grad or not only_trainable]
+        n = sum(p.numel() for p in params)  # parameters() already yields a tied tensor once
+        if exclude_embeddings:
+            n -= self.transformer.wte.weight.numel()
+            exclude_position_embeddings = True
         if exclude_position_embeddings:
             n -= self.transformer.wpe.weight.numel()
         return n
