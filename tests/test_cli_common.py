@@ -71,3 +71,15 @@ def test_hf_config_folder_builds_a_transformers_model(tmp_path):
     args = parse(["--data", str(corpus), "--model", str(tmp_path / "hf_small_vocab")])
     with pytest.raises(CliError, match="vocab_size 100"):
         load_model_and_data(args)
+
+
+def test_a_subcommand_sets_its_own_default_sequence_length(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("hello world\n" * 400)
+    parser = argparse.ArgumentParser(prog="t")
+    add_data_model_args(parser, seq_len=48)
+    _, train, _, info = load_model_and_data(parser.parse_args(["--data", str(corpus), "--model", "tiny"]))
+    assert info.seq_len == 48 and train[0]["input_ids"].shape == (48,)
+    parser = argparse.ArgumentParser(prog="t")
+    add_data_model_args(parser, seq_len=1000)  # capped at the tiny model's block size
+    assert load_model_and_data(parser.parse_args(["--data", str(corpus), "--model", "tiny"]))[3].seq_len == 64

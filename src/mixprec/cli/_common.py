@@ -94,12 +94,18 @@ def nonnegative_int(text: str) -> int:
 
 
 def add_data_model_args(
-    parser: argparse.ArgumentParser, *, batch_size: int = 16, precision: str = "auto", seed: int = 42
+    parser: argparse.ArgumentParser,
+    *,
+    batch_size: int = 16,
+    precision: str = "auto",
+    seed: int = 42,
+    seq_len: int = DEFAULT_SEQ_LEN,
 ) -> None:
     """Add --data, --text-field, --model, --seq-len, --batch-size, --seed and --precision to ``parser``.
 
-    The keyword arguments are this subcommand's defaults. Flags added here are tracked for ``--config``
-    (see ``mixprec.cli._config``), so a subcommand may add ``--config`` too.
+    The keyword arguments are this subcommand's defaults (``seq_len`` is capped at the model's block size).
+    Flags added here are tracked for ``--config`` (see ``mixprec.cli._config``), so a subcommand may add
+    ``--config`` too.
     """
     track_explicit(parser)
     presets = ", ".join(GPT_PRESETS)
@@ -126,7 +132,7 @@ def add_data_model_args(
         metavar="N",
         type=_seq_len,
         default=None,
-        help=f"tokens (bytes) per training sequence (default: {DEFAULT_SEQ_LEN}, or the model's block size if smaller)",
+        help=f"tokens (bytes) per training sequence (default: {seq_len}, or the model's block size if smaller)",
     )
     group.add_argument(
         "--batch-size",
@@ -143,6 +149,7 @@ def add_data_model_args(
         help=f"{', '.join(available_precisions())} (default: {precision}: the fastest safe one for this device, "
         f"with the reason printed)",
     )
+    parser.set_defaults(_default_seq_len=seq_len)  # not a flag: what load_model_and_data uses without --seq-len
 
 
 def check_precision(name: str) -> str:
@@ -264,7 +271,7 @@ def load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, CausalLMDa
     model, block, desc, builtin = build_model(model_name, seed)
     seq_len = getattr(args, "seq_len", None)
     if seq_len is None:
-        seq_len = min(DEFAULT_SEQ_LEN, block)
+        seq_len = min(getattr(args, "_default_seq_len", DEFAULT_SEQ_LEN), block)
     elif seq_len > block:
         raise CliError(
             f"--seq-len {seq_len} is larger than the block size {block} of the model {model_name!r} "
