@@ -5,10 +5,11 @@
 MODE:
   reference   train MAX_STEPS steps without interruption, write OUT/final.safetensors
   resume      train(resume_from_checkpoint=True) to MAX_STEPS, write OUT/final.safetensors
-  victim      train, and once checkpoint-SAVE_STEPS exists touch OUT/ready and slow down, so the parent
-              can kill -9 the process between two checkpoints
+  victim      train; once checkpoint-SAVE_STEPS exists touch OUT/ready, run one more step (logged), and
+              hold at the start of the next until the parent kills -9 the process
   save-victim train, and hang in the middle of writing the second checkpoint (after OUT/saving appears)
-  sigterm     train slowly; OUT/ready appears after the first step, so the parent can send SIGTERM
+  sigterm     train; touch OUT/ready after the first step and hold at the start of the second until the
+              parent has sent SIGTERM (and touched OUT/signalled)
 """
 
 from __future__ import annotations
@@ -29,20 +30,21 @@ SAVE_STEPS = 4
 
 
 class Pace(TrainerCallback):
-    """Touch ``ready`` once checkpoint ``after`` exists, then sleep ``delay`` per step."""
+    """Touch ``ready`` when step ``ready_after`` has ended (and been saved, if it is a save step), then hold
+    at the start of step ``hold_at`` until the parent has acted: a kill -9 ends the process there; after a
+    SIGTERM the parent touches ``signalled`` and the step runs, to stop at its end. Holding, rather than
+    merely slowing down, keeps the test deterministic however loaded the machine is."""
 
-    def __init__(self, out: Path, after: int, delay: float) -> None:
-        self.out, self.after, self.delay = out, after, delay
+    def __init__(self, out: Path, ready_after: int, hold_at: int) -> None:
+        self.out, self.ready_after, self.hold_at = out, ready_after, hold_at
 
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step >= self.after:
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.ready_after:  # everything of that step is done, its checkpoint too
             (self.out / "ready").touch()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.after == 0:
-            (self.out / "ready").touch()
-        if (self.out / "ready").exists():
-            time.sleep(self.delay)
+        if state.global_step + 1 == self.hold_at:
+            deadline = time.monotonic() + 120
+            while not (self.out / "signalled").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def hang_in_second_save(out: Path) -> None:
@@ -83,9 +85,9 @@ def main() -> None:
     torch.set_num_threads(1)  # the same arithmetic in every process that is compared
     callbacks = []
     if mode == "victim":
-        callbacks.append(Pace(out, SAVE_STEPS, 1.0))
+        callbacks.append(Pace(out, ready_after=SAVE_STEPS, hold_at=SAVE_STEPS + 2))
     if mode == "sigterm":
-        callbacks.append(Pace(out, 0, 0.5))
+        callbacks.append(Pace(out, ready_after=1, hold_at=2))
     if mode == "save-victim":
         hang_in_second_save(out)
     trainer = build_trainer(out, precision, callbacks)
