@@ -33,6 +33,9 @@ _EXPORTS: dict[str, str] = {
     "EvalPrediction": "mixprec.trainer.state",
     # tools
     "diagnose": "mixprec.diagnostics.diagnose",
+    "Report": "mixprec.diagnostics.report",
+    "GPT": "mixprec.models.gpt",
+    "GPTConfig": "mixprec.models.gpt",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
@@ -54,6 +57,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.accelerator.accelerator import Accelerator
     from mixprec.diagnostics.diagnose import diagnose
+    from mixprec.diagnostics.report import Report
+    from mixprec.models.gpt import GPT, GPTConfig
     from mixprec.precision.base import Precision, PrecisionNotSupportedError
     from mixprec.precision.registry import available_precisions, resolve_precision
     from mixprec.scaling.record import ScaleRecord
