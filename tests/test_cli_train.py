@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -196,6 +197,23 @@ def test_a_bad_flag_value_is_an_argparse_error(capsys):
     err = capsys.readouterr().err
     assert "argument --batch-size: expected a positive integer, got 0" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.distributed
+def test_torchrun_trains_on_two_processes_into_one_run_folder(tmp_path, corpus):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
+    argv = ["-m", "mixprec.cli.main", "train", "--data", corpus, *FAST, "--max-steps", "2"]
+    proc = subprocess.run([*launch, *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # no --output-dir: both processes must still agree on one runs/<launch time> folder
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1 and (runs[0] / "checkpoint-2").is_dir()
+    assert proc.stdout.count("mixprec train: summary") == 1  # printed by the main process only
+    assert "tokens/s (all 2 processes together)" in proc.stdout
 
 
 def _console_script() -> Path:
