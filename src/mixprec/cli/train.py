@@ -39,7 +39,8 @@ from mixprec.models import GPT
 # 300 steps of 16 x 128 bytes (614K bytes: a fifth of the training split, so no chunk is seen twice) bring the
 # small GPT's validation loss to 2.27 nats/byte against a unigram baseline of 3.11 in about 3.5 minutes, with
 # evaluation, on one core of this shared machine. 16 x 256 bytes reached only 2.33 in the same 300 steps at
-# 2.4x the time, and lr 2e-3 and 3e-3 were equal there (tests of issue 5, see the report).
+# 2.4x the time (and there lr 2e-3 and 3e-3 ended equal). Timings shift with the machine's load: with two
+# torch threads and any other busy process a step is 2-3x slower than with OMP_NUM_THREADS=1.
 DEFAULT_EPOCHS = 3
 DEFAULT_BATCH_SIZE = 16
 DEFAULT_SEQ_LEN = 128
