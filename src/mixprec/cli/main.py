@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="<command>")
-    for name, module in SUBCOMMANDS.items():
+    for module in SUBCOMMANDS.values():
         try:
             importlib.import_module(module).register(subparsers)
         except ModuleNotFoundError as exc:  # a subcommand still being written: keep the others usable
@@ -72,5 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+if __name__ == "__main__":  # pragma: no cover - `python -m mixprec.cli.main`, the form torchrun takes
+    # Run the copy in mixprec.cli.main, not this __main__ one: subcommands raise mixprec.cli.main.CliError,
+    # which a second copy of the class would not catch (bad input would show a traceback).
+    from mixprec.cli.main import main as _main
+
+    sys.exit(_main())

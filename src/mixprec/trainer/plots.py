@@ -34,8 +34,9 @@ def _pyplot() -> Any:
 
 
 def plot_run(metrics_path: str | Path, output_dir: str | Path) -> list[Path]:
-    """Write loss_curves.png (training and evaluation loss against the step) and, when the run scaled its
-    loss, loss_scale.png (the scale as a step function, skipped steps marked in red). Returns the files."""
+    """Write loss_curves.png (training and evaluation loss against the step) and loss_scale.png (the scale as
+    a step function, skipped steps marked in red; a run without loss scaling shows its constant 1, so every
+    run folder has both). Returns the files."""
     entries = read_metrics(metrics_path)
     out = Path(output_dir)
     written = []
@@ -59,30 +60,34 @@ def plot_run(metrics_path: str | Path, output_dir: str | Path) -> list[Path]:
 
     changes = [(int(e["step"]), float(e["scale"])) for e in entries if e.get("event") == "loss_scale"]
     skipped = [e for e in entries if e.get("event") == "skipped_step"]
-    if changes or skipped:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        if changes:
-            last_step = max([s for s, _ in changes] + [int(e.get("step", 0)) for e in entries])
-            xs = [s for s, _ in changes] + [last_step]
-            ys = [v for _, v in changes] + [changes[-1][1]]
-            ax.step(xs, ys, where="post", label="loss scale")
-        if skipped:
-            ax.scatter(
-                [int(e["step"]) for e in skipped],
-                [float(e["loss_scale"]) for e in skipped],
-                color="red",
-                marker="x",
-                zorder=3,
-                label=f"skipped step ({len(skipped)})",
-            )
-        ax.set_yscale("log", base=2)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("loss scale")
-        ax.set_title("fp16 loss scale")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / SCALE_FIGURE, dpi=100)
-        plt.close(fig)
-        written.append(out / SCALE_FIGURE)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    title = "fp16 loss scale"
+    if not (changes or skipped):  # fp32/bf16: the scaler is a pass-through; say so rather than omit the plot
+        steps = [int(e["step"]) for e in entries if "step" in e] or [0]
+        ax.step([min(steps), max(steps)], [1.0, 1.0], where="post", label="loss scale (pass-through)")
+        title = "loss scale: none (this precision trains without loss scaling)"
+    if changes:
+        last_step = max([s for s, _ in changes] + [int(e.get("step", 0)) for e in entries])
+        xs = [s for s, _ in changes] + [last_step]
+        ys = [v for _, v in changes] + [changes[-1][1]]
+        ax.step(xs, ys, where="post", label="loss scale")
+    if skipped:
+        ax.scatter(
+            [int(e["step"]) for e in skipped],
+            [float(e["loss_scale"]) for e in skipped],
+            color="red",
+            marker="x",
+            zorder=3,
+            label=f"skipped step ({len(skipped)})",
+        )
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss scale")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / SCALE_FIGURE, dpi=100)
+    plt.close(fig)
+    written.append(out / SCALE_FIGURE)
     return written

@@ -82,7 +82,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         f"trained {summary['global_step']} steps in {summary['train_runtime']:.1f}s "
         f"({summary['precision']}; {summary['precision_reason']})",
-        f"  loss {summary['train_loss']:.4f}; skipped steps {summary['skipped_steps']}"
+        f"  mean train loss {summary['train_loss']:.4f}; skipped steps {summary['skipped_steps']}"
         + (f"; final loss scale {summary['final_loss_scale']:g}" if summary.get("final_loss_scale") else ""),
         f"  throughput {summary['train_samples_per_second']:.1f} samples/s"
         + (f", {summary['train_tokens_per_second']:.0f} tokens/s" if "train_tokens_per_second" in summary else ""),
