@@ -90,3 +90,20 @@ def test_unknown_subcommand_is_an_error_without_traceback(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "invalid choice: 'trian'" in err and "Traceback" not in err
+
+
+def test_top_level_help_lists_every_subcommand_without_importing_torch():
+    # the subcommand modules import torch (seconds); `mixprec --help` must not wait for it
+    code = (
+        "import sys, contextlib, io\n"
+        "from mixprec.cli.main import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\n"
+        "print(out.getvalue())\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert proc.stdout.splitlines()[-1] == "torch imported: False"
+    for name in ("train", "diagnose", "bench"):
+        assert f"    {name} " in proc.stdout
