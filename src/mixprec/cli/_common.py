@@ -97,13 +97,14 @@ def add_data_model_args(
     parser: argparse.ArgumentParser,
     *,
     batch_size: int = 16,
-    precision: str = "auto",
+    precision: str | None = "auto",
     seed: int = 42,
     seq_len: int = DEFAULT_SEQ_LEN,
 ) -> None:
     """Add --data, --text-field, --model, --seq-len, --batch-size, --seed and --precision to ``parser``.
 
-    The keyword arguments are this subcommand's defaults (``seq_len`` is capped at the model's block size).
+    The keyword arguments are this subcommand's defaults (``seq_len`` is capped at the model's block size;
+    ``precision=None`` leaves out --precision).
     Flags added here are tracked for ``--config`` (see ``mixprec.cli._config``), so a subcommand may add
     ``--config`` too.
     """
@@ -142,14 +143,16 @@ def add_data_model_args(
         help=f"sequences per step (default: {batch_size})",
     )
     group.add_argument("--seed", metavar="N", type=nonnegative_int, default=seed, help=f"random seed (default: {seed})")
+    parser.set_defaults(_default_seq_len=seq_len)  # not a flag: what load_model_and_data uses without --seq-len
+    if precision is None:  # a subcommand that compares precisions (bench) has its own flag for them
+        return
+    meaning = {"auto": "the fastest safe one for this device, with the reason printed"}.get(precision, "")
     group.add_argument(
         "--precision",
         metavar="NAME",
         default=precision,
-        help=f"{', '.join(available_precisions())} (default: {precision}: the fastest safe one for this device, "
-        f"with the reason printed)",
+        help=f"{', '.join(available_precisions())} (default: {precision}{': ' + meaning if meaning else ''})",
     )
-    parser.set_defaults(_default_seq_len=seq_len)  # not a flag: what load_model_and_data uses without --seq-len
 
 
 def check_precision(name: str) -> str:

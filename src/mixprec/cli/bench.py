@@ -69,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_data_model_args(parser, batch_size=DEFAULT_BATCH_SIZE)
+    add_data_model_args(parser, batch_size=DEFAULT_BATCH_SIZE, seq_len=DEFAULT_SEQ_LEN)
     group = parser.add_argument_group("benchmark")
     group.add_argument(
         "--precisions",
