@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from mixprec.bench import BenchConfig, Workload, format_table, run_bench, to_json, workload_from_dataset, write_chart
-from mixprec.cli._common import add_data_model_args, load_model_and_data, positive_int
+from mixprec.cli._common import add_data_model_args, load_model_and_data, nonnegative_int, positive_int
 from mixprec.cli._config import explicit_flags
 from mixprec.cli.main import CliError
 from mixprec.models import GPT_PRESETS
@@ -51,16 +51,6 @@ matmul of the same dtype measured at start on this machine (the peak is named in
 """
 
 
-def _nonnegative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
@@ -80,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--steps", metavar="N", type=positive_int, default=2, help="timed steps per round (default: 2)")
     group.add_argument("--rounds", metavar="N", type=positive_int, default=3, help="interleaved rounds (default: 3)")
     group.add_argument(
-        "--warmup", metavar="N", type=_nonnegative, default=1, help="untimed steps per precision first (default: 1)"
+        "--warmup", metavar="N", type=nonnegative_int, default=1, help="untimed steps per precision first (default: 1)"
     )
     group.add_argument("--lr", metavar="X", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
     group.add_argument(
