@@ -303,13 +303,27 @@ def test_metrics_jsonl_keeps_earlier_runs_and_reads_the_latest(tmp_path):
     assert [e["step"] for e in read_metrics(path) if "loss" in e] == [1, 2]
 
 
-def test_tensorboard_without_the_package_is_a_clear_error(tmp_path):
-    from mixprec.trainer.logging import tensorboard_available
+def test_tensorboard_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
+    import mixprec.trainer.logging as trainer_logging
 
-    if tensorboard_available():
-        pytest.skip("tensorboard is installed")
+    monkeypatch.setattr(trainer_logging, "tensorboard_available", lambda: False)
     with pytest.raises(ValueError, match="pip install tensorboard"):
         Trainer(make_model(), quiet_args(tmp_path, report_to="tensorboard"), train_dataset=make_examples(8))
+
+
+def test_tensorboard_gets_the_loss_the_loss_scale_and_eval_scalars(tmp_path):
+    pytest.importorskip("tensorboard")  # a test extra: installed in CI
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = quiet_args(tmp_path, report_to="tensorboard", logging_steps=1, eval_strategy="epoch", num_train_epochs=1,
+                      per_device_train_batch_size=4, fp16=True)  # fmt: skip
+    Trainer(make_model(), args, train_dataset=make_examples(8), eval_dataset=make_examples(4)).train()
+    events = EventAccumulator(args.logging_dir)
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "eval/loss"} <= tags, tags
+    assert any("scale" in tag for tag in tags), tags  # what the precision did is visible there too
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
 
 
 def test_the_example_runs(tmp_path, monkeypatch):
