@@ -3,10 +3,10 @@
 ``diagnose(model, batches) -> Report``; ``Report.table()``, ``Report.to_dict()``, ``Report.plot(path)``.
 """
 
-from mixprec.diagnostics._loss import extract_loss
 from mixprec.diagnostics.diagnose import DiagnoseConfig, diagnose
 from mixprec.diagnostics.nonfinite import NonfiniteEvent, find_first_nonfinite
 from mixprec.diagnostics.report import LayerStats, Report
+from mixprec.models.outputs import extract_loss
 
 __all__ = [
     "DiagnoseConfig",

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics._loss import extract_loss
 from mixprec.diagnostics.histogram import DeviceHistogram, LogHistogram, to_host
 from mixprec.diagnostics.hooks import HookRegistry, param_owners
+from mixprec.models.outputs import extract_loss
 
 _RECENT = 4
 KINDS = ("act", "act_grad", "weight_grad")

@@ -103,7 +103,7 @@ def diagnose(
     """Measure how fp16 and bf16 would treat ``model``'s activations and gradients, and recommend one.
 
     ``batches`` yields dicts passed as ``model(**batch)`` (the Trainer's convention); the loss is read from
-    the output as the Trainer reads it (:func:`mixprec.diagnostics._loss.extract_loss`). Up to
+    the output as the Trainer reads it (:func:`mixprec.models.outputs.extract_loss`). Up to
     ``max_batches`` are used, moved to the model's device. ``device`` defaults to the model's device; the model
     is never moved (pass a device only to assert where it is). Settings are documented on
     :class:`DiagnoseConfig`.

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics._loss import extract_loss
 from mixprec.diagnostics._precision import TargetPrecision
 from mixprec.diagnostics.hooks import HookRegistry, display_name, param_owners
+from mixprec.models.outputs import extract_loss
 
 
 @dataclass(frozen=True)

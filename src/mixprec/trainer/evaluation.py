@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mixprec.diagnostics._loss import extract_loss  # one loss rule, shared with the diagnosis
+from mixprec.models.outputs import extract_loss  # one loss rule, shared with the diagnosis
 from mixprec.trainer.data import count_samples
 from mixprec.trainer.state import EvalPrediction
 

@@ -27,7 +27,7 @@ import torch
 
 from mixprec.accelerator.accelerator import Accelerator
 from mixprec.checkpoint import save_json, save_tensors
-from mixprec.diagnostics._loss import extract_loss  # one loss rule, shared with the diagnosis
+from mixprec.models.outputs import extract_loss  # one loss rule, shared with the diagnosis
 from mixprec.trainer import checkpointing as ckpt
 from mixprec.trainer.args import TrainingArguments
 from mixprec.trainer.callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback, TrainerControl

@@ -1,6 +1,8 @@
-"""Taking the loss out of whatever a model's forward returned, the same way the Trainer does.
+"""The model-output contract: taking the loss out of whatever a model's forward returned.
 
-Shared on purpose: the diagnosis must measure the loss the Trainer will train on, so there is one rule, here.
+A model may return an object with ``.loss`` (HF ModelOutput, our CausalLMOutput), a dict with "loss", or a
+tuple whose first item is the loss. The Trainer trains on it and the diagnosis measures it, so the one rule
+lives here, below both layers.
 """
 
 from __future__ import annotations

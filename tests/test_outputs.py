@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from mixprec.diagnostics import extract_loss
+from mixprec.models.outputs import extract_loss
 
 
 @dataclass
