@@ -12,6 +12,8 @@ import os
 # One intra-op thread for the whole suite and the processes it launches: its models are tiny, and on a
 # shared 2-core machine a second OpenMP thread mostly waits for a core (tests ran ~2x slower with two).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# "auto" measures every run afresh in tests (its on-disk cache is tested on its own, in a temporary folder).
+os.environ["MIXPREC_AUTO_CACHE"] = "0"
 
 from dataclasses import dataclass  # noqa: E402
 

@@ -39,7 +39,8 @@ from mixprec.accelerator.gradients import GradientState
 from mixprec.accelerator.prepared import PreparedOptimizer, PreparedScheduler, is_prepared
 from mixprec.accelerator.state import Registry, RunState, load_state, save_state
 from mixprec.precision.base import Precision
-from mixprec.precision.registry import available_precisions, canonical_name, resolve_precision
+from mixprec.precision.race import AutoDecision
+from mixprec.precision.registry import make_precision
 from mixprec.scaling.scaler import GradScaler
 
 logger = logging.getLogger("mixprec.accelerator")
@@ -79,23 +80,71 @@ class Accelerator:
         env = LaunchEnv.from_environ()
         dev = select_device(self.config.device, self.config.cpu, env)
         # Resolved before joining any process group, so a bad name fails fast and leaves nothing behind.
-        self.precision: Precision = _resolve(self.config.mixed_precision, dev)
+        # The strategy owns the step (backward, unscale, optimizer step, its scaler); "auto" is decided on
+        # the first training step, by racing the candidates on it (mixprec.precision.auto).
+        self._precision: Precision = _resolve(self.config.mixed_precision, dev, env.world_size)
         self._strategy = make_strategy(
             self.config.distributed, env, dev, ddp_kwargs=self.config.ddp_kwargs, fsdp_shard=self.config.fsdp_shard
         )
-        self.precision = _agree_on_auto(self.precision, self.config.mixed_precision, self._strategy)
-        self.scaler: GradScaler = self.precision.make_scaler(**(self.config.scaler_kwargs or {}))
-        self.scaler.set_found_inf_reducer(self._strategy.found_inf_reducer())
-        self._gradients = GradientState(self.scaler, self._strategy, self.config.gradient_accumulation_steps)
+        self._precision.configure(
+            self.config.scaler_kwargs,
+            self._strategy.found_inf_reducer(),
+            agree=_agree_from_main(self._strategy, [p.name for p in self._precision.options()]),
+            is_main=self._strategy.is_main_process,
+            announce=self._report,  # "auto", once decided, says what it measured
+        )
+        self._gradients = GradientState(self._precision, self._strategy, self.config.gradient_accumulation_steps)
         self._registry = Registry()
         self._report()
 
     # -- what was resolved ---------------------------------------------------------------------------
 
     @property
+    def precision(self) -> Precision:
+        """The strategy running the step: the named mode's, or "auto"'s choice once made (before that, the
+        pending "auto" strategy itself)."""
+        return self._precision.resolved
+
+    @property
+    def scaler(self) -> GradScaler:
+        """The precision's loss scaler (a pass-through with the same interface unless it is fp16)."""
+        return self._precision.scaler
+
+    @property
     def mixed_precision(self) -> str:
-        """The resolved precision name: "fp32", "fp16" or "bf16" (never "auto")."""
-        return self.precision.name
+        """The precision name: "fp32", "fp16" or "bf16"; "auto" only until its first training step."""
+        return self._precision.name
+
+    @property
+    def precision_pending(self) -> bool:
+        """True while "auto" has not yet measured its first training step (see ``settle_precision``)."""
+        return self._precision.pending
+
+    @property
+    def auto_decision(self) -> AutoDecision | None:
+        """What "auto" measured and chose (None for a named precision, or before the first training step)."""
+        return getattr(self._precision, "decision", None)
+
+    def set_initial_loss_scale(self, scale: float) -> float | None:
+        """Start loss scaling at ``scale`` (clamped to the scaler's bounds), before the first step: the fp16
+        scaler's, or that of "auto"'s fp16 candidate while it is undecided. Returns the scale applied, or
+        None when no mode here scales the loss."""
+        applied = None
+        for option in self._precision.options():
+            if option.needs_loss_scaling:
+                option.scaler.update(new_scale=scale)
+                applied = option.scaler.get_scale()
+        return applied
+
+    def settle_precision(
+        self, loss_fn: Callable[[], torch.Tensor], batch: Any = None, *, excluded: Mapping[str, str] | None = None
+    ) -> AutoDecision | None:
+        """For precision="auto": race the candidate modes on ``loss_fn`` (the forward of one real training
+        step through a prepared model, returning its loss) and keep the fastest safe one, now. Nothing of
+        the race reaches training (gradients, buffers and RNG states are restored). The Trainer calls it
+        before its first step; a hand-written loop need not (its first training forward does it). A no-op
+        for a named precision, or once decided. Costs a few forward+backward passes, once per run."""
+        return self._precision.settle(loss_fn, self._registry.models, batch=batch, excluded=excluded)
 
     @property
     def device(self) -> torch.device:
@@ -141,12 +190,18 @@ class Accelerator:
         return any(opt.step_was_skipped for opt in self._registry.optimizers)
 
     def _report(self) -> None:
-        d = self.precision.describe()
-        line = (
-            f"mixprec: {d['precision']} on {d['device']} (compute {d['compute_dtype']}, master weights "
-            f"{d['param_dtype']}, loss scaling {'on' if d['loss_scaling'] else 'off'}), "
-            f"{self._strategy.describe()}: {d['reason']}"
-        )
+        d = self._precision.describe()
+        if self._precision.pending:
+            line = f"mixprec: auto on {d['device']}, {self._strategy.describe()}: {d['reason']}"
+        else:
+            line = (
+                f"mixprec: {d['precision']} on {d['device']} (compute {d['compute_dtype']}, master weights "
+                f"{d['param_dtype']}, loss scaling {'on' if d['loss_scaling'] else 'off'}), "
+                f"{self._strategy.describe()}: {d['reason']}"
+            )
+        self._say(line)
+
+    def _say(self, line: str) -> None:
         if self.is_main_process:
             logger.info(line)
             if self.config.verbose:
@@ -173,9 +228,9 @@ class Accelerator:
             if any(m is model for m in self._registry.models):
                 return model
             raise ValueError(f"{type(model).__name__} was prepared by another Accelerator")
-        _check_master_weights(model, self.precision)
-        model = self._strategy.wrap_model(model, self.precision)
-        self.scaler.register_param_names(model.named_parameters())
+        _check_master_weights(model, self._precision)
+        model = self._strategy.wrap_model(model, self._precision)
+        self._precision.register_param_names(model.named_parameters())
         self._registry.models.append(model)
         return model
 
@@ -222,7 +277,7 @@ class Accelerator:
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The precision's autocast, for code outside a prepared model's forward (a loss computed apart)."""
-        return self.precision.autocast()
+        return self._precision.autocast()
 
     def accumulate(self, *models: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-batch: no gradient sync and no optimizer step before the
@@ -264,7 +319,7 @@ class Accelerator:
         return load_state(self._run_state(), input_dir)
 
     def _run_state(self) -> RunState:
-        return RunState(self._registry, self._strategy, self.precision, self.scaler, self._gradients)
+        return RunState(self._registry, self._strategy, self._precision, self._gradients)
 
     # -- processes -----------------------------------------------------------------------------------
 
@@ -307,26 +362,26 @@ class Accelerator:
         )
 
 
-def _resolve(name: str, device: torch.device) -> Precision:
+def _resolve(name: str, device: torch.device, processes: int) -> Precision:
     """The precision registry's answer, with the argument named in the message."""
     try:
-        return resolve_precision(name, device)
+        return make_precision(name, device, processes=processes)
     except ValueError as err:  # PrecisionNotSupportedError too: keep its type
         raise type(err)(f"Accelerator(mixed_precision={name!r}): {err}") from None
 
 
-def _agree_on_auto(precision: Precision, name: str, strategy: Any) -> Precision:
-    """ "auto" on a CPU times a probe, and processes may time it differently: all take the main one's pick."""
-    if strategy.num_processes == 1 or canonical_name(name) != "auto":
-        return precision
-    names = available_precisions()
-    choice = torch.tensor([names.index(precision.name)], device=strategy.device)
-    chosen = names[int(strategy.broadcast(choice, src=0).item())]
-    if chosen == precision.name:
-        return precision
-    agreed = resolve_precision(chosen, strategy.device)
-    agreed.reason = f"auto: the main process chose {chosen} (this process measured {precision.name})"
-    return agreed
+def _agree_from_main(strategy: Any, universe: list[str]) -> Callable[[list[str]], list[str]] | None:
+    """Under several processes, a function handing every process the main one's choice among ``universe``
+    (as a mask, so any sub-list in ``universe``'s order travels): "auto" races in lockstep and decides once."""
+    if strategy.num_processes == 1:
+        return None
+
+    def agree(names: list[str]) -> list[str]:
+        mask = torch.tensor([name in names for name in universe], dtype=torch.int32, device=strategy.device)
+        mask = strategy.broadcast(mask, src=0)
+        return [name for name, keep in zip(universe, mask.tolist()) if keep]
+
+    return agree
 
 
 def _kind(obj: Any, index: int) -> str:

@@ -24,14 +24,14 @@ from mixprec.accelerator.distributed import parameters_of
 if TYPE_CHECKING:
     from mixprec.accelerator.distributed import DistributedStrategy
     from mixprec.accelerator.prepared import PreparedOptimizer
-    from mixprec.scaling.scaler import GradScaler
+    from mixprec.precision.base import Precision
 
 
 class GradientState:
     """The accumulation counter and the per-step bookkeeping of one Accelerator."""
 
-    def __init__(self, scaler: GradScaler, strategy: DistributedStrategy, accumulation_steps: int) -> None:
-        self.scaler = scaler
+    def __init__(self, precision: Precision, strategy: DistributedStrategy, accumulation_steps: int) -> None:
+        self.precision = precision  # owns the step: backward, unscale, optimizer step, the scaler
         self.strategy = strategy
         self.accumulation_steps = accumulation_steps
         self.micro_step = 0  # micro-batches since the last sync
@@ -58,7 +58,7 @@ class GradientState:
                     stacklevel=3,
                 )
             loss = loss / self.accumulation_steps
-        self.scaler.scale(loss).backward(**kwargs)
+        self.precision.backward(loss, **kwargs)
         self.backward_pending = True
 
     @contextlib.contextmanager
@@ -87,7 +87,7 @@ class GradientState:
         """
         params = parameters_of(parameters)
         if not self.sync_gradients:
-            return self.strategy.grad_norm(params, norm_type) / self.scaler.get_scale()
+            return self.strategy.grad_norm(params, norm_type) / self.precision.scaler.get_scale()
         self.unscale_for(params)
         return self.strategy.clip_grad_norm_(params, max_norm, norm_type)
 
@@ -110,14 +110,14 @@ class GradientState:
                 orphans += 1
             else:
                 found[id(owner)] = owner
-        if orphans and self.scaler.is_enabled():
+        if orphans and self.precision.needs_loss_scaling:
             raise ValueError(
                 f"clip_grad_norm_: {orphans} of these parameters belong to no prepared optimizer, so their "
                 "gradients cannot be unscaled before clipping; pass the optimizer to accelerator.prepare()"
             )
         for key, optimizer in found.items():
             if key not in self._unscaled:
-                self.scaler.unscale_(optimizer.optimizer)
+                self.precision.unscale(optimizer.optimizer)
                 self._unscaled.add(key)
 
     def _owner_map(self) -> dict[int, PreparedOptimizer]:

@@ -41,9 +41,14 @@ class _Prepared:
 
 
 def _prepared_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The original forward under autocast; floating outputs back in fp32. No host sync."""
+    """The original forward under autocast; floating outputs back in fp32. No host sync.
+
+    Under precision="auto", the first training forward (module in train mode, grad enabled) first races the
+    candidate modes on this very call (see :mod:`mixprec.precision.auto`), then runs in the chosen one."""
     prepared: _Prepared = self.__dict__["_mixprec"]
     precision = prepared.precision
+    if precision.pending and self.training and torch.is_grad_enabled():
+        precision.settle(lambda: trial_loss(self(*args, **kwargs)), [self], batch=(args, kwargs))
     with precision.autocast():
         # Without grad (evaluation) there is nothing to sync: skip DDP, whose forward may broadcast buffers.
         if prepared.ddp is not None and torch.is_grad_enabled():
@@ -51,6 +56,27 @@ def _prepared_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         else:
             out = self.__dict__["_mixprec_forward"](*args, **kwargs)
     return precision.convert_output(out)
+
+
+def trial_loss(outputs: Any) -> torch.Tensor:
+    """The loss of a forward's outputs for "auto"'s race: the model's own loss where it returns one (HF
+    models given labels, the built-in GPT), else the sum of its floating outputs, whose backward costs what
+    the user's loss's does up to the loss function itself."""
+    from torch.utils._pytree import tree_leaves
+
+    from mixprec.models.outputs import extract_loss
+
+    try:
+        return extract_loss(outputs)
+    except ValueError:
+        pass
+    leaves = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not leaves:
+        raise ValueError(
+            "precision='auto' times the first training step, but the model's outputs hold no tensor that "
+            "requires grad; name the precision (mixed_precision='bf16', 'fp16' or 'no')"
+        )
+    return torch.stack([t.float().sum() for t in leaves]).sum()
 
 
 def patch_forward(module: torch.nn.Module, precision: Precision, ddp: torch.nn.Module | None = None) -> None:
@@ -78,10 +104,11 @@ def original_forward(module: torch.nn.Module) -> Any:
 class PreparedOptimizer(torch.optim.Optimizer):
     """The user's optimizer, stepped through the loss scaler.
 
-    ``step()`` is ``scaler.step(optimizer)`` (unscale unless ``clip_grad_norm_`` did, inf check, skip) and
-    ``scaler.update()``; on a micro-batch that only accumulates (inside ``accumulate`` before the last one)
-    ``step()`` and ``zero_grad()`` do nothing. ``step_was_skipped`` says whether the last step reached the
-    parameters. Host syncs: one per step (the scaler's inf check), none when accumulating.
+    ``step()`` is the precision strategy's ``optimizer_step`` (for fp16: unscale unless ``clip_grad_norm_``
+    did, inf check, skip, the scale's update); on a micro-batch that only accumulates (inside
+    ``accumulate`` before the last one) ``step()`` and ``zero_grad()`` do nothing. ``step_was_skipped``
+    says whether the last step reached the parameters. Host syncs: one per step (the scaler's inf check),
+    none when accumulating.
 
     Every other attribute (``param_groups``, ``state``, ``state_dict()``...) is the optimizer's own. It is
     an ``Optimizer`` subclass (whose ``__init__`` is not run) so that LR schedulers accept it.
@@ -121,17 +148,17 @@ class PreparedOptimizer(torch.optim.Optimizer):
         gradients = self._gradients
         if not gradients.sync_gradients:
             return None
-        scaler = gradients.scaler
-        if scaler.is_enabled() and not gradients.backward_pending:
+        precision = gradients.precision
+        if precision.needs_loss_scaling and not gradients.backward_pending:
             raise RuntimeError(
                 "optimizer.step() with no accelerator.backward(loss) since the last optimizer step: fp16 "
                 "gradients must come from accelerator.backward(loss) (which scales the loss), not "
                 "loss.backward(); and each backward feeds one optimizer step (for several optimizers on one "
                 "loss, use one optimizer with several param_groups)"
             )
-        result = scaler.step(self.optimizer) if closure is None else scaler.step(self.optimizer, closure=closure)
-        scaler.update()
-        self.step_was_skipped = scaler.record.last_step_skipped
+        kwargs = {} if closure is None else {"closure": closure}
+        result = precision.optimizer_step(self.optimizer, **kwargs)
+        self.step_was_skipped = precision.step_was_skipped
         gradients.stepped(self)
         return result
 
@@ -186,7 +213,7 @@ class PreparedScheduler:
     def _step_was_skipped(self) -> bool:
         if self._optimizers:
             return any(opt.step_was_skipped for opt in self._optimizers)
-        return self._gradients.scaler.record.last_step_skipped
+        return self._gradients.precision.step_was_skipped
 
     def state_dict(self) -> dict[str, Any]:
         return self.scheduler.state_dict()

@@ -52,7 +52,6 @@ if TYPE_CHECKING:
     from mixprec.accelerator.gradients import GradientState
     from mixprec.accelerator.prepared import PreparedOptimizer, PreparedScheduler
     from mixprec.precision.base import Precision
-    from mixprec.scaling.scaler import GradScaler
 
 FORMAT = 1
 META = "accelerator.json"
@@ -82,8 +81,7 @@ class RunState:
 
     registry: Registry
     strategy: DistributedStrategy
-    precision: Precision
-    scaler: GradScaler
+    precision: Precision  # owns the scaler; under "auto", its decision is saved and kept at resume
     gradients: GradientState
 
 
@@ -162,13 +160,14 @@ def _write_shared(
         save_torch(scheduler.state_dict(), tmp / _name("scheduler", i, "pt"))
     for i, obj in enumerate(reg.custom):
         save_torch(obj.state_dict(), tmp / f"custom_{i}.pt")
-    save_json(run.scaler.state_dict(), tmp / "scaler.json")
+    save_json(run.precision.state_dict(), tmp / "scaler.json")
     for key, value in extra_json.items():
         save_json(value, tmp / f"{key}.json")
     save_json(
         {
             "format": FORMAT,
             "mixed_precision": run.precision.name,
+            "auto": run.precision.decision_record(),  # "auto"'s measurement: a resume keeps it, unmeasured
             "distributed": run.strategy.name,
             "num_processes": run.strategy.num_processes,
             "counts": _counts(reg),
@@ -211,10 +210,7 @@ def load_state(run: RunState, input_dir: str | Path) -> dict[str, Any]:
                 f"load_state({str(path)!r}): the state holds {saved[kind]} {kind}, this Accelerator prepared "
                 f"{now[kind]}; prepare the same objects (in the same order) before load_state"
             )
-    if meta["mixed_precision"] != run.precision.name:
-        logger.warning(
-            "load_state: the state was saved under %s, now loading into %s", meta["mixed_precision"], run.precision.name
-        )
+    run.precision.adopt_recorded(meta["mixed_precision"], meta.get("auto"))  # before the scaler state: it is the mode's
     for i, model in enumerate(reg.models):
         file = path / _name("model", i, "safetensors")
         strategy.load_model_state_dict(model, lambda file=file: load_tensors(file))
@@ -227,7 +223,7 @@ def load_state(run: RunState, input_dir: str | Path) -> dict[str, Any]:
         scheduler.load_state_dict(load_torch(path / _name("scheduler", i, "pt")))
     for i, obj in enumerate(reg.custom[: saved.get("custom", 0)]):
         obj.load_state_dict(load_torch(path / f"custom_{i}.pt"))
-    run.scaler.load_state_dict(load_json(path / "scaler.json"))  # a disabled scaler keeps its step record too
+    run.precision.load_state_dict(load_json(path / "scaler.json"))  # a disabled scaler keeps its step record too
     for loader, position in zip(reg.dataloaders, meta["dataloaders"]):
         if position is not None:
             loader.load_state_dict(position)

@@ -79,6 +79,12 @@ def format_table(result: BenchResult) -> str:
             f"auto chose {verdict['chose']}: {verdict['ratio_to_fastest']:.3f}x the fastest ({verdict['fastest']}), "
             f"{state} {verdict['tolerance']:.0%}"
         )
+    race = data.get("auto_race")
+    if race:
+        from mixprec.precision.race import AutoDecision
+
+        out.append("auto's race on the first batch's training step (forward+backward), before the bench:")
+        out.extend(f"  {line}" for line in AutoDecision.from_dict(race).table().splitlines())
     out.extend(f"note: {n}" for n in data["notes"])
     out.append(f"took {data['wall_seconds']:.1f} s")
     return "\n".join(out)

@@ -65,6 +65,8 @@ class BenchResult:
     flops_source: str = ""
     wall_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    auto_race: dict[str, Any] | None = None
+    """What "auto" measured on the workload's training step before the bench ran (AutoDecision.to_dict())."""
 
     def row(self, precision: str) -> PrecisionResult | None:
         return next((r for r in self.rows if r.precision == precision), None)
@@ -141,6 +143,7 @@ class BenchResult:
             "loss_vs_fp32": "held-out loss minus fp32's, nats (negative: lower than fp32)",
             "results": results,
             "auto": self.auto_verdict(),
+            "auto_race": self.auto_race,
             "notes": self.notes,
             "wall_seconds": self.wall_seconds,
         }

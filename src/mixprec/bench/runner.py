@@ -2,8 +2,9 @@
 
 The protocol (STYLE.md habit 13):
 
-1. resolve every precision name once ("auto" through the same registry as everything else; a mode the
-   device cannot run becomes a row saying why, never a silent fp32 run);
+1. resolve every precision name once ("auto" through the same registry as everything else, then decided
+   as in training: raced on this workload's first training step; a mode the device cannot run becomes a
+   row saying why, never a silent fp32 run);
 2. measure the matmul peak of each compute dtype (for MFU);
 3. give each distinct mode a fresh deep copy of the same initial model, its own AdamW and its own
    ``precision.make_scaler()`` (loss scaling for fp16, the pass-through scaler otherwise): the loop is
@@ -31,7 +32,7 @@ from mixprec.bench.result import BenchResult, PrecisionResult
 from mixprec.bench.timing import make_timer, summarize, synchronize
 from mixprec.bench.workload import Batch, Workload
 from mixprec.precision.base import Precision, PrecisionNotSupportedError
-from mixprec.precision.registry import canonical_name, resolve_precision
+from mixprec.precision.registry import canonical_name, make_precision, resolve_precision
 from mixprec.scaling.scaler import GradScaler
 
 Log = Callable[[str], None]
@@ -133,15 +134,32 @@ def _measure_memory(workload: Workload, name: str, device: torch.device, cfg: Be
     return measured
 
 
-def _resolve_all(names: tuple[str, ...], device: torch.device) -> list[tuple[str, Precision | str]]:
+def _resolve_all(
+    names: tuple[str, ...], device: torch.device, decide_auto: Callable[[Precision], Precision]
+) -> list[tuple[str, Precision | str]]:
     out: list[tuple[str, Precision | str]] = []
     for name in names:
         canon = canonical_name(name)
         try:
-            out.append((canon, resolve_precision(canon, device)))
+            p = make_precision(canon, device)
+            out.append((canon, decide_auto(p) if p.pending else p))
         except PrecisionNotSupportedError as exc:
             out.append((canon, str(exc)))
     return out
+
+
+def race_auto(workload: Workload, auto: Precision, batch: Batch, lr: float) -> Precision:
+    """Decide "auto" as the Trainer does: race its candidates on this workload's training step (a fresh copy
+    of the model, its first batch), never from a cache (the bench is there to measure)."""
+    model = workload.fresh_model(auto.device)
+    torch.optim.AdamW(model.parameters(), lr=lr)  # the optimizer is the same in every autocast mode: not raced
+
+    def loss_fn() -> torch.Tensor:
+        with auto.autocast():  # the candidate on trial's autocast
+            return loss_of(model(**batch))
+
+    auto.settle(loss_fn, [model], batch=batch, use_cache=False)
+    return auto.resolved
 
 
 def _device_name(device: torch.device) -> str:
@@ -175,7 +193,18 @@ def run_bench(
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     say = log or (lambda _msg: None)
     started = time.perf_counter()
-    resolved = _resolve_all(cfg.precisions, dev)
+    batches = [{k: v.to(dev) for k, v in b.items()} for b in workload.batches]
+    eval_batch = {k: v.to(dev) for k, v in workload.eval_batch.items()}
+    decisions: list[dict[str, Any]] = []
+    first = batches[0]
+
+    def decide_auto(auto: Precision) -> Precision:
+        say("auto: racing the candidate modes on the first batch's training step")
+        chosen = race_auto(workload, auto, first, cfg.lr)
+        decisions.append(auto.decision_record() or {})
+        return chosen
+
+    resolved = _resolve_all(cfg.precisions, dev, decide_auto)
     # "auto" shares the run of the mode it picked (one arm per distinct mode): same code, same numbers,
     # so it cannot look faster or slower than its twin by noise alone
     arms_by_mode: dict[str, Precision] = {}
@@ -194,8 +223,6 @@ def run_bench(
                 peaks[key] = measure_peak_flops(p.compute_dtype, dev)
                 say(f"peak {peaks[key].source}")
 
-    batches = [{k: v.to(dev) for k, v in b.items()} for b in workload.batches]
-    eval_batch = {k: v.to(dev) for k, v in workload.eval_batch.items()}
     arms = {mode: _make_arm(workload, p, cfg.lr) for mode, p in arms_by_mode.items()}
     order = list(arms)
     if cfg.warmup:
@@ -260,4 +287,5 @@ def run_bench(
         rows=rows,
         flops_source=workload.flops_source,
         wall_seconds=time.perf_counter() - started,
+        auto_race=decisions[0] if decisions else None,
     )

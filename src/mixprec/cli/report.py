@@ -11,7 +11,7 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["format_duration", "format_table", "last_value", "perplexity", "printable", "summary_rows"]
+__all__ = ["auto_rows", "format_duration", "format_table", "last_value", "perplexity", "printable", "summary_rows"]
 
 
 def perplexity(loss: float | None) -> float | None:
@@ -70,6 +70,7 @@ def summary_rows(
     ``mixprec.diagnostics`` Report of ``--diagnose``, if one ran)."""
     rows: list[tuple[str, str]] = []
     rows.append(("precision", f"{summary.get('precision')}: {summary.get('precision_reason') or '-'}"))
+    rows += auto_rows(summary.get("auto_precision"))
     if diagnosis is not None:
         rows.append(
             (
@@ -108,6 +109,30 @@ def summary_rows(
         ("time", f"{format_duration(wall_seconds)} in all, {format_duration(summary.get('train_runtime', 0))} training")
     )
     rows.append(("run folder", run_dir))
+    return rows
+
+
+def auto_rows(auto: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """One row per mode "auto" raced: median and best time of the training step, speed, or why it was
+    left out (nothing when the precision was named, or the decision came without a table)."""
+    if not auto or not auto.get("step_seconds"):
+        return []
+    medians, best = auto["step_seconds"], auto.get("best_seconds", {})
+    base = medians.get("fp32") or next(iter(medians.values()))
+    rows = []
+    for name in [*medians, *(n for n in auto.get("excluded", {}) if n not in medians)]:
+        if name in medians:
+            text = f"{medians[name] * 1e3:.1f} ms median, {best.get(name, medians[name]) * 1e3:.1f} ms best"
+            text += f" ({base / medians[name]:.2f}x fp32)"
+        else:
+            text = "not timed"
+        if name in auto.get("dropped", {}):
+            text += f"; dropped after {auto['dropped'][name]} round(s)"
+        if name in auto.get("excluded", {}):
+            text += f"; excluded: {auto['excluded'][name]}"
+        if name == auto.get("chosen"):
+            text += "  <- chosen"
+        rows.append((f"  auto: {name}", text))
     return rows
 
 

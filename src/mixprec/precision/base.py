@@ -1,14 +1,28 @@
-"""The precision strategy: what one mode means on one device.
+"""The precision strategy: what one mode means on one device, and how it runs a training step.
 
 A ``Precision`` is a small object with a fixed set of hooks (after Lightning Fabric's precision plugins).
-Each mode overrides only the hooks it needs; callers never branch on the mode's name.
+Each mode overrides only the hooks it needs; callers (the Accelerator, the bench) never branch on the mode:
+
+=====================  ===================================================================================
+``convert_module``     the module ready for this mode (mixed modes keep fp32 master weights: identity)
+``convert_optimizer``  the optimizer ready for this mode (identity, except for modes that change the update)
+``autocast``           the context the forward pass runs under
+``convert_output``     low-precision floating outputs back to fp32
+``backward``           the backward pass (scaled for fp16)
+``unscale``            true gradients in ``.grad`` before clipping (a no-op without scaling)
+``optimizer_step``     the update, skipped when a gradient is non-finite, and the scale's update
+``state_dict``         what a checkpoint must hold to continue exactly (the scaler and its record)
+=====================  ===================================================================================
+
+The strategy owns its loss scaler (``self.scaler``): a real one for fp16, torch's interface as a
+pass-through otherwise, so one loop serves every mode.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -24,19 +38,29 @@ class PrecisionNotSupportedError(ValueError):
 class Precision:
     """Base strategy: full fp32 behaviour for every hook.
 
-    Subclasses set the class attributes and override ``autocast`` / ``convert_module`` where the mode
-    differs. ``check_supported`` is called at construction so an object that exists can run.
+    Subclasses set the class attributes and override the hooks where the mode differs. ``check_supported``
+    is called at construction so an object that exists can run.
     """
 
     name: ClassVar[str] = ""
     compute_dtype: ClassVar[torch.dtype] = torch.float32
     param_dtype: ClassVar[torch.dtype] = torch.float32
     needs_loss_scaling: ClassVar[bool] = False
+    # Whether precision="auto" may choose this mode by speed. Modes that trade accuracy or memory for speed
+    # beyond autocast's (pure bf16, fp8) are a user's decision, not a timing's.
+    auto_candidate: ClassVar[bool] = False
+    # Order of numerical safety among auto's candidates (0 safest): a faster mode must beat every safer one
+    # by the margin, so ties go to the safer mode.
+    safety_rank: ClassVar[int] = 0
 
     def __init__(self, device: torch.device | str | None = None, reason: str = "") -> None:
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = torch.device(device) if device is not None else default_device()
         self.check_supported(self.device)
         self.reason = reason or f"{self.name} was asked for"
+        self._scaler_kwargs: dict[str, Any] = {}
+        self._found_inf_reducer: Callable[[torch.Tensor], None] | None = None
+        self._scaler: GradScaler | None = None
+        self._param_names: list[tuple[str, torch.nn.Parameter]] = []
 
     @classmethod
     def check_supported(cls, device: torch.device) -> None:
@@ -50,23 +74,129 @@ class Precision:
                 "machine; use device='cpu' (or omit device= to get the default)"
             )
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """The context the forward pass runs under (a null context for full precision)."""
-        return contextlib.nullcontext()
+    # -- configuration -------------------------------------------------------------------------------
+
+    def configure(
+        self,
+        scaler_kwargs: Mapping[str, Any] | None = None,
+        found_inf_reducer: Callable[[torch.Tensor], None] | None = None,
+        agree: Callable[[list[str]], list[str]] | None = None,
+        is_main: bool = True,
+        announce: Callable[[], None] | None = None,
+    ) -> None:
+        """Set the scaler's knobs and the cross-process inf-check reduction (before the first step).
+        ``agree``, ``is_main`` and ``announce`` (called once decided) serve a mode still to be decided
+        ("auto"); a named mode ignores them."""
+        self._scaler_kwargs = dict(scaler_kwargs or {})
+        self._found_inf_reducer = found_inf_reducer
+        self._scaler = None
+
+    @property
+    def scaler(self) -> GradScaler:
+        """This mode's loss scaler, made on first use from the configured knobs."""
+        if self._scaler is None:
+            self._scaler = self.make_scaler(**self._scaler_kwargs)
+            self._scaler.set_found_inf_reducer(self._found_inf_reducer)
+            self._scaler.register_param_names(self._param_names)
+        return self._scaler
+
+    def register_param_names(self, named_parameters: Any) -> None:
+        """Parameter names, so a skipped step can say which gradients were non-finite."""
+        named = list(named_parameters)
+        self._param_names.extend(named)
+        if self._scaler is not None:
+            self._scaler.register_param_names(named)
+
+    # -- "auto" and the null object: a named mode is decided from the start ---------------------------
+
+    @property
+    def pending(self) -> bool:
+        """Whether the mode is still to be measured (only "auto" before its first training step)."""
+        return False
+
+    @property
+    def resolved(self) -> Precision:
+        """The concrete strategy running the step (itself; "auto"'s choice once made)."""
+        return self
+
+    def options(self) -> list[Precision]:
+        """The modes this strategy may still turn out to be (itself; "auto"'s candidates until it decides)."""
+        return [self]
+
+    def settle(self, loss_fn: Callable[[], torch.Tensor], models: Any, **kwargs: Any) -> Any:
+        """Decide a pending mode on the training step (see :class:`~mixprec.precision.auto.AutoPrecision`);
+        a named mode has nothing to decide. Returns the decision, or None."""
+        return None
+
+    def decision_record(self) -> dict[str, Any] | None:
+        """What "auto" measured and chose, for a checkpoint; None for a mode asked for by name."""
+        return None
+
+    def adopt_recorded(self, saved_name: str, record: Mapping[str, Any] | None) -> None:
+        """At resume: a named mode keeps its name; a change from the checkpoint's precision is said aloud."""
+        if saved_name != self.name:
+            import warnings
+
+            warnings.warn(
+                f"resuming a run saved under precision {saved_name!r} into precision {self.name!r}: the loss "
+                f"scaler's state does not carry over exactly; resume with precision={saved_name!r} for an exact "
+                "continuation",
+                stacklevel=3,
+            )
+
+    def make_scaler(self, **scaler_kwargs: Any) -> GradScaler:
+        """A new loss scaler for this mode: active for fp16, a pass-through with the same interface otherwise."""
+        from mixprec.scaling.scaler import GradScaler
+
+        return GradScaler(enabled=self.needs_loss_scaling, device=self.device, **scaler_kwargs)
+
+    # -- the hooks -----------------------------------------------------------------------------------
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Return ``module`` ready for this mode. Mixed modes keep fp32 master weights: identity."""
         return module
 
+    def convert_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Return ``optimizer`` ready for this mode (identity: the update is the optimizer's own)."""
+        return optimizer
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The context the forward pass runs under (a null context for full precision)."""
+        return contextlib.nullcontext()
+
     def convert_output(self, data: Any) -> Any:
         """Cast low-precision floating tensors in a model's outputs back to fp32 (no host sync)."""
         return _to_fp32(data)
 
-    def make_scaler(self, **scaler_kwargs: Any) -> GradScaler:
-        """A loss scaler for this mode: active for fp16, a pass-through with the same interface otherwise."""
-        from mixprec.scaling.scaler import GradScaler
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, through the scaler (which multiplies by the scale for fp16). No host sync."""
+        self.scaler.scale(loss).backward(**kwargs)
 
-        return GradScaler(enabled=self.needs_loss_scaling, device=self.device, **scaler_kwargs)
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Leave the true gradients of ``optimizer``'s parameters in ``.grad`` (once per step, before
+        clipping). No host sync."""
+        self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        """The update and the scale's: skipped when a gradient is non-finite (fp16). One host sync for the
+        inf check when scaling (in ``update()`` instead, for fused optimizers); none otherwise."""
+        result = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return result
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last ``optimizer_step`` left the parameters unchanged. No host sync."""
+        return self.scaler.record.last_step_skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue this mode exactly: the scaler's state and step record."""
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scaler.load_state_dict(state)
+
+    # -- reporting -----------------------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
         """What this mode means, for logs and summaries."""
@@ -83,7 +213,8 @@ class Precision:
         return f"{type(self).__name__}(device={str(self.device)!r}, reason={self.reason!r})"
 
 
-def _default_device() -> torch.device:
+def default_device() -> torch.device:
+    """The one default-device rule: CUDA where torch sees it, else the CPU."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 

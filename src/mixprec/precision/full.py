@@ -9,3 +9,5 @@ class FullPrecision(Precision):
     """fp32 compute, fp32 parameters, no loss scaling. Every hook is the base behaviour."""
 
     name = "fp32"
+    auto_candidate = True
+    safety_rank = 0

@@ -36,6 +36,8 @@ class Fp16MixedPrecision(AutocastMixedPrecision):
     name = "fp16"
     compute_dtype = torch.float16
     needs_loss_scaling = True
+    auto_candidate = True
+    safety_rank = 2  # overflows past 65504: needs loss scaling
 
 
 class Bf16MixedPrecision(AutocastMixedPrecision):
@@ -43,6 +45,8 @@ class Bf16MixedPrecision(AutocastMixedPrecision):
 
     name = "bf16"
     compute_dtype = torch.bfloat16
+    auto_candidate = True
+    safety_rank = 1  # fp32's range, fewer mantissa bits
 
     @classmethod
     def check_supported(cls, device: torch.device) -> None:

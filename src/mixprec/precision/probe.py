@@ -1,4 +1,8 @@
-"""The speed probe behind precision="auto" on a CPU.
+"""The stand-in speed probe: what a bare ``resolve_precision("auto")`` guesses with on a CPU.
+
+Where a training step exists (the Accelerator, the Trainer, ``mixprec train``, ``mixprec bench``), "auto"
+races the candidates on that step instead (:mod:`mixprec.precision.race`); this probe only serves a call
+that has no step to measure, and the reason it gives says that it guessed.
 
 A bare matmul says little about a training step: on CPUs without AMX, fp16 GEMMs can beat fp32 while a
 whole fp16 step (autocast casts, fp32 master weights, elementwise ops, backward) is no faster, and bf16 is
@@ -24,14 +28,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mixprec.precision import race
+
 # Probe shape: big enough that GEMMs dominate as in a real step, small enough to stay well under a second.
 _BATCH, _SEQ, _WIDTH, _HIDDEN, _HEADS, _VOCAB = 2, 32, 128, 512, 4, 256
 _ROUNDS = 5
 # A mode whose best time is this much slower than fp32's best cannot win: stop timing it (keeps the probe
 # cheap on CPUs where low precision is emulated and an order of magnitude slower).
 _DROP_RATIO = 1.5
-# A low-precision mode must beat fp32 by this much to be chosen: ties go to the numerically safer mode.
-MARGIN = 0.05
+MARGIN = race.MARGIN  # a low-precision mode must beat fp32 by this much: ties go to the safer mode
 
 _cache: dict[tuple[str, int], ProbeResult] = {}  # (device type, threads)
 _lock = threading.Lock()
@@ -138,13 +143,9 @@ def _measure(start: float) -> ProbeResult:
 
 def choose(step_seconds: dict[str, float], best_seconds: dict[str, float] | None = None) -> str:
     """fp32 unless a low-precision mode is at least ``MARGIN`` faster by the median times (and, when given,
-    by the minimum times too); bf16 wins ties with fp16 because it needs no loss scaling."""
-    measures = [step_seconds] if best_seconds is None else [step_seconds, best_seconds]
-    best = "fp32"
-    for name in ("bf16", "fp16"):
-        if all(seconds[name] < seconds[best] * (1 - MARGIN) for seconds in measures):
-            best = name
-    return best
+    by the minimum times too); bf16 wins ties with fp16 because it needs no loss scaling. The rule of
+    :func:`mixprec.precision.race.choose`, the one both the probe and the real race use."""
+    return race.choose(("fp32", "bf16", "fp16"), step_seconds, best_seconds or step_seconds)
 
 
 def cpu_probe() -> ProbeResult:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.precision.base import Precision, PrecisionNotSupportedError
+from mixprec.precision.base import Precision, PrecisionNotSupportedError, default_device
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
 
@@ -50,34 +50,65 @@ def canonical_name(name: str) -> str:
 def resolve_precision(name: str = AUTO, device: torch.device | str | None = None) -> Precision:
     """Return the strategy for ``name`` on ``device`` (default: CUDA if available, else CPU).
 
-    "auto" chooses for the device and records why in ``.reason``: on CUDA bf16 where the GPU supports it,
-    else fp16; on a CPU the fastest of fp32/bf16/fp16 by a cached training-step probe (first call on a CPU
-    costs a fraction of a second on a quiet machine, seconds on a busy one). Raises
-    :class:`PrecisionNotSupportedError` for a mode the device cannot run.
+    Here, with no training step to measure, "auto" can only *guess* (its ``.reason`` says so): on CUDA bf16
+    where the GPU supports it, else fp16; on a CPU the fastest of fp32/bf16/fp16 on a stand-in probe (a
+    fraction of a second, cached per process). Code that owns a training step (the Accelerator, the
+    Trainer, ``mixprec train`` and ``mixprec bench``) uses :func:`make_precision` instead, whose "auto" is
+    measured on that step. Raises :class:`PrecisionNotSupportedError` for a mode the device cannot run.
     """
     key = canonical_name(name)
-    dev = torch.device(device) if device is not None else None
-    if dev is None:
-        dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dev = _device(device)
     if key == AUTO:
         Precision.check_supported(dev)  # the device must exist before "auto" reasons about it
-        key, reason = _choose_auto(dev)
+        key, reason = _guess_auto(dev)
         return _STRATEGIES[key](dev, reason=reason)
     return _STRATEGIES[key](dev)
 
 
-def _choose_auto(device: torch.device) -> tuple[str, str]:
+def make_precision(name: str = AUTO, device: torch.device | str | None = None, *, processes: int = 1) -> Precision:
+    """The strategy for ``name`` where a training step exists: "auto" becomes an
+    :class:`~mixprec.precision.auto.AutoPrecision` that races :func:`auto_candidates` on the first step."""
+    key = canonical_name(name)
+    dev = _device(device)
+    if key != AUTO:
+        return _STRATEGIES[key](dev)
+    from mixprec.precision.auto import AutoPrecision
+
+    Precision.check_supported(dev)
+    return AutoPrecision(auto_candidates(dev), processes=processes)
+
+
+def auto_candidates(device: torch.device) -> list[Precision]:
+    """The registered modes "auto" may pick on ``device`` (those declaring ``auto_candidate`` that the device
+    runs), safest first."""
+    out = []
+    for cls in sorted(_STRATEGIES.values(), key=lambda c: c.safety_rank):
+        if not cls.auto_candidate:
+            continue
+        try:
+            out.append(cls(device, reason=f"auto candidate on {device.type}"))
+        except PrecisionNotSupportedError:
+            continue
+    return out
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    return torch.device(device) if device is not None else default_device()
+
+
+def _guess_auto(device: torch.device) -> tuple[str, str]:
+    guessed = "guessed without a training step to measure"
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported(including_emulation=False):
-            return "bf16", "auto on cuda: the GPU supports bf16, which needs no loss scaling"
-        return "fp16", "auto on cuda: no native bf16 on this GPU, so fp16 with loss scaling"
+            return "bf16", f"auto on cuda {guessed}: the GPU supports bf16, which needs no loss scaling"
+        return "fp16", f"auto on cuda {guessed}: no native bf16 on this GPU, so fp16 with loss scaling"
     if device.type == "cpu":
         from mixprec.precision.probe import cpu_probe
 
         result = cpu_probe()
-        return result.chosen, result.explain()
+        return result.chosen, f"{result.explain()} ({guessed}: a stand-in for your model)"
     try:
         Fp16MixedPrecision.check_supported(device)
     except PrecisionNotSupportedError:
         return "fp32", f"auto on {device.type}: torch has no autocast here, so fp32"
-    return "fp16", f"auto on {device.type}: fp16 autocast with loss scaling"
+    return "fp16", f"auto on {device.type} {guessed}: fp16 autocast with loss scaling"

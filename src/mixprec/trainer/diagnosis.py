@@ -41,15 +41,12 @@ def diagnose_at_start(trainer: Trainer) -> Any:
     optimizer = "sgd" if args.optim == "sgd" else "adam"
     report = diagnose(trainer.model, loader, precision_target=target, lr=args.learning_rate, optimizer=optimizer)
     scale = float(acc.reduce(float(report.recommended_init_scale), reduction="max").item())
-    scaling = acc.scaler.is_enabled()
-    if scaling:
-        acc.scaler.update(new_scale=scale)  # clamped to [min_loss_scale, max_scale]
-    trainer.record_event("diagnosis", 0, applied_init_scale=acc.scaler.get_scale() if scaling else None,
-                         report=report.to_dict())  # fmt: skip
+    applied = acc.set_initial_loss_scale(scale)  # clamped to [min_loss_scale, max_scale]; auto's fp16 too
+    trainer.record_event("diagnosis", 0, applied_init_scale=applied, report=report.to_dict())
     acc.print(
         f"mixprec diagnose: recommends {report.recommended_precision} with initial loss scale "
         f"{report.recommended_init_scale:g}; running {acc.mixed_precision}"
-        + (f" from loss scale {acc.scaler.get_scale():g}" if scaling else ""),
+        + (f" from loss scale {applied:g}" if applied is not None else ""),
         file=sys.stderr,
     )
     if report.recommended_precision != acc.mixed_precision:

@@ -56,6 +56,14 @@ class Plan:
         return cls(batches_per_epoch, steps_per_epoch, max_steps, num_epochs)
 
 
+def fp16_overflow(report: Any) -> dict[str, str]:
+    """The candidates a diagnosis rules out for "auto": fp16 where it saw a non-finite value under fp16."""
+    event = getattr(report, "nonfinite_checks", {}).get("fp16") if report is not None else None
+    if event is None:
+        return {}
+    return {"fp16": f"the diagnosis saw fp16 overflow ({event.phase} of {event.module}, {event.what})"}
+
+
 def call_model(model: torch.nn.Module, batch: Any) -> Any:
     """``model(**batch)`` for dict batches (the HF convention), ``model(*batch)`` for tuples."""
     if isinstance(batch, Mapping):
@@ -76,9 +84,8 @@ class TrainingLoop:
         self.interrupted: int | None = None  # the signal that stopped the run
         self._micro_in_step = 0
         self._grad_norm: torch.Tensor | None = None
-        scaler = trainer.accelerator.scaler
-        self._scaling = scaler.is_enabled()
-        self._last_scale = scaler.get_scale() if self._scaling else None
+        self._scaling = False
+        self._last_scale: float | None = None
 
     # -- the loop ------------------------------------------------------------------------------------
 
@@ -90,8 +97,8 @@ class TrainingLoop:
             reduce_max = lambda flag: bool(acc.reduce(int(flag), reduction="max").item())  # noqa: E731
         t.event("on_train_begin")
         t.meter.start()
-        if self._scaling:
-            t.record_event("loss_scale", t.state.global_step, scale=self._last_scale)
+        if not acc.precision_pending:  # a named precision, or "auto" kept from the checkpoint
+            self._start_scaling()
         with GracefulStop() as stop:
             for epoch in range(self.position.epoch, plan.num_epochs):
                 micro = self.position.batches_consumed if epoch == self.position.epoch else 0
@@ -144,6 +151,8 @@ class TrainingLoop:
             t.control._new_step()
             t.event("on_step_begin")
         self._micro_in_step += 1
+        if acc.precision_pending:
+            self._settle_precision(batch)
         with acc.accumulate(t.model):
             loss = t.compute_loss(t.model, batch)
             acc.backward(loss)
@@ -153,6 +162,25 @@ class TrainingLoop:
             self._optimizer_step()
         self._micro_in_step = 0
         return True
+
+    def _settle_precision(self, batch: Any) -> None:
+        """precision="auto": race the candidate modes on this first batch through the Trainer's own
+        ``compute_loss`` (nothing of it reaches training), log the measurement, then train in the winner."""
+        t, acc = self.t, self.t.accelerator
+        excluded = fp16_overflow(t.diagnosis)
+        decision = acc.settle_precision(lambda: t.compute_loss(t.model, batch), batch, excluded=excluded)
+        if decision is not None:
+            t.record_event("auto_precision", t.state.global_step, **decision.to_dict())
+            logger.info("%s", decision.explain())
+        self._start_scaling()
+
+    def _start_scaling(self) -> None:
+        """Read the (decided) precision's scaler: whether it scales, and the scale to log changes from."""
+        scaler = self.t.accelerator.scaler
+        self._scaling = scaler.is_enabled()
+        self._last_scale = scaler.get_scale() if self._scaling else None
+        if self._scaling:
+            self.t.record_event("loss_scale", self.t.state.global_step, scale=self._last_scale)
 
     def _optimizer_step(self) -> None:
         t, acc, args = self.t, self.t.accelerator, self.t.args

@@ -36,6 +36,7 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
 def build_summary(
     *,
     precision: dict[str, Any],
+    auto: dict[str, Any] | None = None,
     global_step: int,
     steps_this_run: int,
     skipped_steps: int,
@@ -65,6 +66,7 @@ def build_summary(
         "final_loss_scale": final_scale,
         "precision": precision.get("precision"),
         "precision_reason": precision.get("reason"),
+        "auto_precision": auto,
         "peak_memory_bytes": peak,
         "peak_memory_kind": peak_kind,
     }
@@ -111,6 +113,7 @@ def finish_run(trainer: Trainer, steps_before: int) -> TrainOutput:
     samples, tokens = acc.reduce(counts).tolist()
     summary = build_summary(
         precision=acc.precision.describe(),
+        auto=acc.auto_decision.to_dict() if acc.auto_decision is not None else None,
         global_step=state.global_step,
         steps_this_run=state.global_step - steps_before,
         skipped_steps=trainer.skipped_steps,

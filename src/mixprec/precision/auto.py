@@ -1,0 +1,277 @@
+"""precision="auto" where a training step exists: decided by racing the candidates on that step.
+
+``AutoPrecision`` is the strategy an Accelerator holds for "auto". Until :meth:`settle` it runs as its
+safest candidate (fp32); ``settle(loss_fn, models)`` races every candidate on ``loss_fn`` — the user's own
+forward and backward on the first training batch (see :mod:`~mixprec.precision.race`) — and from then on
+every hook delegates to the chosen strategy. The Trainer calls ``settle`` before its first step; in a
+hand-written Accelerator loop the prepared model calls it at its first training forward.
+
+Nothing of the race reaches training: each trial restores gradients, buffers and RNG states (see
+:mod:`~mixprec.precision.trial`), so the run after the decision is bit-identical to one that asked for the
+chosen mode by name. A decision is made once per run: resuming adopts the one the checkpoint recorded
+(:meth:`adopt`), every process takes the main one's, and a repeated run may reuse a cached one
+(:mod:`~mixprec.precision.auto_cache`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mixprec.precision import auto_cache
+from mixprec.precision.base import Precision
+from mixprec.precision.race import ROUNDS, Agree, AutoDecision, Clock, decide
+from mixprec.precision.trial import no_trace, run_trial
+
+if TYPE_CHECKING:
+    from mixprec.scaling.scaler import GradScaler
+
+_SCALE_BACKOFF = 2.0**-8  # an fp16 trial that overflows retries at 1/256 of the scale, down to 1
+
+
+class AutoPrecision(Precision):
+    """ "auto": the fastest safe candidate, measured on the training step; the safest one until then."""
+
+    def __init__(self, candidates: Sequence[Precision], *, processes: int = 1) -> None:
+        if not candidates:
+            raise ValueError("precision='auto' needs at least one candidate mode")
+        self.candidates = sorted(candidates, key=lambda p: p.safety_rank)
+        self.decision: AutoDecision | None = None
+        self._chosen: Precision | None = None
+        self._trying: Precision | None = None
+        super().__init__(self.candidates[0].device)
+        self.processes = processes
+        self._agree: Agree | None = None
+        self._is_main = True
+        self._announce: Callable[[], None] | None = None
+        self._param_names: list[tuple[str, torch.nn.Parameter]] = []
+
+    # -- what it is now ------------------------------------------------------------------------------
+
+    @property
+    def current(self) -> Precision:
+        """The strategy the hooks delegate to: a trial's, the chosen one, or the safest before the race."""
+        return self._trying or self._chosen or self.candidates[0]
+
+    @property
+    def pending(self) -> bool:  # type: ignore[override]
+        # not during a trial: the trial's forward goes through the same prepared forward that settles
+        return self.decision is None and self._trying is None
+
+    @property
+    def resolved(self) -> Precision:  # type: ignore[override]
+        return self._chosen or self
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self._chosen.name if self._chosen is not None else "auto"
+
+    @property
+    def compute_dtype(self) -> torch.dtype:  # type: ignore[override]
+        return self.current.compute_dtype
+
+    @property
+    def param_dtype(self) -> torch.dtype:  # type: ignore[override]
+        return self.current.param_dtype
+
+    @property
+    def needs_loss_scaling(self) -> bool:  # type: ignore[override]
+        return self.current.needs_loss_scaling
+
+    @property
+    def reason(self) -> str:  # type: ignore[override]
+        if self.decision is None:
+            names = ", ".join(p.name for p in self.candidates)
+            return f"auto: not decided yet; the first training step will race {names} and keep the fastest"
+        return self.decision.explain()
+
+    @reason.setter
+    def reason(self, value: str) -> None:  # the base __init__ sets a default: auto's reason is its decision
+        pass
+
+    # -- configuration, forwarded to every candidate ------------------------------------------------
+
+    def configure(
+        self,
+        scaler_kwargs: Mapping[str, Any] | None = None,
+        found_inf_reducer: Callable[[torch.Tensor], None] | None = None,
+        agree: Agree | None = None,
+        is_main: bool = True,
+        announce: Callable[[], None] | None = None,
+    ) -> None:
+        """As the base, plus ``agree`` (several processes: the main one's list of names for everyone),
+        whether this is the main process (the one whose measurement is everyone's), and ``announce``,
+        called once the decision is made."""
+        super().configure(scaler_kwargs, found_inf_reducer)
+        self._agree = agree
+        self._is_main = is_main
+        self._announce = announce
+        for p in self.candidates:
+            p.configure(scaler_kwargs, found_inf_reducer)
+
+    @property
+    def scaler(self) -> GradScaler:  # type: ignore[override]
+        return self.current.scaler
+
+    def register_param_names(self, named_parameters: Any) -> None:
+        named = list(named_parameters)
+        self._param_names.extend(named)
+        for p in self.candidates:
+            p.register_param_names(named)
+
+    def options(self) -> list[Precision]:
+        return [self._chosen] if self._chosen is not None else list(self.candidates)
+
+    # -- the hooks: the current strategy's ---------------------------------------------------------
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return self.current.convert_module(module)
+
+    def convert_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return self.current.convert_optimizer(optimizer)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return self.current.autocast()
+
+    def convert_output(self, data: Any) -> Any:
+        return self.current.convert_output(data)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.current.backward(loss, **kwargs)
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        self.current.unscale(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        return self.current.optimizer_step(optimizer, **kwargs)
+
+    @property
+    def step_was_skipped(self) -> bool:  # type: ignore[override]
+        return self.current.step_was_skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.current.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.current.load_state_dict(state)
+
+    def describe(self) -> dict[str, Any]:
+        out = {**self.current.describe(), "precision": self.name, "reason": self.reason}
+        if self.decision is not None:
+            out["auto"] = self.decision.to_dict()
+        return out
+
+    def decision_record(self) -> dict[str, Any] | None:
+        return None if self.decision is None else self.decision.to_dict()
+
+    # -- the decision --------------------------------------------------------------------------------
+
+    def settle(
+        self,
+        loss_fn: Callable[[], torch.Tensor],
+        models: Sequence[torch.nn.Module],
+        *,
+        batch: Any = None,
+        excluded: Mapping[str, str] | None = None,
+        rounds: int = ROUNDS,
+        clock: Clock = time.perf_counter,
+        use_cache: bool = True,
+    ) -> AutoDecision | None:
+        """Race the candidates on ``loss_fn`` (one forward of the real step, returning its loss) and adopt
+        the winner; return the decision. A no-op once decided. ``excluded`` names candidates that may not
+        win, with why (a diagnosis that saw fp16 overflow). Costs a few forward+backward passes and host
+        syncs, once per run; the state of ``models`` and the RNG are left exactly as found."""
+        if self.decision is not None:
+            return self.decision
+        names = [p.name for p in self.candidates]
+        key = auto_cache.fingerprint(self.device, models, auto_cache.shapes_of(batch), names, self.processes)
+        cached = auto_cache.lookup(key) if use_cache else None
+        same = self._agree or (lambda xs: xs)
+        hit = same([cached.chosen] if cached is not None and cached.chosen in names else [])
+        if hit:
+            source = "cache" if cached is not None and cached.chosen == hit[0] else "main process"
+            base = cached if cached is not None else AutoDecision(hit[0], {}, device=self.device.type)
+            self.adopt(AutoDecision(**{**base.to_dict(), "chosen": hit[0], "source": source}))
+            return self.decision
+        by_name = {p.name: p for p in self.candidates}
+        scales = {p.name: (p.scaler.get_scale() if p.needs_loss_scaling else 1.0) for p in self.candidates}
+
+        with no_trace(models, self.device) as state:
+            # several processes run every trial in lockstep (a backward is a collective): none stops early
+            alone = self._agree is None
+
+            def run(name: str, deadline: float | None) -> bool | None:
+                while True:
+                    finite = run_trial(
+                        by_name[name], loss_fn, state, self._selecting, scales[name],
+                        deadline=deadline if alone else None, clock=clock,
+                    )  # fmt: skip
+                    # An fp16 overflow at a large loss scale is what the scaler backs off from: retry lower,
+                    # and exclude fp16 only if it overflows unscaled.
+                    if finite is not False or scales[name] <= 1.0:
+                        return finite
+                    scales[name] = max(scales[name] * _SCALE_BACKOFF, 1.0)
+
+            decision = decide(
+                names,
+                run,
+                device=self.device.type,
+                threads=torch.get_num_threads(),
+                rounds=rounds,
+                clock=clock,
+                agree=self._agree,
+                excluded=dict(excluded or {}),
+            )
+        if not self._is_main:
+            decision = decision.with_source("main process")
+        if use_cache and decision.source == "measured":
+            auto_cache.store(key, decision)
+        self.adopt(decision)
+        return self.decision
+
+    def adopt(self, decision: AutoDecision) -> None:
+        """Run as ``decision.chosen`` from now on (a resumed run's recorded decision, or the race's)."""
+        by_name = {p.name: p for p in self.candidates}
+        if decision.chosen not in by_name:
+            raise ValueError(
+                f"precision='auto': the recorded decision {decision.chosen!r} is not a candidate on "
+                f"{self.device} ({', '.join(by_name)}); resume with precision={decision.chosen!r} on a device "
+                "that runs it, or start a new run"
+            )
+        self._chosen = by_name[decision.chosen]
+        self._chosen.reason = decision.explain()
+        self.decision = decision
+        if self._announce is not None:
+            self._announce()
+
+    def adopt_recorded(self, saved_name: str, record: Mapping[str, Any] | None) -> None:
+        """At resume: keep the decision the checkpoint recorded (no measuring), or the precision it ran."""
+        if self.decision is not None:
+            return super().adopt_recorded(saved_name, record)
+        if record:
+            self.adopt(AutoDecision.from_dict(dict(record)).with_source("checkpoint"))
+        else:
+            self.adopt(
+                AutoDecision(
+                    saved_name,
+                    {},
+                    device=self.device.type,
+                    source="checkpoint",
+                    measured=f"the checkpoint's precision ({saved_name})",
+                )  # fmt: skip
+            )
+
+    @contextlib.contextmanager
+    def _selecting(self, precision: Precision) -> Iterator[None]:
+        self._trying = precision
+        try:
+            yield
+        finally:
+            self._trying = None
+
+    def __repr__(self) -> str:
+        return f"AutoPrecision(candidates={[p.name for p in self.candidates]}, chosen={self.name!r})"

@@ -1,0 +1,292 @@
+"""precision="auto" decided on the user's own training step (mixprec.precision.auto / race / trial).
+
+No wall-clock thresholds: speed is planted, either with an injected clock or with a mode made slow on purpose
+(a sleep far above any scheduling noise), so the tests say what auto does with a measurement, not what this
+machine measures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import make_batches, make_tiny_lm
+from mixprec import Accelerator
+from mixprec.precision import auto_cache, race, registry
+from mixprec.precision.auto import AutoPrecision
+from mixprec.precision.full import FullPrecision
+from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
+from mixprec.precision.race import AutoDecision, choose, decide
+
+
+class FakeClock:
+    """A clock that advances by the planted cost of the mode that is running."""
+
+    def __init__(self, cost: dict[str, float]) -> None:
+        self.now, self.cost = 0.0, cost
+
+    def __call__(self) -> float:
+        return self.now
+
+    def run(self, name: str, deadline: float | None = None, finite: bool = True) -> bool | None:
+        self.now += self.cost[name]
+        return None if deadline is not None and self.now > deadline else finite
+
+
+# -- the race and its rule ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cost, expected",
+    [
+        ({"fp32": 1.0, "bf16": 4.0, "fp16": 6.0}, "fp32"),  # emulated low precision: several times slower
+        ({"fp32": 1.0, "bf16": 0.5, "fp16": 0.7}, "bf16"),
+        ({"fp32": 1.0, "bf16": 0.8, "fp16": 0.5}, "fp16"),
+        ({"fp32": 1.0, "bf16": 0.6, "fp16": 0.58}, "bf16"),  # fp16 must beat the safer bf16 by the margin
+        ({"fp32": 1.0, "bf16": 0.97, "fp16": 0.96}, "fp32"),  # within the margin of fp32: the safer mode
+    ],
+)
+def test_the_race_picks_the_fastest_by_a_margin_with_ties_to_the_safer_mode(cost, expected):
+    clock = FakeClock(cost)
+    decision = decide(["fp32", "bf16", "fp16"], clock.run, device="cpu", threads=1, clock=clock)
+    assert decision.chosen == expected
+    assert decision.step_seconds["fp32"] == pytest.approx(1.0)
+
+
+def test_a_planted_slow_mode_is_dropped_in_its_warm_up_and_never_chosen():
+    clock = FakeClock({"fp32": 1.0, "bf16": 0.5, "fp16": 15.0})  # fp16 emulated: 15x
+    runs: list[str] = []
+
+    def run(name: str, deadline: float | None) -> bool | None:
+        runs.append(name)
+        return clock.run(name, deadline)
+
+    decision = decide(["fp32", "bf16", "fp16"], run, device="cpu", threads=1, clock=clock)
+    assert decision.chosen == "bf16"
+    assert runs.count("fp16") == 1 and decision.dropped == {"fp16": 0}  # stopped at its deadline, once
+    assert "fp16 dropped" in decision.explain()
+
+
+def test_a_median_win_that_the_best_times_contradict_is_not_taken():
+    # A busy machine: fp32's median is inflated by descheduled threads; its best shows bf16 is 10x slower.
+    medians = {"fp32": 0.30, "bf16": 0.27}
+    minima = {"fp32": 0.005, "bf16": 0.05}
+    assert choose(["fp32", "bf16"], medians, minima) == "fp32"
+
+
+def test_a_fast_mode_whose_trial_is_not_finite_is_excluded_with_the_reason():
+    clock = FakeClock({"fp32": 1.0, "bf16": 0.9, "fp16": 0.3})
+    decision = decide(
+        ["fp32", "bf16", "fp16"],
+        lambda name, deadline: clock.run(name, deadline, finite=name != "fp16"),
+        device="cpu",
+        threads=1,
+        clock=clock,
+    )
+    assert decision.chosen == "bf16"
+    assert "fp16" in decision.excluded and "inf/NaN" in decision.excluded["fp16"]
+    assert "fp16 excluded" in decision.explain()
+
+
+def test_the_decision_round_trips_through_json():
+    d = AutoDecision("bf16", {"fp32": 0.2, "bf16": 0.1}, {"fp32": 0.19, "bf16": 0.09}, {"fp16": "x"}, rounds=3)
+    again = AutoDecision.from_dict(json.loads(json.dumps(d.to_dict())))
+    assert again == d and "bf16" in again.table() and "<- chosen" in again.table()
+
+
+# -- on a real model -----------------------------------------------------------------------------------
+
+
+class _Sleepy:
+    """Mixin: this mode's forward sleeps, so it is slow by far more than any noise."""
+
+    def autocast(self) -> Any:
+        @contextlib.contextmanager
+        def slow() -> Any:
+            with super(_Sleepy, self).autocast():
+                time.sleep(0.03)
+                yield
+
+        return slow()
+
+
+class SleepyFp32(_Sleepy, FullPrecision):
+    pass
+
+
+class SleepyBf16(_Sleepy, Bf16MixedPrecision):
+    pass
+
+
+def _auto_with(monkeypatch: pytest.MonkeyPatch, *classes: type) -> None:
+    monkeypatch.setattr(registry, "auto_candidates", lambda device: [cls(device) for cls in classes])
+
+
+def _train(accelerator: Accelerator, steps: int = 4, seed: int = 0) -> torch.nn.Module:
+    model = DropoutNormLM(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for batch in make_batches(steps, seed=seed):
+        accelerator.backward(model(batch["input_ids"], labels=batch["labels"])["loss"])
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+class DropoutNormLM(torch.nn.Module):
+    """The tiny LM with dropout (draws from the RNG) and a BatchNorm (a buffer the forward updates): what a
+    trial must leave exactly as it found."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.lm = make_tiny_lm(seed)
+        self.drop = torch.nn.Dropout(0.2)
+        self.norm = torch.nn.BatchNorm1d(32)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        h = self.drop(self.lm.embed(input_ids))
+        h = self.norm(h.transpose(1, 2)).transpose(1, 2)
+        logits = self.lm.head(torch.nn.functional.gelu(self.lm.hidden(h)))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        return {"loss": loss, "logits": logits}
+
+
+def test_a_mode_made_slow_on_purpose_is_not_chosen(monkeypatch):
+    _auto_with(monkeypatch, FullPrecision, SleepyBf16)
+    accelerator = Accelerator(mixed_precision="auto", verbose=False)
+    _train(accelerator, steps=1)
+    assert accelerator.mixed_precision == "fp32"
+    d = accelerator.auto_decision
+    assert d.source == "measured" and d.chosen == "fp32"
+    assert "bf16" in d.dropped or d.step_seconds["bf16"] > d.step_seconds["fp32"]
+
+
+def test_a_mode_faster_on_the_real_step_is_chosen(monkeypatch):
+    # The converse: the planted slowness is on fp32, so auto must leave it (a test that always-fp32 fails).
+    _auto_with(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+    accelerator = Accelerator(mixed_precision="auto", verbose=False)
+    _train(accelerator, steps=1)
+    assert accelerator.mixed_precision == "bf16"
+    assert type(accelerator.precision) is Bf16MixedPrecision
+    assert accelerator.auto_decision.step_seconds["fp32"] > accelerator.auto_decision.step_seconds["bf16"]
+
+
+def test_the_measured_steps_are_not_lost_training_equals_the_chosen_mode_by_name(monkeypatch):
+    # Dropout draws from the RNG and BatchNorm updates its statistics in every trial forward: the run after
+    # the race must still be bit-identical to one that asked for the winner by name.
+    torch.manual_seed(1234)  # the same RNG stream for both runs (dropout)
+    named = _train(Accelerator(mixed_precision="bf16", verbose=False))
+    _auto_with(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+    torch.manual_seed(1234)
+    accelerator = Accelerator(mixed_precision="auto", verbose=False)
+    auto = _train(accelerator)
+    assert accelerator.mixed_precision == "bf16"
+    for (name, a), (_, b) in zip(auto.state_dict().items(), named.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_fp16_that_overflows_on_the_real_step_is_excluded_even_if_fastest(monkeypatch):
+    class Overflowing(torch.nn.Module):
+        """Activations past fp16's 65504: inf under fp16 autocast, finite in fp32 and bf16."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x * 1e5).float().pow(2).mean() * 1e-10
+
+    _auto_with(monkeypatch, SleepyFp32, Fp16MixedPrecision)  # fp16 would win on speed
+    accelerator = Accelerator(mixed_precision="auto", verbose=False)
+    torch.manual_seed(0)
+    model = accelerator.prepare(Overflowing())
+    accelerator.backward(model(torch.randn(4, 8)))
+    assert accelerator.mixed_precision == "fp32"
+    assert "inf/NaN" in accelerator.auto_decision.excluded["fp16"]
+
+
+def test_an_unscaled_fp16_overflow_of_the_gradient_alone_retries_lower_scales(monkeypatch):
+    # Gradients that overflow only at the scaler's 2^16 are what loss scaling backs off from: not a reason
+    # to exclude fp16.
+    _auto_with(monkeypatch, SleepyFp32, Fp16MixedPrecision)
+    accelerator = Accelerator(mixed_precision="auto", verbose=False, scaler_kwargs={"init_scale": 2.0**24,
+                              "max_scale": 2.0**24})  # fmt: skip
+    model = accelerator.prepare(torch.nn.Linear(8, 8))
+    x = torch.full((4, 8), 30.0)
+    accelerator.backward(model(x).float().pow(2).sum())
+    assert accelerator.mixed_precision == "fp16" and not accelerator.auto_decision.excluded
+
+
+def test_eval_before_the_first_training_step_runs_fp32_and_does_not_decide():
+    accelerator = Accelerator(mixed_precision="auto", verbose=False)
+    model = accelerator.prepare(make_tiny_lm())
+    batch = make_batches(1)[0]
+    model.eval()
+    with torch.no_grad():
+        out = model(batch["input_ids"], labels=batch["labels"])
+    assert out.logits.dtype == torch.float32 and accelerator.precision_pending
+
+
+# -- one decision per run: resume, processes, cache ------------------------------------------------------
+
+
+def test_a_resumed_run_keeps_the_recorded_decision_without_measuring(monkeypatch, tmp_path):
+    _auto_with(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+    first = Accelerator(mixed_precision="auto", verbose=False)
+    model = _train(first, steps=2)
+    saved = first.save_state(tmp_path / "state")
+    meta = json.loads((saved / "accelerator.json").read_text())
+    assert meta["mixed_precision"] == "bf16" and meta["auto"]["chosen"] == "bf16"
+
+    def no_race(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a resumed run must not race again")
+
+    monkeypatch.setattr("mixprec.precision.auto.decide", no_race)
+    _auto_with(monkeypatch, FullPrecision, Bf16MixedPrecision, Fp16MixedPrecision)
+    again = Accelerator(mixed_precision="auto", verbose=False)
+    resumed = DropoutNormLM()
+    resumed, _ = again.prepare(resumed, torch.optim.AdamW(resumed.parameters(), lr=1e-2))
+    again.load_state(tmp_path / "state")
+    assert again.mixed_precision == "bf16" and again.auto_decision.source == "checkpoint"
+    assert again.auto_decision.step_seconds == first.auto_decision.step_seconds
+    for a, b in zip(model.state_dict().values(), resumed.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_a_repeated_run_reuses_the_cached_decision_and_cache_off_measures_again(monkeypatch, tmp_path):
+    cache = tmp_path / "auto.json"
+    monkeypatch.setenv("MIXPREC_AUTO_CACHE", str(cache))
+    _auto_with(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+    first = Accelerator(mixed_precision="auto", verbose=False)
+    _train(first, steps=1)
+    assert first.auto_decision.source == "measured" and cache.is_file()
+    second = Accelerator(mixed_precision="auto", verbose=False)
+    _train(second, steps=1)
+    assert second.auto_decision.source == "cache" and second.mixed_precision == "bf16"
+    assert "reused a cached race" in second.precision.reason
+    monkeypatch.setenv("MIXPREC_AUTO_CACHE", "0")
+    third = Accelerator(mixed_precision="auto", verbose=False)
+    _train(third, steps=1)
+    assert third.auto_decision.source == "measured"
+
+
+def test_the_cache_key_changes_with_the_batch_shape_and_the_model():
+    dev = torch.device("cpu")
+    a = auto_cache.fingerprint(dev, [make_tiny_lm()], ["(8, 8):torch.int64"], ["fp32", "bf16"], 1)
+    assert a == auto_cache.fingerprint(dev, [make_tiny_lm(1)], ["(8, 8):torch.int64"], ["fp32", "bf16"], 1)
+    assert a != auto_cache.fingerprint(dev, [make_tiny_lm()], ["(4, 8):torch.int64"], ["fp32", "bf16"], 1)
+    assert a != auto_cache.fingerprint(dev, [torch.nn.Linear(2, 2)], ["(8, 8):torch.int64"], ["fp32", "bf16"], 1)
+    assert a != auto_cache.fingerprint(dev, [make_tiny_lm()], ["(8, 8):torch.int64"], ["fp32", "bf16"], 2)
+
+
+def test_candidates_are_the_registered_modes_that_declare_it_safest_first():
+    names = [p.name for p in registry.auto_candidates(torch.device("cpu"))]
+    assert names == ["fp32", "bf16", "fp16"]
+    auto = registry.make_precision("auto", "cpu")
+    assert isinstance(auto, AutoPrecision) and auto.pending and auto.name == "auto"
+    assert race.MARGIN == 0.05
