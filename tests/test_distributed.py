@@ -131,5 +131,13 @@ def test_gather_accepts_different_row_counts(ranks: list[dict]) -> None:
     assert ranks[0]["uneven_gather"] == ranks[1]["uneven_gather"] == [0, 0, 1]
 
 
-def test_auto_resolves_to_one_precision_on_every_rank(ranks: list[dict]) -> None:
-    assert ranks[0]["auto"] == ranks[1]["auto"] in ("fp32", "fp16", "bf16")
+def test_auto_races_once_and_every_rank_trains_in_the_main_ones_choice(ranks: list[dict]) -> None:
+    a, b = ranks[0]["auto"], ranks[1]["auto"]
+    assert a["chosen"] == b["chosen"] in ("fp32", "fp16", "bf16")
+    assert (a["source"], b["source"]) == ("measured", "main process")
+    assert a["params"] == b["params"]  # the same mode and the same updates after the race
+
+
+def test_auto_races_in_lockstep_under_fsdp(ranks: list[dict]) -> None:
+    a, b = ranks[0]["auto-fsdp"], ranks[1]["auto-fsdp"]
+    assert a["chosen"] == b["chosen"] and (a["source"], b["source"]) == ("measured", "main process")

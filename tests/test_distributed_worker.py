@@ -155,6 +155,24 @@ def run_kind(distributed: str | None, precision: str, out: Path) -> dict:
     return result
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def auto_run(distributed: str | None = None) -> dict:
+    accelerator = Accelerator(mixed_precision="auto", distributed=distributed, verbose=False)
+    model, optimizer, loader, scheduler = build(accelerator)
+    for i, batch in enumerate(loader):
+        accelerator.backward(model(batch["input_ids"], labels=batch["labels"]).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if i == 1:
+            break
+    decision = accelerator.auto_decision
+    params = torch.cat([_local(p).detach().flatten().float() for p in model.parameters()])
+    return {"chosen": accelerator.mixed_precision, "source": decision.source, "params": params.tolist()}
+
+
 def main() -> None:
     start = time.perf_counter()
     out = Path(sys.argv[1])
@@ -164,8 +182,10 @@ def main() -> None:
     results["uneven_gather"] = first.gather(torch.arange(first.process_index + 1)).tolist()
     results["no_sync"] = no_sync_grads()
     results["accumulated"] = {"ddp": accumulated(None), "fsdp": accumulated("fsdp")}
-    # "auto" times a probe on each process (a loaded machine may time them differently): all take rank 0's
-    results["auto"] = Accelerator(mixed_precision="auto", verbose=False).mixed_precision
+    # "auto" races on the first DDP training step, every process in lockstep (a backward is a collective);
+    # each would time it differently on a loaded machine: all take rank 0's measurement
+    results["auto"] = auto_run()
+    results["auto-fsdp"] = auto_run("fsdp")  # sharded: the trials' all-gathers must run in lockstep too
     for distributed in (None, "fsdp"):
         for precision in ("fp32", "fp16"):
             t0 = time.perf_counter()

@@ -40,15 +40,20 @@ class _Prepared:
         return (_Prepared, (self.precision,))
 
 
-def _prepared_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The original forward under autocast; floating outputs back in fp32. No host sync.
+def _settle_auto(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook (the first one): under precision="auto", the first training forward (train mode,
+    grad enabled) first races the candidate modes on this very call (see :mod:`mixprec.precision.auto`),
+    then runs in the chosen one. A hook ahead of FSDP2's own, not code inside forward: each trial is a
+    whole call of the module, its all-gathers and reshards included, before this call gathers anything."""
+    precision = module.__dict__["_mixprec"].precision
+    if precision.pending and module.training and torch.is_grad_enabled():
+        precision.settle(lambda: trial_loss(module(*args, **kwargs)), [module], batch=(args, kwargs))
 
-    Under precision="auto", the first training forward (module in train mode, grad enabled) first races the
-    candidate modes on this very call (see :mod:`mixprec.precision.auto`), then runs in the chosen one."""
+
+def _prepared_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The original forward under autocast; floating outputs back in fp32. No host sync."""
     prepared: _Prepared = self.__dict__["_mixprec"]
     precision = prepared.precision
-    if precision.pending and self.training and torch.is_grad_enabled():
-        precision.settle(lambda: trial_loss(self(*args, **kwargs)), [self], batch=(args, kwargs))
     with precision.autocast():
         # Without grad (evaluation) there is nothing to sync: skip DDP, whose forward may broadcast buffers.
         if prepared.ddp is not None and torch.is_grad_enabled():
@@ -90,6 +95,8 @@ def patch_forward(module: torch.nn.Module, precision: Precision, ddp: torch.nn.M
     module.__dict__["_mixprec_forward"] = module.forward
     module.__dict__["_mixprec"] = _Prepared(precision, ddp)
     module.__dict__["forward"] = types.MethodType(_prepared_forward, module)
+    if precision.pending:
+        module.register_forward_pre_hook(_settle_auto, prepend=True, with_kwargs=True)
 
 
 def is_prepared(module: torch.nn.Module) -> bool:
