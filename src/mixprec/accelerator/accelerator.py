@@ -240,7 +240,7 @@ class Accelerator:
         replaced = self._strategy.replaced_parameters()
         if replaced:
             _follow_replaced_parameters(optimizer, replaced)
-        prepared = PreparedOptimizer(optimizer, self._gradients)
+        prepared = PreparedOptimizer(self._precision.convert_optimizer(optimizer), self._gradients, source=optimizer)
         self._registry.optimizers.append(prepared)
         self._gradients.optimizers.append(prepared)
         self._gradients.forget_owners()
@@ -250,7 +250,7 @@ class Accelerator:
         if isinstance(scheduler, PreparedScheduler):
             return scheduler
         target = getattr(scheduler, "optimizer", None)
-        owners = [o for o in self._registry.optimizers if target is o or target is o.optimizer]
+        owners = [o for o in self._registry.optimizers if target in (o, o.optimizer, o.source)]
         prepared = PreparedScheduler(scheduler, owners, self._gradients)
         self._registry.schedulers.append(prepared)
         return prepared
@@ -400,8 +400,8 @@ def _kind(obj: Any, index: int) -> str:
 
 
 def _check_master_weights(model: torch.nn.Module, precision: Precision) -> None:
-    if precision.compute_dtype == torch.float32:
-        return  # full precision: parameters in whatever dtype the user chose (e.g. pure bf16 training)
+    if precision.compute_dtype == torch.float32 or precision.param_dtype != torch.float32:
+        return  # full precision: parameters in whatever dtype the user chose; pure modes convert them
     for name, p in model.named_parameters():
         if p.dtype in (torch.float16, torch.bfloat16):
             raise ValueError(

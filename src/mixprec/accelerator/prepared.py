@@ -121,9 +121,12 @@ class PreparedOptimizer(torch.optim.Optimizer):
     an ``Optimizer`` subclass (whose ``__init__`` is not run) so that LR schedulers accept it.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, gradients: GradientState) -> None:  # noqa: D107
+    def __init__(  # noqa: D107
+        self, optimizer: torch.optim.Optimizer, gradients: GradientState, source: torch.optim.Optimizer | None = None
+    ) -> None:
         # Optimizer.__init__ is deliberately not called: this object holds no parameters of its own.
         self.__dict__["optimizer"] = optimizer
+        self.__dict__["source"] = source if source is not None else optimizer  # what the user passed
         self._gradients = gradients
         self.step_was_skipped = False
 
@@ -166,6 +169,10 @@ class PreparedOptimizer(torch.optim.Optimizer):
         kwargs = {} if closure is None else {"closure": closure}
         result = precision.optimizer_step(self.optimizer, **kwargs)
         self.step_was_skipped = precision.step_was_skipped
+        if self.source is not self.optimizer:
+            # torch's LR schedulers warn "scheduler.step() before optimizer.step()" unless the optimizer they
+            # were built on flags its steps; a precision that replaced it (bf16-pure) steps another object
+            self.source._opt_called = True
         gradients.stepped(self)
         return result
 

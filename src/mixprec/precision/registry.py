@@ -12,6 +12,7 @@ import torch
 from mixprec.precision.base import Precision, PrecisionNotSupportedError, default_device
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
+from mixprec.precision.pure import PureBf16KahanPrecision, PureBf16Precision
 
 _STRATEGIES: dict[str, type[Precision]] = {}
 _ALIASES: dict[str, str] = {}
@@ -29,6 +30,8 @@ def register_precision(cls: type[Precision], aliases: tuple[str, ...] = ()) -> t
 register_precision(FullPrecision, aliases=("no", "32", "float32", "32-true"))
 register_precision(Fp16MixedPrecision, aliases=("16", "float16", "half", "16-mixed", "fp16-mixed"))
 register_precision(Bf16MixedPrecision, aliases=("bfloat16", "bf16-mixed"))
+register_precision(PureBf16Precision, aliases=("bf16-true", "true-bf16", "bf16-pure-sr"))
+register_precision(PureBf16KahanPrecision, aliases=("bf16-true-kahan",))
 
 
 def available_precisions() -> list[str]:

@@ -1,0 +1,99 @@
+"""Pure bf16: parameters, gradients and optimizer states all in bf16 — 8 bytes per parameter instead of 16.
+
+Autocast's mixed modes keep fp32 master weights (4 bytes), fp32 gradients (4) and fp32 Adam moments (8).
+Here the module is converted to bf16 (its fp32 copy is not kept), so gradients and moments are bf16 too,
+and the update goes through :class:`~mixprec.optim.Bf16AdamW`, which computes in fp32 and writes back with
+stochastic rounding (``bf16-pure``) or Kahan-compensated summation (``bf16-pure-kahan``, +2 bytes per
+parameter): plain round-to-nearest loses updates smaller than half a bf16 ulp (see that module).
+
+The forward still runs under bf16 autocast, whose fp32 list keeps softmax, norms and losses in fp32 (as in
+Lightning's "bf16-true", the model's own matmuls run in bf16 with no casts). No loss scaling: bf16 has
+fp32's range. Not an "auto" candidate: it trades accuracy margins for memory, a choice for the user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ClassVar
+
+import torch
+
+from mixprec.precision.base import PrecisionNotSupportedError
+from mixprec.precision.mixed import Bf16MixedPrecision
+
+
+class PureBf16Precision(Bf16MixedPrecision):
+    """bf16 everywhere; updates with stochastic rounding."""
+
+    name = "bf16-pure"
+    param_dtype = torch.bfloat16
+    auto_candidate = False
+    rounding: ClassVar[str] = "stochastic"
+    _ROUNDING_TEXT: ClassVar[dict[str, str]] = {
+        "stochastic": "updates with stochastic rounding",
+        "kahan": "updates with Kahan-compensated summation",
+    }
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module's floating parameters and buffers in bf16, in place (the Parameter objects an optimizer
+        holds stay the same; their fp32 data is freed)."""
+        return module.to(torch.bfloat16)
+
+    def convert_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """An Adam/AdamW becomes a :class:`~mixprec.optim.Bf16AdamW` over the same parameter groups (the very
+        group dicts, so an LR scheduler built on the original keeps steering it)."""
+        from mixprec.optim import Bf16AdamW
+
+        if isinstance(optimizer, Bf16AdamW):
+            return optimizer
+        kind = type(optimizer)
+        if kind not in (torch.optim.AdamW, torch.optim.Adam):
+            raise ValueError(
+                f"precision={self.name!r} updates bf16 weights with its own Adam/AdamW (rounding: {self.rounding}); "
+                f"got {kind.__name__}: pass torch.optim.AdamW or Adam, or use precision='bf16' (fp32 master weights)"
+            )
+        if optimizer.state:
+            raise ValueError(
+                f"precision={self.name!r}: prepare the optimizer before its first step (it already holds fp32 state)"
+            )
+        for group in optimizer.param_groups:
+            for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+                if group.get(flag):
+                    raise ValueError(f"precision={self.name!r}: {kind.__name__}({flag}=True) is not supported")
+        decoupled = kind is torch.optim.AdamW or bool(optimizer.defaults.get("decoupled_weight_decay"))
+        new = Bf16AdamW([{"params": []}], decoupled=decoupled, rounding=self.rounding)
+        new.param_groups = optimizer.param_groups  # shared dicts: schedulers on the original still apply
+        for group in new.param_groups:
+            group["decoupled"] = decoupled
+            group["rounding"] = self.rounding
+        new.defaults = {**optimizer.defaults, "decoupled": decoupled, "rounding": self.rounding}
+        return new
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "update": self._ROUNDING_TEXT[self.rounding]}
+
+    def __init__(self, device: torch.device | str | None = None, reason: str = "") -> None:
+        super().__init__(device, reason)
+        if not reason:
+            self.reason = (
+                f"{self.name} was asked for: parameters, gradients and Adam states in bf16 (8 bytes per "
+                f"parameter{' + 2 for the compensation' if self.rounding == 'kahan' else ''}); "
+                f"{self._ROUNDING_TEXT[self.rounding]}"
+            )
+
+    @classmethod
+    def check_supported(cls, device: torch.device) -> None:
+        try:
+            super().check_supported(device)
+        except PrecisionNotSupportedError as err:
+            raise PrecisionNotSupportedError(str(err).replace("'bf16'", repr(cls.name))) from None
+
+
+class PureBf16KahanPrecision(PureBf16Precision):
+    """bf16 everywhere; updates with Kahan-compensated summation."""
+
+    name = "bf16-pure-kahan"
+    rounding = "kahan"
