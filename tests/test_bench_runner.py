@@ -135,3 +135,18 @@ def test_workload_from_dataset_holds_out_an_eval_batch():
     assert len(w.batches) == 3 and w.tokens_per_step == 8
     assert int(w.eval_batch["input_ids"].min()) >= 100
     assert w.flops_per_token == 6.0 * sum(p.numel() for p in w.model.parameters())
+
+
+def test_auto_is_raced_on_the_workloads_own_step_and_the_race_is_in_the_json():
+    result = run_bench(_workload(), BenchConfig(precisions=("fp32", "bf16", "auto"), **FAST, measure_memory=False))
+    race = result.to_dict()["auto_race"]
+    assert race["source"] == "measured" and race["candidates"] == ["fp32", "bf16", "fp16"]
+    assert race["chosen"] == result.row("auto").resolved
+    assert "raced the candidates on the training step" in result.row("auto").reason
+
+
+def test_pure_bf16_is_benchmarked_with_its_own_optimizer_at_8_bytes_per_parameter():
+    result = run_bench(_workload(), BenchConfig(precisions=("fp32", "bf16-pure"), **FAST, measure_memory=False))
+    fp32, pure = result.rows
+    assert fp32.bytes_per_param == pytest.approx(16.0) and pure.bytes_per_param == pytest.approx(8.0)
+    assert result.to_dict()["results"][1]["bytes_per_param"] == pytest.approx(8.0)

@@ -69,3 +69,15 @@ def test_bf16_target_is_kept_when_it_works() -> None:
     assert report.recommended_precision == "bf16"
     assert list(report.nonfinite_checks) == ["bf16"]
     assert report.recommended_init_scale == 2.0**24  # still reported, for fp16 users
+
+
+def test_the_lost_update_fraction_says_whether_pure_bf16_needs_compensation() -> None:
+    # A tiny learning rate against O(1) weights: updates far below half a bf16 ulp round away.
+    torch.manual_seed(0)
+    small = diagnose(TinyGrads(loss_mult=1.0), _batches(2, 16), lr=1e-7)
+    assert small.summary["bf16_update_lost"] > 0.5
+    assert any(r.startswith("pure bf16 needs compensation here") and "'bf16-pure'" in r for r in small.reasons)
+    torch.manual_seed(0)
+    large = diagnose(TinyGrads(loss_mult=1.0), _batches(2, 16), lr=1.0)
+    assert large.summary["bf16_update_lost"] < 0.001
+    assert any("'bf16-pure' needs no compensation for this model" in r for r in large.reasons)

@@ -26,12 +26,12 @@ def _num(x: float | None, fmt: str) -> str:
 def format_table(result: BenchResult) -> str:
     """The human-readable report: one row per precision, then what each column measured."""
     data = result.to_dict()
-    header = ["precision", "runs as", "step (median)", "spread (IQR)", "tokens/s", "vs fp32", "peak mem", "loss",
-              "loss-fp32", "skipped", "MFU"]  # fmt: skip
+    header = ["precision", "runs as", "step (median)", "spread (IQR)", "tokens/s", "vs fp32", "peak mem", "B/param",
+              "loss", "loss-fp32", "skipped", "MFU"]  # fmt: skip
     lines: list[list[str]] = []
     for r in data["results"]:
         if r["skipped"]:
-            lines.append([r["precision"], "not run", r["skipped"][:60], *[""] * 8])
+            lines.append([r["precision"], "not run", r["skipped"][:60], *[""] * 9])
             continue
         runs_as = r["resolved"] + (f" (= {r['shares_measurement_with']} row)" if r["shares_measurement_with"] else "")
         lines.append(
@@ -43,6 +43,7 @@ def format_table(result: BenchResult) -> str:
                 _num(r["tokens_per_s"], ",.0f"),
                 _num(r["speedup_vs_fp32"], ".2f") + ("x" if r["speedup_vs_fp32"] is not None else ""),
                 _mib(r["peak_mem_bytes"]),
+                _num(r.get("bytes_per_param"), ".1f"),
                 _num(r["loss"], ".4f"),
                 _num(r["loss_vs_fp32"], "+.4f"),
                 str(r["skipped_steps"]),
@@ -63,8 +64,8 @@ def format_table(result: BenchResult) -> str:
         fmt.format(*("-" * w for w in widths)),
         *(fmt.format(*row) for row in lines),
         "",
-        "step: median seconds per optimizer step; spread: ± half the interquartile range; loss: held-out loss after "
-        "the run (nats)",
+        "step: median seconds per optimizer step; spread: ± half the interquartile range; B/param: parameters + "
+        "gradients + optimizer state, bytes per parameter; loss: held-out loss after the run (nats)",
     ]
     peaks = {r["peak_flops_source"] for r in data["results"] if r["peak_flops_source"]}
     if peaks:

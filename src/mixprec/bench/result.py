@@ -19,7 +19,7 @@ class PrecisionResult:
     precision: str
     """As asked ("auto" stays "auto")."""
     resolved: str
-    """The mode that ran: "fp32", "fp16" or "bf16"."""
+    """The mode that ran: "fp32", "fp16", "bf16", "bf16-pure", ..."""
     reason: str
     compute_dtype: str
     tokens_per_step: int
@@ -39,6 +39,8 @@ class PrecisionResult:
     """For "auto": the row whose run it shares, when that precision was benchmarked too."""
     skipped: str | None = None
     """Why this precision did not run (the device cannot run it), else None."""
+    bytes_per_param: float | None = None
+    """Parameters + gradients + optimizer state, bytes per parameter (16 for fp32 AdamW, 8 for bf16-pure)."""
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -75,14 +77,19 @@ class BenchResult:
         """The fp32 row that speedups and losses are relative to (asked as fp32 or as auto -> fp32)."""
         return next((r for r in self.rows if r.resolved == "fp32" and r.times is not None), None)
 
-    def fastest(self) -> PrecisionResult | None:
+    def fastest(self, among: set[str] | None = None) -> PrecisionResult | None:
+        """The fastest row (other than "auto"), optionally among the modes named in ``among``."""
         timed = [r for r in self.rows if r.times is not None and r.precision != "auto"]
+        if among:
+            timed = [r for r in timed if r.resolved in among]
         timed = timed or [r for r in self.rows if r.times is not None]
         return min(timed, key=lambda r: r.times.median) if timed else None
 
     def auto_verdict(self) -> dict[str, Any] | None:
-        """Is "auto" within :data:`AUTO_TOLERANCE` of the fastest precision measured in this run?"""
-        auto, best = self.row("auto"), self.fastest()
+        """Is "auto" within :data:`AUTO_TOLERANCE` of the fastest precision it could have chosen (its candidates:
+        not the pure or fp8 modes, which are a user's trade of accuracy or memory) measured in this run?"""
+        candidates = set((self.auto_race or {}).get("candidates") or [])
+        auto, best = self.row("auto"), self.fastest(candidates or None)
         if auto is None or auto.times is None or best is None:
             return None
         ratio = auto.times.median / best.times.median
@@ -119,6 +126,7 @@ class BenchResult:
                     "tokens_per_s": r.tokens_per_s,
                     "speedup_vs_fp32": speedup,
                     "peak_mem_bytes": r.peak_mem_bytes,
+                    "bytes_per_param": r.bytes_per_param,
                     "peak_mem_source": r.peak_mem_source,
                     "loss": r.loss,
                     "loss_vs_fp32": loss_delta,

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from mixprec.bench.config import BenchConfig
+from mixprec.bench.footprint import training_state_bytes
 from mixprec.bench.memory import MemoryMeasurement, measure_run
 from mixprec.bench.peak import PeakFlops, measure_peak_flops
 from mixprec.bench.result import BenchResult, PrecisionResult
@@ -84,7 +85,7 @@ class _Arm:
 
 def _make_arm(workload: Workload, precision: Precision, lr: float) -> _Arm:
     model = precision.convert_module(workload.fresh_model(precision.device))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = precision.convert_optimizer(torch.optim.AdamW(model.parameters(), lr=lr))
     return _Arm(precision, model, optimizer, precision.make_scaler())
 
 
@@ -260,6 +261,7 @@ def run_bench(
                 peak=peaks.get(str(p.compute_dtype)),
                 flops_per_token=workload.flops_per_token,
                 shares_measurement_with=shared,
+                bytes_per_param=training_state_bytes(arm.model, arm.optimizer)["per_param"],
             )
         )
     del arms, batches

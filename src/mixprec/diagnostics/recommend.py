@@ -46,6 +46,9 @@ class Recommendation:
     nonfinite_checks: dict[str, NonfiniteEvent | None] = field(default_factory=dict)
 
 
+PURE_BF16_LOSS_LIMIT = 0.001  # above 0.1% of updates rounding away, pure bf16 must compensate
+
+
 def _worst(layers: list[LayerStats], key: str) -> LayerStats | None:
     scored = [s for s in layers if getattr(s, key)]
     return max(scored, key=lambda s: getattr(s, key)) if scored else None
@@ -160,11 +163,18 @@ def recommend(
     else:
         reasons.append("bf16 holds the activations and gradients without loss scaling (fp32's exponent range)")
 
-    if update_lost:
+    if update_lost and update_lost >= PURE_BF16_LOSS_LIMIT:
         worst = _worst(layers, "bf16_update_lost")
         reasons.append(
-            f"keep fp32 master weights (the mixed modes do): with pure-bf16 weights, {optimizer} at lr={lr:g} "
+            f"pure bf16 needs compensation here: with bf16 weights rounded to nearest, {optimizer} at lr={lr:g} "
             f"would lose {100 * update_lost:.3g}% of weight updates (worst: {worst.name}, "
-            f"{100 * worst.bf16_update_lost:.3g}%)"
+            f"{100 * worst.bf16_update_lost:.3g}%); keep fp32 master weights (the mixed modes do) or use "
+            "precision='bf16-pure' (stochastic rounding) or 'bf16-pure-kahan' (Kahan summation), which keep them"
+        )
+    elif update_lost is not None:
+        reasons.append(
+            f"pure bf16 would lose {100 * update_lost:.3g}% of weight updates at lr={lr:g} (under "
+            f"{100 * PURE_BF16_LOSS_LIMIT:g}%): precision='bf16-pure' needs no compensation for this model, "
+            "though its stochastic rounding costs little"
         )
     return Recommendation(chosen, k, reasons, checks)
