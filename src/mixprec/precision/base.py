@@ -145,10 +145,15 @@ class Precision:
             )
 
     def make_scaler(self, **scaler_kwargs: Any) -> GradScaler:
-        """A new loss scaler for this mode: active for fp16, a pass-through with the same interface otherwise."""
+        """A new loss scaler for this mode: active for fp16; for every other mode a pass-through with the same
+        interface that still skips a step whose gradients are non-finite (see
+        :mod:`mixprec.scaling.guard`)."""
+        from mixprec.scaling.guard import NonFiniteGuard
         from mixprec.scaling.scaler import GradScaler
 
-        return GradScaler(enabled=self.needs_loss_scaling, device=self.device, **scaler_kwargs)
+        if self.needs_loss_scaling:
+            return GradScaler(device=self.device, **scaler_kwargs)
+        return NonFiniteGuard(**scaler_kwargs)
 
     # -- the hooks -----------------------------------------------------------------------------------
 
@@ -194,6 +199,9 @@ class Precision:
         return self.scaler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "nonfinite_guard" in state and self.needs_loss_scaling:  # resumed into fp16 from another mode
+            self.scaler.record.load_state_dict(state["record"])  # the scale starts afresh; the record goes on
+            return
         self.scaler.load_state_dict(state)
 
     # -- reporting -----------------------------------------------------------------------------------
