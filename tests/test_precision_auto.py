@@ -290,3 +290,16 @@ def test_candidates_are_the_registered_modes_that_declare_it_safest_first():
     auto = registry.make_precision("auto", "cpu")
     assert isinstance(auto, AutoPrecision) and auto.pending and auto.name == "auto"
     assert race.MARGIN == 0.05
+
+
+@pytest.mark.gpu
+def test_on_cuda_auto_races_the_same_way_and_trains_in_the_winner():
+    accelerator = Accelerator(mixed_precision="auto", device="cuda", verbose=False)
+    model = make_tiny_lm().cuda()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    batch = {k: v.cuda() for k, v in make_batches(1)[0].items()}
+    accelerator.backward(model(batch["input_ids"], labels=batch["labels"]).loss)
+    optimizer.step()
+    d = accelerator.auto_decision
+    assert d.device == "cuda" and d.source == "measured" and accelerator.mixed_precision == d.chosen
+    assert set(d.step_seconds) | set(d.dropped) | set(d.excluded) == set(d.candidates)
