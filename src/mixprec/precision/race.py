@@ -10,7 +10,7 @@ the threads training will use. The protocol (STYLE.md habit 13, as ``mixprec ben
    stopped mid-forward and dropped (an emulated fp16 step can take 15x fp32's: one whole run of it would
    cost more than the rest of the race);
 2. ``rounds`` timed rounds, the order rotated each round so a noisy neighbour hurts every mode alike;
-   from the second round on, a mode whose best time is ``DROP_RATIO`` times the fastest one's stops
+   from the third round on, a mode whose best time is ``DROP_RATIO`` times the fastest one's stops
    running (an emulated low precision can be 10x slower: timing it again would only cost);
 3. a lower-precision mode is chosen only if it beats every safer mode by ``MARGIN`` on the median *and* the
    minimum time (noise only ever adds time), so ties go to the numerically safer mode;
@@ -169,7 +169,7 @@ def race(
             t0 = clock()
             run(name, None)
             samples[name].append(clock() - t0)
-        if len(racing) > 1 and r >= 1:  # two samples at least: one noisy sample must not drop a mode
+        if len(racing) > 1 and r >= 2:  # three samples at least: a noisy sample or two must not drop a mode
             fastest = min(min(samples[c]) for c in racing)
             keep = [c for c in racing if min(samples[c]) <= fastest * DROP_RATIO or c == racing[0]]
             for c in racing:
