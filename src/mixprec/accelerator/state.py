@@ -34,7 +34,6 @@ import copy
 import logging
 import os
 import secrets
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,24 +262,32 @@ def load_state(run: RunState, input_dir: str | Path) -> dict[str, Any]:
     return loaded.meta
 
 
-def check_folder(path: Path, *, process_index: int = 0) -> None:
-    """Raise CheckpointError (naming the file and what is wrong) unless ``path`` is a complete, intact
-    ``save_state`` folder: its manifest verifies, or, for a folder written before manifests, its metadata
-    and this process's RNG file are there (accepted with a warning). Reads every file once."""
+def folder_problem(path: Path, *, process_index: int = 0) -> str | None:
+    """None if ``path`` is a complete, intact ``save_state`` folder: its manifest verifies, or, for a folder
+    written before manifests, its metadata and this process's RNG file are there (accepted with a warning
+    that its files cannot be checked). Else what is wrong, in a phrase naming the file. Reads every file."""
     if not path.is_dir():
-        raise FileNotFoundError(f"load_state({str(path)!r}): no such folder")
+        return "no such folder"
     problem = verify_manifest(path)
     if problem == NO_MANIFEST:
         if not (path / META).is_file():
-            raise FileNotFoundError(
-                f"load_state({str(path)!r}): no {META} and no manifest.json there, so it is not a folder written "
-                "by save_state"
-            )
+            return f"no {META} and no manifest.json there, so it is not a folder written by save_state"
         if not (path / f"rng_state_{process_index}.pt").is_file():
-            raise CheckpointError(f"{path}: rng_state_{process_index}.pt is missing (and there is no manifest.json)")
+            return f"rng_state_{process_index}.pt is missing (and there is no manifest.json)"
         logger.warning("%s has no manifest.json (written by an older mixprec): its files cannot be checked", path)
-    elif problem is not None:
-        raise CheckpointError(f"{path}: {problem}; the folder is damaged or incomplete, nothing was loaded from it")
+        return None
+    return problem
+
+
+def check_folder(path: Path, *, process_index: int = 0) -> None:
+    """Raise unless :func:`folder_problem` finds nothing: FileNotFoundError for a folder that is not a
+    ``save_state`` folder at all, CheckpointError (naming the file and what is wrong) for a damaged one."""
+    problem = folder_problem(path, process_index=process_index)
+    if problem is None:
+        return
+    if problem == "no such folder" or problem.startswith(f"no {META}"):
+        raise FileNotFoundError(f"load_state({str(path)!r}): {problem}")
+    raise CheckpointError(f"{path}: {problem}; the folder is damaged or incomplete, nothing was loaded from it")
 
 
 def _read_everything(run: RunState, path: Path) -> _Loaded:
@@ -356,9 +363,7 @@ def _apply(run: RunState, loaded: _Loaded) -> None:
             f"the state in {loaded.path} was saved under {meta['mixed_precision']} and is "
             f"now loaded into {run.precision.name}: the run continues, but not as it would have"
         )
-        logger.warning("load_state: %s", message)
-        if strategy.is_main_process and not logger.hasHandlers():  # seen by a command-line user too
-            print(f"mixprec: warning: {message}", file=sys.stderr, flush=True)
+        logger.warning("load_state: %s", message)  # on stderr unless logging is configured otherwise
     small: list[Any] = [*reg.schedulers, *reg.custom[: len(loaded.custom)], run.scaler, run.gradients]
     small += [loader for loader, pos in zip(reg.dataloaders, meta["dataloaders"]) if pos is not None]
     snapshot = [(obj, copy.deepcopy(obj.state_dict())) for obj in small]
