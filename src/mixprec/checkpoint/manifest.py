@@ -62,7 +62,9 @@ def write_manifest(folder: str | os.PathLike[str]) -> Path:
     """List every file of ``folder`` (size and SHA-256) in ``folder/manifest.json``. Call it last, when
     every other file is written and before the folder is committed."""
     folder = Path(folder)
-    files = {rel: {"size": (folder / rel).stat().st_size, ALGORITHM: file_digest(folder / rel)} for rel in _files(folder)}
+    files = {
+        rel: {"size": (folder / rel).stat().st_size, ALGORITHM: file_digest(folder / rel)} for rel in _files(folder)
+    }
     text = json.dumps({"format": FORMAT, "algorithm": ALGORITHM, "files": files}, indent=1) + "\n"
     return write_atomically(folder / MANIFEST, lambda p: Path(p).write_text(text, encoding="utf-8"))
 
@@ -107,8 +109,9 @@ def verify_manifest(folder: str | os.PathLike[str], *, skip: frozenset[str] = fr
             return f"{rel} is missing"
         except OSError as err:
             return f"{rel} cannot be read ({err.strerror or err})"
-        if not isinstance(entry, dict) or size != entry.get("size"):
-            return f"{rel} has {size} bytes, the manifest says {entry.get('size') if isinstance(entry, dict) else '?'} (truncated or overwritten)"
+        expected = entry.get("size") if isinstance(entry, dict) else "?"
+        if size != expected:
+            return f"{rel} has {size} bytes, the manifest says {expected} (truncated or overwritten)"
         try:
             digest = file_digest(path)
         except OSError as err:

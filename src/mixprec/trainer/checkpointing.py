@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mixprec.accelerator.state import folder_problem
 import torch
 
+from mixprec.accelerator.state import folder_problem
 from mixprec.checkpoint import CheckpointError, DiskFullError, FolderLock, load_json, load_tensors, lock_folder, recover
 from mixprec.checkpoint.manifest import read_manifest
 from mixprec.trainer.data import DataPosition
@@ -248,7 +248,6 @@ def lock_output_dir(accelerator: Any, output_dir: str) -> FolderLock | contextli
     if error is not None:
         raise error
     return held if held is not None else contextlib.nullcontext()
-
 
 
 def save_trainer_checkpoint(trainer: Trainer, position: DataPosition) -> Path:
