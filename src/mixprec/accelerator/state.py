@@ -43,7 +43,6 @@ import torch
 
 from mixprec.checkpoint import (
     CheckpointError,
-    DiskFullError,
     abort,
     begin,
     commit,
@@ -142,8 +141,6 @@ def save_state(run: RunState, output_dir: str | Path, extra_json: Mapping[str, A
         for i, model in enumerate(reg.models if partial else []):  # local (unsynced) sums: one file per process
             grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
             save_tensors(grads, tmp / _grads_name(i, strategy.process_index))
-    except DiskFullError as err:
-        error = DiskFullError(err.errno, f"{err}: {target} was not saved, and what was there before is intact")
     except Exception as err:  # reported to the other processes, then re-raised
         error = err
     _agree(strategy, error, target, tmp)
@@ -155,8 +152,6 @@ def save_state(run: RunState, output_dir: str | Path, extra_json: Mapping[str, A
         except Exception as err:
             abort(tmp)
             error = err
-            if isinstance(err, DiskFullError):
-                error = DiskFullError(err.errno, f"{err}: {target} was not saved, and what was there before is intact")
     _agree(strategy, error, target, None)
     strategy.barrier()
     return target

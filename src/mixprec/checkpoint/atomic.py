@@ -157,7 +157,7 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[Path], objec
     except BaseException as err:
         tmp.unlink(missing_ok=True)
         if _is_disk_full(err, path.parent):
-            raise DiskFullError(errno.ENOSPC, f"no space left on the disk while writing {path}") from None
+            raise DiskFullError(errno.ENOSPC, f"no space left on the disk while writing {path}", str(path)) from None
         raise
     fsync_dir(path.parent)
     return path

@@ -268,8 +268,10 @@ def save_trainer_checkpoint(trainer: Trainer, position: DataPosition) -> Path:
         intact = f"the previous checkpoint, {last}, is intact" if last else "no earlier checkpoint exists"
         raise DiskFullError(
             err.errno,
-            f"disk full: {path.name} could not be saved ({err}); {intact}. Free space on {args.output_dir}, "
-            f"then resume with {trainer.resume_command}",
+            f"disk full: {path.name} could not be saved (no space left while writing "
+            f"{Path(err.filename or '?').name}); {intact}. Free space on {args.output_dir}, then resume with "
+            f"{trainer.resume_command}",
+            err.filename,
         ) from None
     if acc.is_main_process:  # only now that the new one is complete
         prune_checkpoints(args.output_dir, args.save_total_limit, keep=state.best_model_checkpoint)
