@@ -251,7 +251,11 @@ class Trainer:
         (128 + SIGTERM), so schedulers see a job that did not finish. output_dir is locked while training:
         a second run into it is refused (FolderInUseError) naming the process that holds it."""
         with ckpt.lock_output_dir(self.accelerator, self.args.output_dir):
-            return self._train(resume_from_checkpoint)
+            try:
+                return self._train(resume_from_checkpoint)
+            except BaseException:
+                self.close_progress()  # end the bar's line, so that the error is printed on its own
+                raise
 
     def _train(self, resume_from_checkpoint: bool | str | None) -> TrainOutput:
         if self._trained:
