@@ -57,7 +57,7 @@ from mixprec.checkpoint import (
     set_rng_state,
     temp_path,
 )
-from mixprec.checkpoint.manifest import NO_MANIFEST, verify_manifest, write_manifest
+from mixprec.checkpoint.manifest import NO_MANIFEST, BackgroundHasher, verify_manifest, write_manifest
 
 if TYPE_CHECKING:
     from mixprec.accelerator.data import PreparedDataLoader
@@ -134,24 +134,32 @@ def save_state(run: RunState, output_dir: str | Path, extra_json: Mapping[str, A
         except Exception as err:
             error = err
     _agree(strategy, error, target, tmp if error is None else None)  # also: the folder exists for everyone
+    hasher = BackgroundHasher() if main else None
     try:
         if main:
-            _write_shared(run, tmp, models, optimizers, extra_json or {})
+            _write_shared(run, tmp, models, optimizers, extra_json or {}, hasher)
         save_torch(rng_state(), tmp / f"rng_state_{strategy.process_index}.pt")
         for i, model in enumerate(reg.models if partial else []):  # local (unsynced) sums: one file per process
             grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
             save_tensors(grads, tmp / _grads_name(i, strategy.process_index))
     except Exception as err:  # reported to the other processes, then re-raised
         error = err
-    _agree(strategy, error, target, tmp)
+    try:
+        _agree(strategy, error, target, tmp)
+    except BaseException:
+        if hasher is not None:
+            hasher.close()
+        raise
     error = None
     if main:
         try:
-            write_manifest(tmp)  # last, once every process's files are in: the folder's seal
+            write_manifest(tmp, hasher)  # last, once every process's files are in: the folder's seal
             commit(tmp, target)
         except Exception as err:
             abort(tmp)
             error = err
+        finally:
+            hasher.close()
     _agree(strategy, error, target, None)
     strategy.barrier()
     return target
@@ -179,13 +187,20 @@ def _agree(strategy: DistributedStrategy, error: BaseException | None, target: P
 
 
 def _write_shared(
-    run: RunState, tmp: Path, models: list[Any], optimizers: list[Any], extra_json: Mapping[str, Any]
+    run: RunState,
+    tmp: Path,
+    models: list[Any],
+    optimizers: list[Any],
+    extra_json: Mapping[str, Any],
+    hasher: BackgroundHasher,
 ) -> None:
     reg = run.registry
+    # the big files are hashed in the background while the next ones are written (the small ones, when
+    # the manifest is written)
     for i, state in enumerate(models):
-        save_tensors(state, tmp / _name("model", i, "safetensors"))
+        hasher.add(save_tensors(state, tmp / _name("model", i, "safetensors")))
     for i, state in enumerate(optimizers):
-        save_torch(state, tmp / _name("optimizer", i, "pt"))
+        hasher.add(save_torch(state, tmp / _name("optimizer", i, "pt")))
     for i, scheduler in enumerate(reg.schedulers):
         save_torch(scheduler.state_dict(), tmp / _name("scheduler", i, "pt"))
     for i, obj in enumerate(reg.custom):

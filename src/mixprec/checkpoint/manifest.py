@@ -58,13 +58,36 @@ def _files(folder: Path) -> list[str]:
     return sorted(out)
 
 
-def write_manifest(folder: str | os.PathLike[str]) -> Path:
+class BackgroundHasher:
+    """Hashes files on one background thread while the caller writes the next ones: hashlib releases the
+    GIL, so the hashing overlaps serialisation, writing and fsync instead of adding to them. Pass it to
+    :func:`write_manifest`, which waits for the results (and hashes whatever was not added)."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mixprec-hash")
+        self._jobs: dict[Path, Any] = {}
+
+    def add(self, path: str | os.PathLike[str]) -> None:
+        """Start hashing ``path`` (a file that will not change again)."""
+        path = Path(path)
+        self._jobs[path] = self._pool.submit(file_digest, path)
+
+    def digest(self, path: Path) -> str:
+        job = self._jobs.get(path)
+        return job.result() if job is not None else file_digest(path)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def write_manifest(folder: str | os.PathLike[str], hasher: BackgroundHasher | None = None) -> Path:
     """List every file of ``folder`` (size and SHA-256) in ``folder/manifest.json``. Call it last, when
-    every other file is written and before the folder is committed."""
+    every other file is written and before the folder is committed. ``hasher``: the files it already hashes."""
     folder = Path(folder)
-    files = {
-        rel: {"size": (folder / rel).stat().st_size, ALGORITHM: file_digest(folder / rel)} for rel in _files(folder)
-    }
+    digest = hasher.digest if hasher is not None else file_digest
+    files = {rel: {"size": (folder / rel).stat().st_size, ALGORITHM: digest(folder / rel)} for rel in _files(folder)}
     text = json.dumps({"format": FORMAT, "algorithm": ALGORITHM, "files": files}, indent=1) + "\n"
     return write_atomically(folder / MANIFEST, lambda p: Path(p).write_text(text, encoding="utf-8"))
 
