@@ -283,18 +283,20 @@ def save_trainer_checkpoint(trainer: Trainer, position: DataPosition) -> Path:
 def load_trainer_checkpoint(trainer: Trainer, path: Path) -> DataPosition:
     """Restore model, optimizer, scheduler, scaler, data position and RNG states (the Accelerator's
     load_state), then the trainer's state, loss window and log; return where the data stands. Nothing is
-    unpickled: a tampered file raises (UnsafeCheckpointError) before training starts."""
-    trainer.accelerator.load_state(path)
+    unpickled: a tampered file raises (UnsafeCheckpointError) before training starts. The trainer's own
+    files are read and parsed first, so a damaged one fails before the Accelerator loads anything."""
     saved, extra = read_trainer_files(path)
+    loaded_state = TrainerState(**{k: v for k, v in saved.items() if k in TrainerState.__dataclass_fields__})
+    position = DataPosition.from_dict(extra["data_position"])
+    trainer.accelerator.load_state(path)
     fresh = trainer.state
-    trainer.state = TrainerState(**{k: v for k, v in saved.items() if k in TrainerState.__dataclass_fields__})
+    trainer.state = loaded_state
     trainer.state.is_local_process_zero = fresh.is_local_process_zero
     trainer.state.is_world_process_zero = fresh.is_world_process_zero
     trainer.meter.load_state_dict(extra.get("meter", {}), trainer.accelerator.device)
     if trainer._jsonl is not None:
         trainer._jsonl.truncate_after(trainer.state.global_step)
     logger.info("resumed from %s at step %d", path, trainer.state.global_step)
-    position = DataPosition.from_dict(extra["data_position"])
     _check_loader_agrees(trainer._train_loader, position, path)
     return position
 
