@@ -306,3 +306,17 @@ def test_manifest_lists_every_file_and_is_written_last(tmp_path):
     listed = set(load_json(saved / "manifest.json")["files"])
     assert listed == {p.name for p in saved.iterdir()} - {"manifest.json"}
     assert verify_manifest(saved) is None
+
+
+def test_a_checkpoint_written_before_manifests_is_accepted_with_a_warning(tmp_path, reference, caplog):
+    out = _copy_run(reference[0], tmp_path / "run")
+    for name in ("checkpoint-2", "checkpoint-4"):
+        (out / name / "manifest.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="mixprec"):
+        trainer = _resume_to_4(out)
+    assert "checkpoint-4 has no manifest.json (written by an older mixprec)" in caplog.text
+    assert_bit_identical(flat_params(trainer.model), reference[1])
+    (out / "checkpoint-4" / "rng_state_0.pt").unlink()  # without a manifest, the required files still count
+    from mixprec.trainer.checkpointing import find_resumable
+
+    assert find_resumable(out).checkpoint == out / "checkpoint-2"
