@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec.accelerator.state_checks import META, check_folder, check_model_fits, check_optimizer_fits
 from mixprec.checkpoint import (
     CheckpointError,
     abort,
@@ -57,7 +58,7 @@ from mixprec.checkpoint import (
     set_rng_state,
     temp_path,
 )
-from mixprec.checkpoint.manifest import NO_MANIFEST, BackgroundHasher, verify_manifest, write_manifest
+from mixprec.checkpoint.manifest import BackgroundHasher, write_manifest
 
 if TYPE_CHECKING:
     from mixprec.accelerator.data import PreparedDataLoader
@@ -68,7 +69,6 @@ if TYPE_CHECKING:
     from mixprec.scaling.scaler import GradScaler
 
 FORMAT = 1
-META = "accelerator.json"
 logger = logging.getLogger("mixprec.accelerator")
 
 
@@ -273,34 +273,6 @@ def load_state(run: RunState, input_dir: str | Path) -> dict[str, Any]:
     return loaded.meta
 
 
-def folder_problem(path: Path, *, process_index: int = 0) -> str | None:
-    """None if ``path`` is a complete, intact ``save_state`` folder: its manifest verifies, or, for a folder
-    written before manifests, its metadata and this process's RNG file are there (accepted with a warning
-    that its files cannot be checked). Else what is wrong, in a phrase naming the file. Reads every file."""
-    if not path.is_dir():
-        return "no such folder"
-    problem = verify_manifest(path)
-    if problem == NO_MANIFEST:
-        if not (path / META).is_file():
-            return f"no {META} and no manifest.json there, so it is not a folder written by save_state"
-        if not (path / f"rng_state_{process_index}.pt").is_file():
-            return f"rng_state_{process_index}.pt is missing (and there is no manifest.json)"
-        logger.warning("%s has no manifest.json (written by an older mixprec): its files cannot be checked", path)
-        return None
-    return problem
-
-
-def check_folder(path: Path, *, process_index: int = 0) -> None:
-    """Raise unless :func:`folder_problem` finds nothing: FileNotFoundError for a folder that is not a
-    ``save_state`` folder at all, CheckpointError (naming the file and what is wrong) for a damaged one."""
-    problem = folder_problem(path, process_index=process_index)
-    if problem is None:
-        return
-    if problem == "no such folder" or problem.startswith(f"no {META}"):
-        raise FileNotFoundError(f"load_state({str(path)!r}): {problem}")
-    raise CheckpointError(f"{path}: {problem}; the folder is damaged or incomplete, nothing was loaded from it")
-
-
 def _read_everything(run: RunState, path: Path) -> _Loaded:
     reg, strategy = run.registry, run.strategy
     check_folder(path, process_index=strategy.process_index)
@@ -317,10 +289,10 @@ def _read_everything(run: RunState, path: Path) -> _Loaded:
             )
     models = [load_tensors(path / _name("model", i, "safetensors")) for i in range(len(reg.models))]
     for i, (model, state) in enumerate(zip(reg.models, models)):
-        _check_model_fits(model, state, path / _name("model", i, "safetensors"))
+        check_model_fits(model, state, path / _name("model", i, "safetensors"))
     optimizers = [load_torch(path / _name("optimizer", i, "pt")) for i in range(len(reg.optimizers))]
     for i, (optimizer, state) in enumerate(zip(reg.optimizers, optimizers)):
-        _check_optimizer_fits(optimizer.optimizer, state, path / _name("optimizer", i, "pt"))
+        check_optimizer_fits(optimizer.optimizer, state, path / _name("optimizer", i, "pt"))
     schedulers = [load_torch(path / _name("scheduler", i, "pt")) for i in range(len(reg.schedulers))]
     custom = [load_torch(path / f"custom_{i}.pt") for i in range(min(len(reg.custom), saved.get("custom", 0)))]
     scaler = load_json(path / "scaler.json")
@@ -333,35 +305,6 @@ def _read_everything(run: RunState, path: Path) -> _Loaded:
     if rng is None and int(meta["num_processes"]) > strategy.process_index:
         raise CheckpointError(f"{rng_file} is missing: the random generators could not be restored exactly")
     return _Loaded(path, meta, models, optimizers, schedulers, custom, scaler, grads, rng)
-
-
-def _check_model_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], file: Path) -> None:
-    """``load_state_dict`` copies what matches before it complains about the rest: check names and shapes
-    first, so a mismatch changes nothing."""
-    mine = model.state_dict()
-    missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
-    if missing or unexpected:
-        what = f"lacks {missing[:3]}" if missing else f"has unknown entries {unexpected[:3]}"
-        raise CheckpointError(f"{file} does not fit the prepared model: it {what}; prepare the same model as was saved")
-    for name, tensor in mine.items():
-        if tuple(tensor.shape) != tuple(state[name].shape):
-            raise CheckpointError(
-                f"{file} does not fit the prepared model: {name} is {tuple(state[name].shape)} there and "
-                f"{tuple(tensor.shape)} here; prepare the same model as was saved"
-            )
-
-
-def _check_optimizer_fits(optimizer: torch.optim.Optimizer, state: Any, file: Path) -> None:
-    """What ``Optimizer.load_state_dict`` would refuse, checked before anything is loaded."""
-    groups = state.get("param_groups") if isinstance(state, dict) else None
-    if not isinstance(groups, list) or not isinstance(state.get("state"), dict):
-        raise CheckpointError(f"{file} is not an optimizer state (no param_groups/state)")
-    sizes = [len(g.get("params", ())) for g in groups]
-    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
-        raise CheckpointError(
-            f"{file} holds parameter groups of sizes {sizes}, the prepared optimizer "
-            f"{[len(g['params']) for g in optimizer.param_groups]}; prepare the same optimizer as was saved"
-        )
 
 
 def _apply(run: RunState, loaded: _Loaded) -> None:

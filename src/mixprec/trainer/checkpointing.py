@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec.accelerator.state import folder_problem
+from mixprec.accelerator.state_checks import folder_problem
 from mixprec.checkpoint import CheckpointError, DiskFullError, FolderLock, load_json, load_tensors, lock_folder, recover
 from mixprec.checkpoint.manifest import read_manifest
 from mixprec.trainer.data import DataPosition
@@ -166,7 +166,8 @@ def resolve_resume(
     resume_from_checkpoint: bool | str | os.PathLike[str] | None, output_dir: str, *, recover_first: bool = True
 ) -> Path | None:
     """``None``/``False``: start fresh. ``True``: :func:`find_resumable`'s checkpoint (ValueError if none
-    passes). A path: that checkpoint, which must verify (CheckpointError saying which file is wrong)."""
+    passes). A path: that checkpoint, which must look complete (CheckpointError saying which file is wrong;
+    ``load_state`` then verifies every byte)."""
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return None
     if resume_from_checkpoint is True:
@@ -183,7 +184,8 @@ def resolve_resume(
         recover(path)
     if not path.is_dir():
         raise ValueError(f"train(resume_from_checkpoint={str(path)!r}): no such folder")
-    problem = verify_checkpoint(path)
+    # the cheap check here (sizes); load_state reads and verifies every byte (no third read of the folder)
+    problem = None if is_complete(path) else (verify_checkpoint(path) or "it lacks the trainer's files")
     if problem is not None:
         raise CheckpointError(
             f"train(resume_from_checkpoint={str(path)!r}): the folder is not a complete checkpoint ({problem}); "
