@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 import mixprec.accelerator.state as state_module
 from conftest import SEQ, VOCAB, TinyLM, TinyOutput
 from mixprec import Accelerator
-from mixprec.checkpoint import UnsafeCheckpointError
+from mixprec.checkpoint import UnsafeCheckpointError, write_manifest
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -94,7 +94,7 @@ def test_folder_layout_and_extra_json(tmp_path: Path) -> None:
     path = accelerator.save_state(tmp_path / "ckpt", extra_json={"trainer_state": {"global_step": 2}})
     names = sorted(p.name for p in path.iterdir())
     assert names == [
-        "accelerator.json", "model.safetensors", "optimizer.pt", "rng_state_0.pt", "scaler.json",
+        "accelerator.json", "manifest.json", "model.safetensors", "optimizer.pt", "rng_state_0.pt", "scaler.json",
         "scheduler.pt", "trainer_state.json",
     ]  # fmt: skip
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary folder left behind
@@ -148,6 +148,7 @@ def test_a_booby_trapped_pickle_is_refused_and_never_runs(tmp_path: Path) -> Non
     target = accelerator.save_state(tmp_path / "state")
     with open(target / "optimizer.pt", "wb") as f:
         pickle.dump({"state": _Payload()}, f, protocol=2)
+    write_manifest(target)  # whoever planted it can update the checksums too
     fresh, *_ = setup("fp32")
     with pytest.raises(UnsafeCheckpointError, match="refusing to load .*optimizer.pt"):
         fresh.load_state(target)

@@ -5,9 +5,12 @@
   :func:`save_torch` / :func:`load_torch` (``torch.load(weights_only=True)``): nothing loaded here can run
   code; a file that would need arbitrary unpickling is refused with :class:`UnsafeCheckpointError`.
 - :func:`rng_state` / :func:`set_rng_state`: python, numpy, torch and CUDA generators.
+- :func:`write_manifest` / :func:`verify_manifest`: every file's size and SHA-256, written last; a folder
+  is complete and intact only when its manifest verifies.
+- :func:`lock_folder`: one run per folder (an OS file lock, released by the OS when the process dies).
 """
 
-from mixprec.checkpoint.atomic import abort, atomic_dir, begin, commit, recover, temp_path
+from mixprec.checkpoint.atomic import DiskFullError, abort, atomic_dir, begin, commit, recover, temp_path
 from mixprec.checkpoint.formats import (
     CheckpointError,
     UnsafeCheckpointError,
@@ -18,10 +21,16 @@ from mixprec.checkpoint.formats import (
     save_tensors,
     save_torch,
 )
+from mixprec.checkpoint.lock import FolderInUseError, FolderLock, lock_folder
+from mixprec.checkpoint.manifest import MANIFEST, verify_manifest, write_manifest
 from mixprec.checkpoint.rng import rng_state, set_rng_state
 
 __all__ = [
+    "MANIFEST",
     "CheckpointError",
+    "DiskFullError",
+    "FolderInUseError",
+    "FolderLock",
     "UnsafeCheckpointError",
     "abort",
     "atomic_dir",
@@ -30,6 +39,7 @@ __all__ = [
     "load_json",
     "load_tensors",
     "load_torch",
+    "lock_folder",
     "recover",
     "rng_state",
     "save_json",
@@ -37,4 +47,6 @@ __all__ = [
     "save_torch",
     "set_rng_state",
     "temp_path",
+    "verify_manifest",
+    "write_manifest",
 ]

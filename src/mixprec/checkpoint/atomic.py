@@ -2,8 +2,11 @@
 
 The protocol (one writer per target folder):
 
-1. :func:`begin` makes a fresh temporary folder ``.<name>.tmp-<tag>`` beside the target (the same
-   filesystem, so the final rename is atomic) and removes temporary folders left by earlier crashed saves.
+1. :func:`begin` makes a fresh temporary folder ``.<name>.tmp-<pid>-<tag>`` beside the target (the same
+   filesystem, so the final rename is atomic) and removes temporary folders left by earlier crashed saves:
+   those whose process is no longer running. A live process's folder is never touched, so two writers can
+   no longer delete each other's work in progress (issue 14, fault 1); one run per folder is
+   :mod:`mixprec.checkpoint.lock`'s job.
 2. The caller writes its files into it. Every writer in :mod:`mixprec.checkpoint.formats` writes each file
    atomically and fsyncs it.
 3. :func:`commit` fsyncs every file and folder, then renames the target aside to ``.<name>.old``, renames
@@ -18,10 +21,12 @@ as it was, plus temporary litter that the next :func:`begin` removes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -29,17 +34,38 @@ from pathlib import Path
 def begin(target: str | os.PathLike[str], *, tag: str | None = None) -> Path:
     """Create and return the temporary folder a save of ``target`` writes into.
 
-    ``tag`` names it (``.<name>.tmp-<tag>``); by default a unique one. Processes that write into the same
-    folder (one per rank) pass the same tag so they agree on its path without communicating strings.
+    ``tag`` names it (``.<name>.tmp-<tag>``); by default ``<pid>-<random>``, unique to this process and
+    save. Processes that write into the same folder (one per rank) pass the same tag, starting with the
+    main process's PID (so that a stale one is recognised), to agree on its path without sending strings.
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     recover(target)
-    for stale in glob.glob(glob.escape(str(_tmp_prefix(target))) + "*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    prefix = str(_tmp_prefix(target))
+    for stale in glob.glob(glob.escape(prefix) + "*"):
+        if not _owner_alive(stale[len(prefix) :]):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = temp_path(target, tag or f"{os.getpid()}-{secrets.token_hex(4)}")
     tmp.mkdir()
     return tmp
+
+
+def _owner_alive(tag: str) -> bool:
+    """Whether the process whose PID starts ``tag`` still runs here (a tag without one: a crashed save of an
+    older mixprec, whose temporary folders all used one fixed name)."""
+    head = tag.split("-", 1)[0]
+    if not head.isdigit():
+        return False
+    pid = int(head)
+    if pid == os.getpid():  # an earlier save of this process that failed to clean up (saves run one at a time)
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def temp_path(target: str | os.PathLike[str], tag: str) -> Path:
@@ -102,20 +128,52 @@ def atomic_dir(target: str | os.PathLike[str], *, tag: str | None = None) -> Ite
     commit(tmp, target)
 
 
+class DiskFullError(OSError):
+    """No space was left on the device while writing a file (errno ENOSPC); what was there before is intact."""
+
+    def __str__(self) -> str:  # the sentence alone, without OSError's "[Errno 28]" prefix
+        return str(self.strerror)
+
+
+# The process's umask, read once (os.umask can only be read by setting it): files are given the mode a
+# plain open() would give them. safetensors creates its files 0600 (issue 14, point 9), everything else 0644.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
 def write_atomically(path: str | os.PathLike[str], write: Callable[[Path], object]) -> Path:
-    """Call ``write(tmp_path)``, fsync the file, then rename it to ``path`` (readers never see half a file)."""
+    """Call ``write(tmp_path)``, fsync the file, then rename it to ``path`` (readers never see half a file).
+
+    The file gets the usual mode (0666 less the umask) whatever ``write`` created it with. A write that runs
+    out of disk space raises :class:`DiskFullError` naming ``path``; ``path`` is then as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
+        os.chmod(tmp, stat.S_IMODE(0o666 & ~_UMASK))
         fsync_file(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        if _is_disk_full(err, path.parent):
+            raise DiskFullError(errno.ENOSPC, f"no space left on the disk while writing {path}", str(path)) from None
         raise
     fsync_dir(path.parent)
     return path
+
+
+def _is_disk_full(err: BaseException, folder: Path) -> bool:
+    """ENOSPC, or a writer that hides it: torch.save reports a full disk as a RuntimeError ("enforce fail
+    ... unexpected pos"), so for any other error the free space decides (under 1 MiB left: full)."""
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not isinstance(err, RuntimeError):
+        return False
+    try:
+        return shutil.disk_usage(folder).free < (1 << 20)
+    except OSError:
+        return False
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:

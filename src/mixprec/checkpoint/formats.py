@@ -93,8 +93,8 @@ def load_tensors(path: str | os.PathLike[str], device: torch.device | str = "cpu
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             meta = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open is no dict
-    except SafetensorError as err:
-        raise CheckpointError(f"{path} is not a readable safetensors file: {err}") from None
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {_one_line(err)}") from None
     for alias, source in json.loads(meta.get(_ALIASES_KEY, "{}")).items():
         tensors[alias] = tensors[source]
     return tensors
@@ -113,8 +113,8 @@ def load_json(path: str | os.PathLike[str]) -> Any:
     path = Path(path)
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:  # a flipped byte may break the UTF-8 first
+        raise CheckpointError(f"{path} is not valid JSON (damaged?): {_one_line(err)}") from None
 
 
 # -- torch (weights_only) ------------------------------------------------------------------------------
@@ -142,8 +142,14 @@ def load_torch(path: str | os.PathLike[str], map_location: torch.device | str = 
             f"refusing to load {path}: it holds objects other than tensors and plain containers, and loading "
             f"them would run arbitrary code (torch.load(weights_only=True) said: {first})"
         ) from None
-    except (RuntimeError, EOFError) as err:
-        raise CheckpointError(f"{path} is not a readable torch file: {err}") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as err:  # a truncated file: "[Errno 22] Invalid argument"
+        raise CheckpointError(f"{path} is not a readable torch file (damaged?): {_one_line(err)}") from None
+
+
+def _one_line(err: BaseException) -> str:
+    """The first line of an error's message (torch's carry C++ stack traces on the following ones)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _check_loadable(obj: Any, where: str) -> None:

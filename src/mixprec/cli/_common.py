@@ -43,6 +43,7 @@ __all__ = [
     "nonnegative_int",
     "positive_float",
     "positive_int",
+    "seed_int",
 ]
 
 DEFAULT_MODEL = "small"
@@ -90,6 +91,18 @@ def nonnegative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+MAX_SEED = 2**64 - 1
+"""torch's generators take a 64-bit seed; a larger one fails deep inside torch.manual_seed."""
+
+
+def seed_int(text: str) -> int:
+    """argparse type: an integer from 0 to 2**64 - 1 (what torch.manual_seed accepts)."""
+    value = nonnegative_int(text)
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be at most 2**64 - 1 = {MAX_SEED} (a 64-bit seed), got {value}")
     return value
 
 
@@ -142,7 +155,7 @@ def add_data_model_args(
         default=batch_size,
         help=f"sequences per step (default: {batch_size})",
     )
-    group.add_argument("--seed", metavar="N", type=nonnegative_int, default=seed, help=f"random seed (default: {seed})")
+    group.add_argument("--seed", metavar="N", type=seed_int, default=seed, help=f"random seed (default: {seed})")
     parser.set_defaults(_default_seq_len=seq_len)  # not a flag: what load_model_and_data uses without --seq-len
     if precision is None:  # a subcommand that compares precisions (bench) has its own flag for them
         return

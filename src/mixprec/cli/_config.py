@@ -100,6 +100,8 @@ def _tomllib(path: Path) -> Any:
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """The file's top-level table as a dict (TOML via tomllib, YAML via pyyaml when installed)."""
     p = Path(path)
+    if p.is_dir():
+        raise CliError(f"--config {p}: a folder, not a file; pass the path of a .toml or .yaml file")
     if not p.is_file():
         raise FileNotFoundError(f"--config: no such file: {p}")
     suffix = p.suffix.lower()

@@ -14,9 +14,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mixprec.cli._config import apply_config_file, explicit_flags
+from mixprec.checkpoint.atomic import write_atomically
+from mixprec.cli._config import apply_config_file, dump_toml, explicit_flags
 from mixprec.cli.main import CliError
 from mixprec.models import GPT_PRESETS
+from mixprec.trainer.callbacks import TrainerCallback
 
 RUNS_DIR = "runs"
 """Parent of the default run folders (runs/<date>-<time>), relative to the working directory."""
@@ -66,38 +68,104 @@ def new_run_dir() -> Path:
     return path
 
 
-def checkpoints_of(run_dir: Path) -> list[Path]:
-    from mixprec.trainer.checkpointing import list_checkpoints
+def _has_checkpoints(folder: Path) -> bool:
+    """checkpoint-N folders, or one a crash left renamed aside (``.checkpoint-N.old``): a run either way."""
+    from mixprec.trainer.checkpointing import PREFIX, step_of
 
-    return list_checkpoints(run_dir)
+    if not folder.is_dir():
+        return False
+    aside = lambda p: p.name.startswith(f".{PREFIX}") and p.name.endswith(".old")  # noqa: E731
+    return any(step_of(p) is not None or aside(p) for p in folder.iterdir())
 
 
-def resolve_resume(resume: Any, output_dir: str | None) -> tuple[Path, Path]:
-    """``(run_dir, checkpoint)`` for --resume (True: the last checkpoint of --output-dir or the newest run)."""
+def resume_run_dir(resume: Any, output_dir: str | None) -> tuple[Path, Path | None]:
+    """``(run_dir, checkpoint or None)`` that --resume names, from names alone (nothing is read or changed):
+    True means --output-dir, or the newest run in runs/; a path is a run folder or one checkpoint-N in it."""
+    from mixprec.trainer.checkpointing import step_of
+
     if resume is True:
         if output_dir is not None:
-            run_dir = Path(output_dir)
-        else:
-            runs = sorted(p for p in Path(RUNS_DIR).glob("*") if p.is_dir() and checkpoints_of(p))
-            if not runs:
-                raise CliError(f"--resume: no run with a checkpoint in {RUNS_DIR}/; pass --resume PATH or --output-dir")
-            run_dir = runs[-1]
+            return Path(output_dir), None
+        runs = sorted(p for p in Path(RUNS_DIR).glob("*") if _has_checkpoints(p))
+        if not runs:
+            raise CliError(f"--resume: no run with a checkpoint in {RUNS_DIR}/; pass --resume PATH or --output-dir")
+        return runs[-1], None
+    path = Path(resume)
+    if not path.exists():
+        raise FileNotFoundError(f"--resume: no such run or checkpoint folder: {path}")
+    if not path.is_dir():
+        raise CliError(f"--resume {path}: a file, not a run folder or a checkpoint folder")
+    if _has_checkpoints(path):
+        run_dir, checkpoint = path, None
+    elif step_of(path) is not None:
+        run_dir, checkpoint = path.parent, path
     else:
-        path = Path(resume)
-        if not path.exists():
-            raise FileNotFoundError(f"--resume: no such run or checkpoint folder: {path}")
-        if checkpoints_of(path):
-            run_dir = path
-        elif path.is_dir() and path.parent != path and path in checkpoints_of(path.parent):
-            return path.parent, path
-        else:
-            raise CliError(f"--resume {path}: neither a run folder with checkpoint-N folders nor a checkpoint folder")
-        if output_dir is not None and Path(output_dir).resolve() != run_dir.resolve():
-            raise CliError(f"--resume {path} and --output-dir {output_dir} name different runs; pass one of them")
-    checkpoints = checkpoints_of(run_dir)
-    if not checkpoints:
-        raise CliError(f"--resume: {run_dir} has no checkpoint-N folder to continue from")
-    return run_dir, checkpoints[-1]
+        raise CliError(f"--resume {path}: neither a run folder with checkpoint-N folders nor a checkpoint folder")
+    if output_dir is not None and Path(output_dir).resolve() != run_dir.resolve():
+        raise CliError(f"--resume {path} and --output-dir {output_dir} name different runs; pass one of them")
+    return run_dir, checkpoint
+
+
+def resume_checkpoint(run_dir: Path, checkpoint: Path | None) -> Path | None:
+    """The checkpoint to resume from, through the Trainer's one listing (call with the folder locked): a
+    crash between a save's renames is recovered first; damaged checkpoints are skipped with a warning
+    line naming them and why. CliError when none is left. On other processes than the main one: the named
+    checkpoint or None (then the Trainer's resume_from_checkpoint=True finds the same one)."""
+    from mixprec.trainer.checkpointing import find_resumable, verify_checkpoint
+
+    if not is_main():  # the Trainer recovers on the main process, then every process lists after a barrier
+        return checkpoint
+    if checkpoint is not None:
+        problem = verify_checkpoint(checkpoint)
+        if problem is not None:
+            raise CliError(
+                f"--resume {checkpoint}: not a complete checkpoint ({problem}); pass the run folder "
+                f"{checkpoint.parent} to resume from its newest intact checkpoint"
+            )
+        return checkpoint
+    found = find_resumable(run_dir)
+    if found.checkpoint is None:
+        why = f" ({found.describe_skipped()})" if found.skipped else ""
+        raise CliError(f"--resume: {run_dir} has no intact checkpoint-N folder to continue from{why}")
+    return found.checkpoint
+
+
+def check_new_run_dir(run_dir: Path) -> None:
+    """A fresh run's folder: not a file, not a run that has checkpoints already."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise CliError(f"--output-dir {run_dir} is a file, not a folder; choose a folder (it is created if needed)")
+    if _has_checkpoints(run_dir):
+        raise CliError(
+            f"--output-dir {run_dir} already holds a run with checkpoints; continue it with --resume, "
+            f"or choose another folder"
+        )
+
+
+def lock_run_dir(run_dir: Path) -> Any:
+    """Create and lock the run folder on the main process (a no-op context elsewhere: the Trainer makes the
+    processes agree). FolderInUseError names the process already running there."""
+    import contextlib
+
+    from mixprec.checkpoint import lock_folder
+
+    if not is_main():
+        return contextlib.nullcontext()
+    return lock_folder(run_dir, what="run folder")
+
+
+def check_printable_paths(args: argparse.Namespace) -> None:
+    """Paths given on the command line must be valid text: a name that is not valid UTF-8 reaches Python as
+    lone surrogates that no file (config.toml, run.json) can hold, so it is refused before anything runs."""
+    for flag in ("output_dir", "data", "model", "config", "resume"):
+        value = getattr(args, flag, None)
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raw = os.fsencode(value)
+                raise CliError(
+                    f"--{flag.replace('_', '-')} {raw!r}: the name is not valid UTF-8; rename it, or choose another"
+                ) from None
 
 
 def saved_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -119,3 +187,18 @@ def apply_saved_flags(args: argparse.Namespace, run_dir: Path) -> None:
     path = run_dir / CONFIG_FILE
     if path.is_file():
         apply_config_file(args, path, keep=explicit_flags(args) | set(args._from_config_file))
+
+
+class SaveFlags(TrainerCallback):
+    """Writes the run's ``config.toml`` when training begins, i.e. after a resume has loaded: a --resume that
+    fails (a wrong --model, a damaged checkpoint) leaves the file as it was, so the documented resume
+    command still works (issue 14, fault 5). Written atomically, main process only."""
+
+    def __init__(self, run_dir: Path, flags: dict[str, Any]) -> None:
+        self.path = run_dir / CONFIG_FILE
+        header = "mixprec train flags of this run; reuse with: mixprec train --config <this file>"
+        self.text = dump_toml(flags, header=header)
+
+    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001 - the callback signature
+        if is_main():
+            write_atomically(self.path, lambda p: Path(p).write_text(self.text, encoding="utf-8"))

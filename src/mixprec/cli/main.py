@@ -1,14 +1,19 @@
 """`mixprec`: the command line. One file per subcommand; this file only dispatches.
 
 Each subcommand module exposes ``register(subparsers)`` (adds its parser, with examples in the epilog, and
-sets ``func``). Errors a user can fix (:class:`CliError`, ValueError, FileNotFoundError) become one line on
-stderr and exit code 2 — never a traceback (set MIXPREC_DEBUG=1 to see one).
+sets ``func``). Errors a user can fix (:class:`CliError`, ValueError, a damaged checkpoint, a folder in
+use by another run, a file or folder that cannot be read or written, a full disk) become one line on stderr
+naming the file or flag and what to do, and exit code 2 — never a traceback (set MIXPREC_DEBUG=1 to see
+one). Library warnings (a checkpoint skipped as damaged, a resume into another precision) are printed on
+stderr as ``mixprec: warning: ...`` lines.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -72,16 +77,76 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 0
+    _warnings_to_stderr()
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("mixprec: interrupted", file=sys.stderr)
         return 130
-    except (CliError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+    except (CliError, ValueError, OSError, *_user_errors()) as exc:
         if os.environ.get("MIXPREC_DEBUG"):  # developers: see the traceback
             raise
-        print(f"mixprec {args.command}: error: {exc}", file=sys.stderr)
+        print(f"mixprec {args.command}: error: {describe_error(exc)}", file=sys.stderr)
         return 2
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors about the user's files rather than mixprec's code: a damaged checkpoint, a folder in use.
+    Imported here, not at the top, to keep `mixprec --help` free of torch."""
+    from mixprec.checkpoint import CheckpointError, FolderInUseError
+
+    return (CheckpointError, FolderInUseError)
+
+
+_ADVICE = {
+    errno.EACCES: "choose a folder you can write to (--output-dir) or fix its permissions",
+    errno.EPERM: "choose a folder you can write to (--output-dir) or fix its permissions",
+    errno.EROFS: "the filesystem is read-only; choose a writable folder with --output-dir",
+    errno.ENOSPC: "the disk is full; free space, then resume with --resume",
+    errno.EEXIST: "a file of that name is in the way; move it or choose another --output-dir",
+    errno.ENOTDIR: "a file of that name is in the way; move it or choose another --output-dir",
+    errno.EISDIR: "a folder was given where a file is expected",
+}
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for the user: the message, or for an operating-system error the file, what failed and what
+    to do ("/runs/x/config.toml: permission denied; choose a folder you can write to ...")."""
+    if isinstance(exc, OSError) and exc.strerror and type(exc).__str__ is OSError.__str__:
+        where = exc.filename if exc.filename is not None else "a file"
+        advice = _ADVICE.get(exc.errno or 0)
+        return f"{where}: {exc.strerror[:1].lower()}{exc.strerror[1:]}" + (f"; {advice}" if advice else "")
+    text = " ".join(str(exc).split())  # one line, whatever the message held
+    return text or type(exc).__name__
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at each record (a redirected or captured stderr included)."""
+
+    @property
+    def stream(self):  # noqa: ANN201 - logging's attribute
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # noqa: ANN001 - StreamHandler.__init__ assigns it
+        pass
+
+
+class _WarningFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"mixprec: {record.levelname.lower()}: {record.getMessage()}"
+
+
+def _warnings_to_stderr() -> None:
+    """Show mixprec's library warnings on stderr, each as one ``mixprec: warning: ...`` line (once)."""
+    root = logging.getLogger("mixprec")
+    if any(getattr(h, "_mixprec_cli", False) for h in root.handlers):
+        return
+    handler = _StderrHandler()
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(_WarningFormatter())
+    handler._mixprec_cli = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m mixprec.cli.main`, the form torchrun takes

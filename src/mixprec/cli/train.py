@@ -11,6 +11,7 @@ Under ``torchrun --nproc_per_node=N`` the same command trains on N processes; on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -29,9 +30,8 @@ from mixprec.cli._common import (
     positive_float,
     positive_int,
 )
-from mixprec.cli._config import add_config_arg, apply_config, dump_toml
+from mixprec.cli._config import add_config_arg, apply_config
 from mixprec.cli._epochs import EpochCallback, EpochChunks, evenly_spaced
-from mixprec.cli.main import CliError
 from mixprec.data import decode, encode, unigram_entropy
 from mixprec.models import GPT
 
@@ -205,20 +205,24 @@ def _emit(text: str = "") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as hold:  # the run folder's lock, released when the run ends however it ends
+        return _run(args, hold)
+
+
+def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     wall_start = time.perf_counter()
     args._from_config_file = apply_config(args)
+    _rundir.check_printable_paths(args)
 
     resume_from: Path | None = None
-    if args.resume is not None:
-        run_dir, resume_from = _rundir.resolve_resume(args.resume, args.output_dir)
+    if args.resume is not None:  # lock, then choose the checkpoint (a crashed save recovered first)
+        run_dir, named = _rundir.resume_run_dir(args.resume, args.output_dir)
+        hold.enter_context(_rundir.lock_run_dir(run_dir))
+        resume_from = _rundir.resume_checkpoint(run_dir, named)
         _rundir.apply_saved_flags(args, run_dir)
     else:
         run_dir = Path(args.output_dir) if args.output_dir is not None else _rundir.new_run_dir()
-        if _rundir.checkpoints_of(run_dir):
-            raise CliError(
-                f"--output-dir {run_dir} already holds a run with checkpoints; continue it with --resume, "
-                f"or choose another folder"
-            )
+        _rundir.check_new_run_dir(run_dir)
 
     model, train_chunks, val_chunks, info = load_model_and_data(args)
     chunks_per_epoch = len(train_chunks) if args.epoch_tokens == 0 else max(1, args.epoch_tokens // info.seq_len)
@@ -239,20 +243,17 @@ def run(args: argparse.Namespace) -> int:
     _emit(f"  eval        {len(eval_dataset):,} validation chunks per epoch; unigram baseline {baseline:.3f} nats/byte")
     _emit(f"  run folder  {run_dir}" + (f" (resuming from {resume_from.name})" if resume_from else ""))
 
+    hold.enter_context(_rundir.lock_run_dir(run_dir))  # before anything is written (re-entrant on a resume)
     trainer = Trainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
-        callbacks=[EpochCallback(train_dataset)],
+        callbacks=[EpochCallback(train_dataset), _rundir.SaveFlags(run_dir, _rundir.saved_flags(args))],
     )
-    if _rundir.is_main():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        header = "mixprec train flags of this run; reuse with: mixprec train --config <this file>"
-        (run_dir / _rundir.CONFIG_FILE).write_text(
-            dump_toml(_rundir.saved_flags(args), header=header), encoding="utf-8"
-        )
-    output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    trainer.resume_command = f"mixprec train --resume {run_dir}"
+    resume = str(resume_from) if resume_from else (True if args.resume is not None else None)
+    output = trainer.train(resume_from_checkpoint=resume)
     summary = dict(output.metrics)
 
     history = trainer.state.log_history

@@ -135,13 +135,14 @@ class Precision:
     def adopt_recorded(self, saved_name: str, record: Mapping[str, Any] | None) -> None:
         """At resume: a named mode keeps its name; a change from the checkpoint's precision is said aloud."""
         if saved_name != self.name:
-            import warnings
+            import logging
 
-            warnings.warn(
-                f"resuming a run saved under precision {saved_name!r} into precision {self.name!r}: the loss "
-                f"scaler's state does not carry over exactly; resume with precision={saved_name!r} for an exact "
-                "continuation",
-                stacklevel=3,
+            logging.getLogger("mixprec.precision").warning(
+                "the state was saved under %s and is now loaded into %s: the run continues, but not as it would "
+                "have (resume with precision=%r for an exact continuation)",
+                saved_name,
+                self.name,
+                saved_name,
             )
 
     def make_scaler(self, **scaler_kwargs: Any) -> GradScaler:

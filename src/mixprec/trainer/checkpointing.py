@@ -18,18 +18,30 @@ The folder is staged as ``.checkpoint-<step>.tmp-*`` and renamed into place (see
 no ``checkpoint-*`` folder that is half written. Old checkpoints are pruned only after the new one is
 committed, and each is first renamed out of the ``checkpoint-*`` namespace, so a kill during the deletion
 cannot leave a damaged folder that looks like a checkpoint.
+
+Each folder ends with ``manifest.json`` (every file's size and SHA-256, written last). Resuming, from the
+Trainer (``resume_from_checkpoint=True``) or from the command line (``--resume``), goes through one function,
+:func:`find_resumable`: it first finishes any commit a crash interrupted, then takes the newest checkpoint
+whose manifest verifies, saying in one line (a warning) which newer ones it skipped and why. A checkpoint
+written before manifests existed is accepted, with a warning, when its required files are all there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mixprec.checkpoint import CheckpointError, load_json, load_tensors, recover
+import torch
+
+from mixprec.accelerator.state_checks import folder_problem
+from mixprec.checkpoint import CheckpointError, DiskFullError, FolderLock, load_json, load_tensors, lock_folder, recover
+from mixprec.checkpoint.manifest import read_manifest
 from mixprec.trainer.data import DataPosition
 from mixprec.trainer.state import TrainerState
 
@@ -52,10 +64,40 @@ def step_of(path: Path) -> int | None:
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:
-    """A folder holding the files every checkpoint has (the atomic write makes presence mean complete; the
-    check keeps a foreign or hand-copied folder from being taken for one)."""
+    """A folder that looks like a whole checkpoint, by a cheap check (no file is read): every file its
+    manifest lists is there with the listed size, and the trainer's files are among them; for a folder
+    written before manifests, the files every checkpoint has are there. :func:`verify_checkpoint` reads
+    every byte."""
     path = Path(path)
-    return all((path / name).is_file() for name in REQUIRED)
+    try:
+        files = read_manifest(path)
+    except (OSError, ValueError):
+        return False
+    if files is None:
+        return all((path / name).is_file() for name in (*REQUIRED, "rng_state_0.pt"))
+    if not all(name in files for name in REQUIRED):
+        return False
+    for rel, entry in files.items():
+        try:
+            if (path / rel).stat().st_size != entry.get("size"):
+                return False
+        except (OSError, AttributeError):
+            return False
+    return True
+
+
+def verify_checkpoint(path: str | os.PathLike[str]) -> str | None:
+    """None if ``path`` is a checkpoint that can be resumed from (its manifest verifies and it holds the
+    trainer's files; or, written before manifests, all its files are there), else why not, in a phrase.
+    Reads every file once."""
+    path = Path(path)
+    problem = folder_problem(path)
+    if problem is not None:
+        return problem
+    missing = [name for name in REQUIRED if not (path / name).is_file()]
+    if missing:
+        return f"{missing[0]} is missing (it is not a checkpoint the Trainer wrote)"
+    return None
 
 
 def recover_checkpoints(output_dir: str | os.PathLike[str]) -> None:
@@ -69,7 +111,7 @@ def recover_checkpoints(output_dir: str | os.PathLike[str]) -> None:
 
 
 def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[Path]:
-    """Complete checkpoint-N folders of ``output_dir``, oldest first."""
+    """Complete checkpoint-N folders of ``output_dir`` (by :func:`is_complete`'s cheap check), oldest first."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
@@ -82,26 +124,72 @@ def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
     return found[-1] if found else None
 
 
-def resolve_resume(resume_from_checkpoint: bool | str | os.PathLike[str] | None, output_dir: str) -> Path | None:
-    """``None``/``False``: start fresh. ``True``: the latest complete checkpoint of ``output_dir`` (ValueError if
-    there is none). A path: that checkpoint, which must be complete."""
+@dataclass
+class Resumable:
+    """What :func:`find_resumable` found: the checkpoint to resume from (None: none passes) and the newer
+    ones it skipped, each with the reason."""
+
+    checkpoint: Path | None
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+
+    def describe_skipped(self) -> str:
+        """One line: "skipped checkpoint-8 (model.safetensors does not match ...); resuming from checkpoint-4"."""
+        parts = "; ".join(f"{p.name}: {why}" for p, why in self.skipped)
+        then = f"resuming from {self.checkpoint.name}" if self.checkpoint else "no checkpoint is left to resume from"
+        return f"skipped damaged or incomplete checkpoints ({parts}); {then}"
+
+
+def find_resumable(output_dir: str | os.PathLike[str], *, recover_first: bool = True) -> Resumable:
+    """THE listing for a resume (the Trainer's and the command line's): finish interrupted commits (pass
+    ``recover_first=False`` on processes other than the main one, which does it), then the newest
+    checkpoint-N of ``output_dir`` that :func:`verify_checkpoint` passes. Logs a warning naming each newer
+    one skipped and why. Reads every file of the checkpoints it checks."""
+    root = Path(output_dir)
+    if recover_first:
+        recover_checkpoints(root)
+    if not root.is_dir():
+        return Resumable(None)
+    candidates = sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
+    result = Resumable(None)
+    for path in reversed(candidates):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            result.checkpoint = path
+            break
+        result.skipped.append((path, problem))
+    if result.skipped:
+        logger.warning("%s", result.describe_skipped())
+    return result
+
+
+def resolve_resume(
+    resume_from_checkpoint: bool | str | os.PathLike[str] | None, output_dir: str, *, recover_first: bool = True
+) -> Path | None:
+    """``None``/``False``: start fresh. ``True``: :func:`find_resumable`'s checkpoint (ValueError if none
+    passes). A path: that checkpoint, which must look complete (CheckpointError saying which file is wrong;
+    ``load_state`` then verifies every byte)."""
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return None
     if resume_from_checkpoint is True:
-        found = latest_checkpoint(output_dir)
-        if found is None:
+        found = find_resumable(output_dir, recover_first=recover_first)
+        if found.checkpoint is None:
+            why = f" ({found.describe_skipped()})" if found.skipped else ""
             raise ValueError(
-                f"train(resume_from_checkpoint=True): no complete checkpoint-N folder in {output_dir!r}; "
+                f"train(resume_from_checkpoint=True): no complete checkpoint-N folder in {output_dir!r}{why}; "
                 "train without resume_from_checkpoint to start fresh"
             )
-        return found
+        return found.checkpoint
     path = Path(resume_from_checkpoint)
+    if recover_first:
+        recover(path)
     if not path.is_dir():
         raise ValueError(f"train(resume_from_checkpoint={str(path)!r}): no such folder")
-    if not is_complete(path):
-        raise ValueError(
-            f"train(resume_from_checkpoint={str(path)!r}): the folder is not a complete checkpoint "
-            f"(it lacks one of {', '.join(REQUIRED)}); use resume_from_checkpoint=True for the latest complete one"
+    # the cheap check here (sizes); load_state reads and verifies every byte (no third read of the folder)
+    problem = None if is_complete(path) else (verify_checkpoint(path) or "it lacks the trainer's files")
+    if problem is not None:
+        raise CheckpointError(
+            f"train(resume_from_checkpoint={str(path)!r}): the folder is not a complete checkpoint ({problem}); "
+            "use resume_from_checkpoint=True for the newest one that is"
         )
     return path
 
@@ -143,6 +231,27 @@ def read_trainer_files(path: str | os.PathLike[str]) -> tuple[dict[str, Any], di
 # -- the Trainer's side ----------------------------------------------------------------------------------
 
 
+def lock_output_dir(accelerator: Any, output_dir: str) -> FolderLock | contextlib.nullcontext[None]:
+    """Lock ``output_dir`` for this run (main process; re-entrant, so a command line that locked it first
+    is fine). Collective: when the main process is refused, every process raises the same
+    :class:`~mixprec.checkpoint.FolderInUseError`-like error, so none waits forever in a collective. One tiny
+    all-reduce when there are several processes."""
+    error: BaseException | None = None
+    held = None
+    if accelerator.is_main_process:
+        try:
+            held = lock_folder(output_dir, what="output_dir")
+        except Exception as err:
+            error = err
+    if accelerator.num_processes > 1:
+        failed = bool(accelerator.reduce(torch.tensor(int(error is not None)), reduction="max").item())
+        if failed and error is None:
+            raise CheckpointError(f"output_dir {output_dir} could not be locked by the main process (see its error)")
+    if error is not None:
+        raise error
+    return held if held is not None else contextlib.nullcontext()
+
+
 def save_trainer_checkpoint(trainer: Trainer, position: DataPosition) -> Path:
     """checkpoint-<global_step> with the trainer's state; then prune, then ``on_save``. Collective."""
     args, state, acc = trainer.args, trainer.state, trainer.accelerator
@@ -154,7 +263,18 @@ def save_trainer_checkpoint(trainer: Trainer, position: DataPosition) -> Path:
         EXTRA_NAME: {"data_position": position.to_dict(), "meter": trainer.meter.state_dict()},
         ARGS_NAME: args.to_dict(),
     }
-    save_checkpoint(args.output_dir, state.global_step, acc, files)
+    try:
+        save_checkpoint(args.output_dir, state.global_step, acc, files)
+    except DiskFullError as err:
+        last = latest_checkpoint(args.output_dir)
+        intact = f"the previous checkpoint, {last}, is intact" if last else "no earlier checkpoint exists"
+        raise DiskFullError(
+            err.errno,
+            f"disk full: {path.name} could not be saved (no space left while writing "
+            f"{Path(err.filename or '?').name}); {intact}. Free space on {args.output_dir}, then resume with "
+            f"{trainer.resume_command}",
+            err.filename,
+        ) from None
     if acc.is_main_process:  # only now that the new one is complete
         prune_checkpoints(args.output_dir, args.save_total_limit, keep=state.best_model_checkpoint)
     acc.wait_for_everyone()
@@ -165,18 +285,20 @@ def save_trainer_checkpoint(trainer: Trainer, position: DataPosition) -> Path:
 def load_trainer_checkpoint(trainer: Trainer, path: Path) -> DataPosition:
     """Restore model, optimizer, scheduler, scaler, data position and RNG states (the Accelerator's
     load_state), then the trainer's state, loss window and log; return where the data stands. Nothing is
-    unpickled: a tampered file raises (UnsafeCheckpointError) before training starts."""
-    trainer.accelerator.load_state(path)
+    unpickled: a tampered file raises (UnsafeCheckpointError) before training starts. The trainer's own
+    files are read and parsed first, so a damaged one fails before the Accelerator loads anything."""
     saved, extra = read_trainer_files(path)
+    loaded_state = TrainerState(**{k: v for k, v in saved.items() if k in TrainerState.__dataclass_fields__})
+    position = DataPosition.from_dict(extra["data_position"])
+    trainer.accelerator.load_state(path)
     fresh = trainer.state
-    trainer.state = TrainerState(**{k: v for k, v in saved.items() if k in TrainerState.__dataclass_fields__})
+    trainer.state = loaded_state
     trainer.state.is_local_process_zero = fresh.is_local_process_zero
     trainer.state.is_world_process_zero = fresh.is_world_process_zero
     trainer.meter.load_state_dict(extra.get("meter", {}), trainer.accelerator.device)
     if trainer._jsonl is not None:
         trainer._jsonl.truncate_after(trainer.state.global_step)
     logger.info("resumed from %s at step %d", path, trainer.state.global_step)
-    position = DataPosition.from_dict(extra["data_position"])
     _check_loader_agrees(trainer._train_loader, position, path)
     return position
 

@@ -116,6 +116,8 @@ class Trainer:
         self._eval_loaders: dict[int, Any] = {}
         self._trained = False
         self.diagnosis: Any = None
+        self.resume_command = "trainer.train(resume_from_checkpoint=True)"
+        """How the user continues this run, for the stop and disk-full messages (the CLI sets its own)."""
         # Prepared first, before any eval loader: save_state records data positions in preparation order.
         self._train_loader = self._prepare_train_loader() if train_dataset is not None else None
 
@@ -243,9 +245,19 @@ class Trainer:
             self.lr_scheduler = build_scheduler(self.optimizer, self.args.schedule, num_training_steps)
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
-        """Train for ``max_steps`` or ``num_train_epochs``; resume from a checkpoint (``True``: the latest
-        complete one in output_dir). On SIGTERM: saves a checkpoint at the next step boundary and exits
-        the process with status 143 (128 + SIGTERM), so schedulers see a job that did not finish."""
+        """Train for ``max_steps`` or ``num_train_epochs``; resume from a checkpoint (``True``: the newest
+        one in output_dir whose manifest verifies; newer damaged ones are skipped with a warning). On
+        SIGTERM: saves a checkpoint at the next step boundary and exits the process with status 143
+        (128 + SIGTERM), so schedulers see a job that did not finish. output_dir is locked while training:
+        a second run into it is refused (FolderInUseError) naming the process that holds it."""
+        with ckpt.lock_output_dir(self.accelerator, self.args.output_dir):
+            try:
+                return self._train(resume_from_checkpoint)
+            except BaseException:
+                self.close_progress()  # end the bar's line, so that the error is printed on its own
+                raise
+
+    def _train(self, resume_from_checkpoint: bool | str | None) -> TrainOutput:
         if self._trained:
             raise RuntimeError("Trainer.train() was already called; build a new Trainer to train again")
         self._trained = True
@@ -255,7 +267,7 @@ class Trainer:
         if acc.is_main_process:
             ckpt.recover_checkpoints(args.output_dir)
         acc.wait_for_everyone()
-        checkpoint = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir)
+        checkpoint = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir, recover_first=False)
         plan = Plan.make(len(loader), args)
         if checkpoint is None:
             self.record_event("train_begin", 0, resumed_from=None, precision=acc.mixed_precision)
@@ -287,7 +299,7 @@ class Trainer:
         output = finish_run(self, steps_before)
         if interrupted is not None:
             acc.print(f"mixprec: stopped by signal {interrupted} at step {self.state.global_step}; resume with "
-                      "trainer.train(resume_from_checkpoint=True)", file=sys.stderr)  # fmt: skip
+                      f"{self.resume_command}", file=sys.stderr)  # fmt: skip
             raise SystemExit(128 + interrupted)
         return output
 
