@@ -41,6 +41,7 @@ from mixprec.accelerator.state import Registry, RunState, load_state, save_state
 from mixprec.precision.base import Precision
 from mixprec.precision.registry import available_precisions, canonical_name, resolve_precision
 from mixprec.scaling.scaler import GradScaler
+from mixprec.watch.watch import PrecisionWatch
 
 logger = logging.getLogger("mixprec.accelerator")
 
@@ -56,6 +57,8 @@ class Accelerator:
     Args: see :class:`~mixprec.accelerator.config.AcceleratorConfig` (``mixed_precision="no"`` by default,
     as HF Accelerate). Raises ValueError for an unknown precision name (listing the valid ones) and
     :class:`~mixprec.precision.base.PrecisionNotSupportedError` for a mode the device cannot run.
+    ``watch``: a precision watch for the prepared model (``50``, ``"fallback"``, a ``PrecisionWatch``...; see
+    :mod:`mixprec.watch.settings`), reachable as ``accelerator.watch``; off (None) by default.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class Accelerator:
         fsdp_shard: Callable[[torch.nn.Module], bool] | None = None,
         non_blocking: bool = False,
         verbose: bool = True,
+        watch: Any = None,
     ) -> None:
         self.config = AcceleratorConfig(
             mixed_precision, gradient_accumulation_steps, distributed, device, cpu, scaler_kwargs,
@@ -88,6 +92,8 @@ class Accelerator:
         self.scaler.set_found_inf_reducer(self._strategy.found_inf_reducer())
         self._gradients = GradientState(self.scaler, self._strategy, self.config.gradient_accumulation_steps)
         self._registry = Registry()
+        # The precision watch (mixprec.watch): None when off; attaches to the model in prepare_model.
+        self.watch: PrecisionWatch | None = PrecisionWatch.build(watch, "Accelerator(watch=...)")
         self._report()
 
     # -- what was resolved ---------------------------------------------------------------------------
@@ -177,6 +183,8 @@ class Accelerator:
         model = self._strategy.wrap_model(model, self.precision)
         self.scaler.register_param_names(model.named_parameters())
         self._registry.models.append(model)
+        if self.watch is not None:
+            self.watch.attach(self, model)
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:

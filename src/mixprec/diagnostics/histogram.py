@@ -9,6 +9,7 @@ any k, read off the same histogram.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,6 +179,41 @@ class LogHistogram:
             max(self.max_abs, other.max_abs),
             {k: self.overflow.get(k, 0) + other.overflow.get(k, 0) for k in {*self.overflow, *other.overflow}},
         )
+
+    def quantile_exp(self, q: float) -> int | None:
+        """The binary exponent e of the q-quantile of the nonzero finite magnitudes (the smallest e with more
+        than a fraction q of them in bins <= e), or None when there are none. ``q=0.01`` is the "smallest
+        significant value" the precision watch measures underflow headroom from: the lowest 1% is the tail a
+        format may lose without the layer noticing."""
+        n = self.nonzero
+        if not n:
+            return None
+        seen = 0
+        for i, c in enumerate(self.counts):
+            seen += c
+            if seen > q * n:
+                return E_MIN + i
+        return E_MIN + N_BINS - 1  # unreachable: seen == n > q * n by the last bin
+
+    def overflow_headroom(self, fmt: FloatFormat) -> float | None:
+        """Binades between the largest finite magnitude and ``fmt``'s max: log2(max / max_abs), negative for
+        values held in a wider format that ``fmt`` could not hold. At most 0 when some values are inf or NaN
+        (an fp16 overflow leaves no finite maximum to measure); None when there is no nonzero value at all."""
+        if not self.max_abs > 0:
+            return 0.0 if self.nonfinite else None
+        headroom = math.log2(fmt.max) - math.log2(self.max_abs)
+        return min(headroom, 0.0) if self.nonfinite else headroom
+
+    def underflow_headroom(self, fmt: FloatFormat, q: float = 0.01) -> int | None:
+        """Binades between the smallest significant magnitude (:meth:`quantile_exp` of ``q``) and ``fmt``'s
+        smallest normal; negative when more than a fraction q of the values are already subnormal or lost."""
+        e = self.quantile_exp(q)
+        return None if e is None else e - fmt.min_normal_exp
+
+    def outside_normal_fraction(self, fmt: FloatFormat) -> float:
+        """Fraction of nonzero finite values below ``fmt``'s smallest normal (subnormal or flushed to zero)."""
+        n = self.nonzero
+        return self.count_below(fmt.min_normal_exp) / n if n else 0.0
 
     def exponent_range(self) -> tuple[int, int] | None:
         """(lowest, highest) populated exponent, or None when there are no nonzero finite values."""
