@@ -3,8 +3,10 @@
 The diagnosis hooks every named module's outputs (forward hooks) and, through plain tensor hooks on those
 outputs, their gradients. Tensor hooks rather than ``register_full_backward_hook``: the full backward hook
 wraps outputs in a custom autograd function, which breaks modules whose outputs are later modified in place
-(``nn.ReLU(inplace=True)``) or are not all tensors, and the diagnosis must run on any model unchanged. The precision watch (:mod:`mixprec.watch`) installs the
-same hooks for one sampled training step at a time and removes them when the step ends.
+(``nn.ReLU(inplace=True)``) or are not all tensors, and the diagnosis must run on any model unchanged.
+
+The precision watch (:mod:`mixprec.watch`) installs the same hooks for one sampled training step at a time
+and removes them when the step ends.
 """
 
 from __future__ import annotations

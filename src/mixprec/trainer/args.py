@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from mixprec.precision.registry import canonical_name
-from mixprec.watch.settings import WatchConfig
 from mixprec.trainer.configs import (
     DISTRIBUTED,
     REPORTERS,
@@ -33,6 +32,7 @@ from mixprec.trainer.configs import (
     check_positive_int,
     fail,
 )
+from mixprec.watch.settings import WatchConfig
 
 # -- the public, flat, HF-compatible dataclass ---------------------------------------------------------
 

@@ -48,9 +48,7 @@ def series_from_log(entries: Iterable[dict[str, Any]]) -> Series:
     return out
 
 
-def plot_headroom(
-    series: Series, path: Path, fmt: str, marks: dict[str, list[tuple[int, str]]] | None = None
-) -> Path:
+def plot_headroom(series: Series, path: Path, fmt: str, marks: dict[str, list[tuple[int, str]]] | None = None) -> Path:
     """Write the PNG to ``path`` (a folder gets :data:`FIGURE`); ``marks``: {"warning" | "skip" |
     "fallback": [(step, layer), ...]}. Returns the file."""
     import matplotlib

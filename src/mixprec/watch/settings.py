@@ -83,7 +83,9 @@ class WatchConfig:
             except ValueError as err:
                 raise ValueError(f"{where}: {err}") from None
         if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ValueError(f"{where}: expected an interval N, 'watch', 'fallback', 'fallback:N' or 'off', got {value!r}")
+            raise ValueError(
+                f"{where}: expected an interval N, 'watch', 'fallback', 'fallback:N' or 'off', got {value!r}"
+            )
         if isinstance(value, int):
             if value < 0:
                 raise ValueError(f"{where}: the interval must be >= 1 step (0 or None: off), got {value}")

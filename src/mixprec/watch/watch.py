@@ -293,7 +293,8 @@ class PrecisionWatch:
             fp32.run_in_fp32(module)
             self.fallbacks.append(dict(f))
         if self.fallbacks:
-            logger.info("precision watch: resumed with fp32 fallback for %s", ", ".join(f["module"] for f in self.fallbacks))
+            names = ", ".join(f["module"] for f in self.fallbacks)
+            logger.info("precision watch: resumed with fp32 fallback for %s", names)
 
 
 def _as_dict(config: Any) -> dict[str, Any]:
