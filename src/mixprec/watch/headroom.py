@@ -85,7 +85,7 @@ class Sample:
 
     def log_entry(self) -> dict[str, float]:
         """Flat ``{"watch/<layer>/<field>": value}``: one log line per sample, one TensorBoard scalar each."""
-        out = {"watch/loss_scale": self.loss_scale}
+        out = {"watch/loss_scale": self.loss_scale, "watch/step_skipped": float(self.skipped)}
         for r in self.layers:
             out.update({f"watch/{r.name}/{k}": v for k, v in r.scalars().items()})
         return out

@@ -27,6 +27,8 @@ _KEYS = ("act_headroom", "grad_low_headroom")
 def series_from_samples(samples: Iterable[Sample]) -> Series:
     out: Series = {k: {} for k in _KEYS}
     for s in samples:
+        if s.skipped:  # its inf/NaN reached every later layer: the skip is marked, not drawn as a dip to 0
+            continue
         for r in s.layers:
             for k in _KEYS:
                 v = getattr(r, k)
@@ -39,7 +41,7 @@ def series_from_log(entries: Iterable[dict[str, Any]]) -> Series:
     """The same series from metrics.jsonl entries (keys ``watch/<layer>/<field>``)."""
     out: Series = {k: {} for k in _KEYS}
     for e in entries:
-        if "event" in e or "watch/loss_scale" not in e:
+        if "event" in e or "watch/loss_scale" not in e or e.get("watch/step_skipped"):
             continue
         for key, v in e.items():
             layer, _, field = key[len("watch/") :].rpartition("/")
@@ -59,8 +61,11 @@ def plot_headroom(series: Series, path: Path, fmt: str, marks: dict[str, list[tu
     path = path / FIGURE if path.is_dir() else path
     marks = marks or {}
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    _panel(top, series["act_headroom"], f"activations: binades below {fmt} max")
-    _panel(bottom, series["grad_low_headroom"], f"output gradients (x loss scale): binades above {fmt} min normal")
+    colors = _colors(series)
+    _panel(top, series["act_headroom"], f"activations: binades below {fmt} max", colors)
+    _panel(
+        bottom, series["grad_low_headroom"], f"output gradients (x loss scale): binades above {fmt} min normal", colors
+    )
     for ax in (top, bottom):
         ax.axhline(0.0, color="black", lw=1.2)
     for step, layer in marks.get("warning", []):
@@ -86,14 +91,29 @@ def plot_headroom(series: Series, path: Path, fmt: str, marks: dict[str, list[tu
     return path
 
 
-def _panel(ax: Any, layers: dict[str, list[tuple[int, float]]], ylabel: str) -> None:
-    ranked = sorted(layers, key=lambda n: min(v for _, v in layers[n]))
+def _ranked(layers: dict[str, list[tuple[int, float]]]) -> list[str]:
+    return sorted(layers, key=lambda n: min(v for _, v in layers[n]))
+
+
+def _colors(series: Series) -> dict[str, Any]:
+    """One colour per layer across both panels, the closest to a limit first."""
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab10"].colors
+    order: list[str] = []
+    for key in _KEYS:
+        order += [n for n in _ranked(series[key])[:_NAMED] if n not in order]
+    return {name: palette[i % len(palette)] for i, name in enumerate(order)}
+
+
+def _panel(ax: Any, layers: dict[str, list[tuple[int, float]]], ylabel: str, colors: dict[str, Any]) -> None:
+    ranked = _ranked(layers)
     named = set(ranked[:_NAMED])
     for name in reversed(ranked):  # the named layers drawn last, on top
         pts = layers[name]
         xs, ys = [s for s, _ in pts], [v for _, v in pts]
         if name in named:
-            ax.plot(xs, ys, marker="o" if len(xs) < 40 else None, ms=3, lw=1.5, label=name)
+            ax.plot(xs, ys, marker="o" if len(xs) < 40 else None, ms=3, lw=1.5, label=name, color=colors[name])
         else:
             ax.plot(xs, ys, color="0.75", lw=0.8)
     ax.set_ylabel(ylabel, fontsize=8)
