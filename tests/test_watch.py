@@ -231,3 +231,66 @@ def test_the_trainer_sends_the_samples_to_tensorboard_and_metrics(tmp_path):
     summary = json.loads((tmp_path / "train_summary.json").read_text())
     assert summary["precision_watch"]["samples"] == 2
     assert (tmp_path / "precision_headroom.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_subset_histogram_keeps_the_exact_maximum_and_every_inf():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1 << 18, generator=g) * 2.0 ** torch.randint(-30, 10, (1 << 18,), generator=g)
+    x[12345] = 3.0e5  # the maximum, most likely outside a 1-in-4 strided subset
+    exact = _host(x)
+    (subset,) = to_host([_subset_add(x)])
+    assert subset.max_abs == exact.max_abs and subset.total < exact.total
+    assert subset.outside_normal_fraction(FP16) == pytest.approx(exact.outside_normal_fraction(FP16), abs=0.01)
+    x[777] = float("inf")
+    (with_inf,) = to_host([_subset_add(x)])
+    assert with_inf.nonfinite >= 1 and with_inf.overflow_headroom(FP16) <= 0.0
+
+
+def _subset_add(x: torch.Tensor) -> DeviceHistogram:
+    h = DeviceHistogram(torch.device("cpu"), bin_limit=2**16)
+    h.add(x)
+    return h
+
+
+class Overflows(nn.Module):
+    """fc2's fp16 output overflows from the first step (a weight too large for fp16 products)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.fc2.weight.mul_(1e6)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        return {"loss": self.norm(self.fc2(self.fc1(x))).float().pow(2).mean()}
+
+
+def test_after_k_skips_traced_to_a_forward_the_module_falls_back_without_a_warning():
+    torch.manual_seed(0)
+    acc = Accelerator(mixed_precision="fp16", watch={"every": 1000, "fallback": True, "fallback_after": 2},
+                      verbose=False)  # fmt: skip
+    model = Overflows()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    for _ in range(4):
+        acc.backward(model(x=torch.randn(4, 8))["loss"])
+        opt.step()
+        opt.zero_grad()
+    acc.watch.close()
+    assert acc.scaler.record.skipped_steps == 2 and acc.watch.warnings == []
+    assert [(f["module"], f["step"]) for f in acc.watch.fallbacks] == [("fc2", 2)]
+    assert fp32_modules(model) == ["fc2"]
+
+
+def test_positional_batches_are_attributed_from_the_gradients_when_synced_before_zero_grad():
+    torch.manual_seed(0)
+    acc = Accelerator(mixed_precision="fp16", watch=5, verbose=False)
+    model = Overflows()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(torch.randn(4, 8))["loss"])  # positional: the replay needs model(**batch)
+    opt.step()
+    acc.watch.sync(opt)  # before zero_grad, as the Trainer does
+    (att,) = acc.watch.skips
+    assert att.method == "gradients" and att.module is None and "fc2" in att.modules
