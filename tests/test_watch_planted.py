@@ -72,14 +72,17 @@ def dataset(n: int = 256, d: int = 16, seed: int = 0) -> list[dict[str, torch.Te
     return [{"x": x[i], "y": y[i]} for i in range(n)]
 
 
-def train(out: Path, precision: str, watch=None, *, record=False, steps: int = STEPS, resume=None, save_steps=None):
+def train(
+    out: Path, precision: str, watch=None, *, record=False, steps=STEPS, resume=None, save_steps=None, accumulate=1
+):
     torch.manual_seed(0)
     model = Planted()
     args = TrainingArguments(
         output_dir=str(out),
         precision=precision,
         max_steps=steps,
-        per_device_train_batch_size=16,
+        per_device_train_batch_size=16 // accumulate,
+        gradient_accumulation_steps=accumulate,
         learning_rate=1e-2,
         lr_scheduler_type="constant",
         logging_steps=10,
@@ -157,11 +160,24 @@ def test_with_fallback_the_run_finishes_like_fp32(runs):
 
 
 @pytest.mark.slow
-def test_the_fallback_survives_a_resume(tmp_path):
+def test_the_fallback_survives_a_resume(tmp_path, caplog):
     out = tmp_path / "run"
-    trainer, _, _ = train(out, "fp16", "fallback:2", steps=45, save_steps=40)
+    with caplog.at_level("WARNING", logger="mixprec.watch"):
+        trainer, _, _ = train(out, "fp16", "fallback:2", steps=45, save_steps=40)
+    assert "is running out of fp16 range" in caplog.text and "layer 'grow'" in caplog.text
+    assert "first non-finite: grow (forward, output, float16)" in caplog.text
+    assert "module 'grow' runs in fp32 from step" in caplog.text
     assert [f["module"] for f in trainer.accelerator.watch.fallbacks] == ["grow"]
     resumed, output, _ = train(out, "fp16", "fallback:2", steps=50, resume=True)
     watch = resumed.accelerator.watch
     assert [f["module"] for f in watch.fallbacks] == ["grow"]
     assert output.metrics["skipped_steps"] == trainer.skipped_steps  # no new skip after the resume
+
+
+@pytest.mark.slow
+def test_with_gradient_accumulation_every_micro_batch_is_watched_and_replayed(tmp_path):
+    trainer, output, _ = train(tmp_path / "acc", "fp16", "fallback:2", steps=45, accumulate=2)
+    watch = trainer.accelerator.watch
+    assert [w.layer for w in watch.warnings] == ["grow"]
+    assert [(a.module, a.phase) for a in watch.skips] == [("grow", "forward")] * output.metrics["skipped_steps"]
+    assert [f["module"] for f in watch.fallbacks] == ["grow"] and output.metrics["skipped_steps"] <= 2

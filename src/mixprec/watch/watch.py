@@ -23,6 +23,7 @@ On a skipped step, one replay (see :mod:`mixprec.watch.attribution`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter, deque
 from collections.abc import Callable
@@ -104,6 +105,8 @@ class PrecisionWatch:
         self._sampler = HeadroomSampler(model, self._device, self.fmt, self.config.significant)
         self._recorder = StepRecorder(self._device)
         self._can_replay = accelerator.num_processes == 1
+        # the Accelerator's backward divides each micro-batch's loss by the accumulation steps before scaling
+        self._replay_divisor = accelerator.gradient_accumulation_steps
         self._hooks.hook_forward_pre(model, self._before_forward)
         accelerator.register_for_checkpointing(self)
         if self._pending_state is not None:
@@ -154,7 +157,9 @@ class PrecisionWatch:
                 self._on_sample(self._sampler.finish(step, scale, skipped))
             if skipped:
                 grads = [] if optimizer is None else _named_grads(self.model, optimizer)
-                self._on_skip(attribute_skip(self.model, self._recorder, step, scale, grads, self._can_replay))
+                replay_scale = scale / self._replay_divisor
+                att = attribute_skip(self.model, self._recorder, step, replay_scale, grads, self._can_replay)
+                self._on_skip(dataclasses.replace(att, loss_scale=scale))
         finally:
             self._busy = False
             self._recorder.new_step()  # drop the batch references now, not at the next step
