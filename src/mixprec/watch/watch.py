@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics.formats import FORMATS, FP16
+from mixprec.diagnostics.formats import FORMATS, FP16, FloatFormat
 from mixprec.diagnostics.hooks import ROOT_NAME, HookRegistry
 from mixprec.watch import fallback as fp32
 from mixprec.watch.attribution import SkipAttribution, StepRecorder, attribute_skip
@@ -82,6 +82,8 @@ class PrecisionWatch:
         self._steps_seen = 0
         self._busy = False
         self._pending_state: dict[str, Any] | None = None
+        self.fmt: FloatFormat = FORMATS[self.config.fmt] if self.config.fmt else FP16
+        """The format headroom is measured against (settled by :meth:`attach` when the config leaves it open)."""
 
     @classmethod
     def build(cls, value: Any, where: str = "Accelerator(watch=...)") -> PrecisionWatch | None:
@@ -100,8 +102,8 @@ class PrecisionWatch:
         self.model = model
         self._scaler = accelerator.scaler
         self._device = accelerator.device
-        precision = accelerator.precision.name
-        self.fmt = FORMATS[self.config.fmt] if self.config.fmt else FORMATS.get(precision, FP16)
+        if self.config.fmt is None:  # the run's own format; fp16 for an fp32 run (would fp16 hold?)
+            self.fmt = FORMATS.get(accelerator.precision.name, FP16)
         self._sampler = HeadroomSampler(model, self._device, self.fmt, self.config.significant)
         self._recorder = StepRecorder(self._device)
         self._can_replay = accelerator.num_processes == 1
@@ -118,7 +120,8 @@ class PrecisionWatch:
 
     def detach(self) -> None:
         """Remove the watch's hooks (fallen-back modules stay in fp32; see :func:`fallback.restore`)."""
-        self._sampler.cancel()
+        if self.model is not None:
+            self._sampler.cancel()
         self._hooks.remove_all()
 
     # -- following the steps ----------------------------------------------------------------------------
@@ -166,6 +169,8 @@ class PrecisionWatch:
 
     def close(self) -> None:
         """Finish a step still open (the last one of a hand-written loop)."""
+        if self.model is None:
+            return
         self.sync()
         self._sampler.cancel()
         self._in_step = False
