@@ -96,9 +96,14 @@ class PrecisionWatch:
     # -- wiring -----------------------------------------------------------------------------------------
 
     def attach(self, accelerator: Accelerator, model: nn.Module) -> None:
-        """Watch ``model`` (prepared by ``accelerator``), and save the fallback list in its checkpoints."""
+        """Watch ``model`` (prepared by ``accelerator``), and save the fallback list in its checkpoints. A watch
+        follows one model: the first attached (an Accelerator preparing a second model, a GAN's or a
+        teacher's, leaves it unwatched)."""
         if self.model is not None:
-            raise ValueError("this PrecisionWatch already watches a model; build one watch per model")
+            if model is not self.model:
+                logger.info("precision watch: already watching %s; %s is not watched",
+                            type(self.model).__name__, type(model).__name__)  # fmt: skip
+            return
         self.model = model
         self._scaler = accelerator.scaler
         self._device = accelerator.device
