@@ -33,6 +33,8 @@ _EXPORTS: dict[str, str] = {
     "EvalPrediction": "mixprec.trainer.state",
     # tools
     "diagnose": "mixprec.diagnostics.diagnose",
+    "PrecisionWatch": "mixprec.watch.watch",
+    "WatchConfig": "mixprec.watch.settings",
     "Report": "mixprec.diagnostics.report",
     "GPT": "mixprec.models.gpt",
     "GPTConfig": "mixprec.models.gpt",
@@ -67,3 +69,5 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.trainer.callbacks import TrainerCallback, TrainerControl
     from mixprec.trainer.state import EvalPrediction, TrainerState
     from mixprec.trainer.trainer import Trainer
+    from mixprec.watch.settings import WatchConfig
+    from mixprec.watch.watch import PrecisionWatch

@@ -42,6 +42,7 @@ from mixprec.precision.base import Precision
 from mixprec.precision.race import AutoDecision
 from mixprec.precision.registry import make_precision
 from mixprec.scaling.scaler import GradScaler
+from mixprec.watch.watch import PrecisionWatch
 
 logger = logging.getLogger("mixprec.accelerator")
 
@@ -57,6 +58,8 @@ class Accelerator:
     Args: see :class:`~mixprec.accelerator.config.AcceleratorConfig` (``mixed_precision="no"`` by default,
     as HF Accelerate). Raises ValueError for an unknown precision name (listing the valid ones) and
     :class:`~mixprec.precision.base.PrecisionNotSupportedError` for a mode the device cannot run.
+    ``watch``: a precision watch for the prepared model (``50``, ``"fallback"``, a ``PrecisionWatch``...; see
+    :mod:`mixprec.watch.settings`), reachable as ``accelerator.watch``; off (None) by default.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class Accelerator:
         fsdp_shard: Callable[[torch.nn.Module], bool] | None = None,
         non_blocking: bool = False,
         verbose: bool = True,
+        watch: Any = None,
     ) -> None:
         self.config = AcceleratorConfig(
             mixed_precision, gradient_accumulation_steps, distributed, device, cpu, scaler_kwargs,
@@ -95,6 +99,8 @@ class Accelerator:
         )
         self._gradients = GradientState(self._precision, self._strategy, self.config.gradient_accumulation_steps)
         self._registry = Registry()
+        # The precision watch (mixprec.watch): None when off; attaches to the model in prepare_model.
+        self.watch: PrecisionWatch | None = PrecisionWatch.build(watch, "Accelerator(watch=...)")
         self._report()
 
     # -- what was resolved ---------------------------------------------------------------------------
@@ -232,6 +238,8 @@ class Accelerator:
         model = self._strategy.wrap_model(model, self._precision)
         self._precision.register_param_names(model.named_parameters())
         self._registry.models.append(model)
+        if self.watch is not None:
+            self.watch.attach(self, model)
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:

@@ -65,6 +65,7 @@ examples:
   mixprec train --resume runs/tiny --epochs 2     continue a run from its last checkpoint
   mixprec train --config train.toml --lr 1e-3     flags from a file; the command line wins
   mixprec train --diagnose --precision fp16       diagnose gradient ranges first, start at the advised scale
+  mixprec train --precision fp16 --watch 20       per-layer headroom every 20 steps, warnings, skip tracing
   torchrun --nproc_per_node=2 -m mixprec.cli.main train --output-dir runs/ddp
 
 an epoch is --epoch-tokens tokens of new chunks drawn from the training split (the whole split if it is
@@ -135,6 +136,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--diagnose", action="store_true", help="diagnose gradient ranges first and start the loss scale there"
     )
+    g.add_argument(
+        "--watch",
+        metavar="N|fallback[:N]",
+        default=None,
+        help="watch every layer's range during the run: sample every N steps, warn before an overflow, trace "
+        "skipped steps to a layer; 'fallback[:N]' also moves a layer that overflows to fp32 (default: off)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -166,6 +174,7 @@ def _training_arguments(args: argparse.Namespace, info: DataModelInfo, output_di
         seed=args.seed,
         torch_compile=args.compile,
         diagnose_at_start=args.diagnose,
+        precision_watch=args.watch,
         report_to="none",
     )
 

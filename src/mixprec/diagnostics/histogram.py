@@ -9,6 +9,7 @@ any k, read off the same histogram.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,9 +54,15 @@ class DeviceHistogram:
     Memory: a few int32 temporaries the size of the tensor added, freed when ``add`` returns.
     """
 
-    def __init__(self, device: torch.device, track_overflow: bool = True) -> None:
+    def __init__(self, device: torch.device, track_overflow: bool = True, bin_limit: int | None = None) -> None:
         self.device = device
         self.track_overflow = track_overflow
+        self.bin_limit = bin_limit
+        """None: bin every element (the diagnosis). N: bin an evenly strided subset of at most ~N elements of
+        each tensor (the precision watch, on the training step): every count and fraction is then an estimate
+        from the subset (``total`` counts the values binned), while the largest magnitude is exact over the
+        whole tensor (when it holds no inf/NaN), and an inf/NaN anywhere in it is counted (at least once).
+        Binning costs ~25 ns per element on a CPU; the exact maximum, one vectorised pass, far less."""
         # three spare bins at the end: exact zeros, inf, NaN; one bincount does all the counting
         self.counts = torch.zeros(N_BINS + 3, dtype=torch.int64, device=device)
         self.overflow = torch.zeros(len(_OVERFLOW_FORMATS), dtype=torch.int64, device=device)
@@ -71,6 +78,9 @@ class DeviceHistogram:
         x = t.detach().reshape(-1)
         if x.device != self.device:
             x = x.to(self.device)
+        if self.bin_limit is not None and x.numel() > 2 * self.bin_limit:
+            self._add_subset(x, also)
+            return
         # The binary exponent is read from the fp32 bit pattern: exact, and a handful of cheap int32 passes
         # (torch.frexp is ~10x slower on CPU; a float log2 misbins values next to powers of two).
         key = _as_fp32(x).view(torch.int32) & _ABS_MASK  # |x| as bits; monotone in |x|
@@ -97,11 +107,42 @@ class DeviceHistogram:
             h.max_abs = torch.maximum(h.max_abs, max_abs)
             h.total += x.numel()
 
+    def _add_subset(self, x: torch.Tensor, also: tuple[DeviceHistogram, ...]) -> None:
+        """Bin a strided subset of ``x``; take the largest finite magnitude from the whole tensor in one
+        vectorised pass (the int32 bit arithmetic of the binning is ~25x slower per element). No host sync."""
+        stride = _prime_at_least(x.numel() // self.bin_limit)
+        part = DeviceHistogram(self.device, track_overflow=self.track_overflow)
+        part.add(x[::stride])
+        full_max = torch.linalg.vector_norm(x, float("inf")).double()  # inf or NaN when any value is
+        finite = torch.isfinite(full_max)
+        max_abs = torch.where(finite, full_max, part.max_abs)
+        counts = part.counts
+        # a non-finite value outside the subset still counts: at least one, so no reader misses it
+        counts[_INF_BIN] = torch.maximum(counts[_INF_BIN], (~finite).long() - counts[_NAN_BIN])
+        if self.track_overflow:
+            part.overflow.copy_(torch.maximum(part.overflow, (~finite).long()))
+        for h in (self, *also):
+            h.counts += counts
+            h.overflow += part.overflow
+            h.max_abs = torch.maximum(h.max_abs, max_abs)
+            h.total += part.total
+
     def _packed(self) -> torch.Tensor:
         # float64 holds every count exactly up to 2^53 elements
         counts = self.counts.double()
         nonfinite = counts[_INF_BIN] + counts[_NAN_BIN]
         return torch.cat([counts[: N_BINS + 1], nonfinite.reshape(1), self.max_abs.reshape(1), self.overflow.double()])
+
+
+def _prime_at_least(n: int) -> int:
+    """The smallest prime >= n (>= 1): a prime stride never lines up with a tensor's row length (a power of
+    two, or a multiple of 3), so the strided subset walks across features instead of down one column."""
+    if n <= 2:
+        return max(n, 1)
+    n |= 1
+    while any(n % d == 0 for d in range(3, int(n**0.5) + 1, 2)):
+        n += 2
+    return n
 
 
 def to_host(hists: Sequence[DeviceHistogram]) -> list[LogHistogram]:
@@ -178,6 +219,41 @@ class LogHistogram:
             max(self.max_abs, other.max_abs),
             {k: self.overflow.get(k, 0) + other.overflow.get(k, 0) for k in {*self.overflow, *other.overflow}},
         )
+
+    def quantile_exp(self, q: float) -> int | None:
+        """The binary exponent e of the q-quantile of the nonzero finite magnitudes (the smallest e with more
+        than a fraction q of them in bins <= e), or None when there are none. ``q=0.01`` is the "smallest
+        significant value" the precision watch measures underflow headroom from: the lowest 1% is the tail a
+        format may lose without the layer noticing."""
+        n = self.nonzero
+        if not n:
+            return None
+        seen = 0
+        for i, c in enumerate(self.counts):
+            seen += c
+            if seen > q * n:
+                return E_MIN + i
+        return E_MIN + N_BINS - 1  # unreachable: seen == n > q * n by the last bin
+
+    def overflow_headroom(self, fmt: FloatFormat) -> float | None:
+        """Binades between the largest finite magnitude and ``fmt``'s max: log2(max / max_abs), negative for
+        values held in a wider format that ``fmt`` could not hold. At most 0 when some values are inf or NaN
+        (an fp16 overflow leaves no finite maximum to measure); None when there is no nonzero value at all."""
+        if not self.max_abs > 0:
+            return 0.0 if self.nonfinite else None
+        headroom = math.log2(fmt.max) - math.log2(self.max_abs)
+        return min(headroom, 0.0) if self.nonfinite else headroom
+
+    def underflow_headroom(self, fmt: FloatFormat, q: float = 0.01) -> int | None:
+        """Binades between the smallest significant magnitude (:meth:`quantile_exp` of ``q``) and ``fmt``'s
+        smallest normal; negative when more than a fraction q of the values are already subnormal or lost."""
+        e = self.quantile_exp(q)
+        return None if e is None else e - fmt.min_normal_exp
+
+    def outside_normal_fraction(self, fmt: FloatFormat) -> float:
+        """Fraction of nonzero finite values below ``fmt``'s smallest normal (subnormal or flushed to zero)."""
+        n = self.nonzero
+        return self.count_below(fmt.min_normal_exp) / n if n else 0.0
 
     def exponent_range(self) -> tuple[int, int] | None:
         """(lowest, highest) populated exponent, or None when there are no nonzero finite values."""

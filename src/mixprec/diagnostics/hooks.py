@@ -1,9 +1,12 @@
-"""Forward and gradient hooks that are always removed.
+"""Forward and gradient hooks that are always removed: shared by the diagnosis and the precision watch.
 
 The diagnosis hooks every named module's outputs (forward hooks) and, through plain tensor hooks on those
 outputs, their gradients. Tensor hooks rather than ``register_full_backward_hook``: the full backward hook
 wraps outputs in a custom autograd function, which breaks modules whose outputs are later modified in place
 (``nn.ReLU(inplace=True)``) or are not all tensors, and the diagnosis must run on any model unchanged.
+
+The precision watch (:mod:`mixprec.watch`) installs the same hooks for one sampled training step at a time
+and removes them when the step ends.
 """
 
 from __future__ import annotations
@@ -43,8 +46,10 @@ def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
             yield from iter_tensors(getattr(obj, f.name, None), _depth + 1)
 
 
-OutputFn = Callable[[str, torch.Tensor], None]
-"""Called as fn(qualified_module_name, tensor) for each floating tensor a module outputs."""
+OutputFn = Callable[[str, torch.Tensor], bool | None]
+"""Called as fn(qualified_module_name, tensor) for each floating tensor a module outputs. Returning False
+says "not this tensor's gradient": no gradient hook is put on it (the watch passes over a tensor a child module
+already returned, and over the loss, whose gradient is the backward seed)."""
 GradFn = Callable[[str, torch.Tensor, int], None]
 """Called as fn(qualified_module_name, grad, id_of_the_output_tensor) when backward reaches an output. The id
 (not the tensor: a closure holding it would make a reference cycle through its grad_fn) lets a caller skip
@@ -87,15 +92,28 @@ class HookRegistry:
     def _forward_hook(self, name: str, on_output: OutputFn | None, on_output_grad: GradFn | None) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             for t in iter_tensors(output):
+                follow = None
                 if on_output is not None:
                     with torch.no_grad():
-                        on_output(name, t)
-                if on_output_grad is not None and t.requires_grad:
+                        follow = on_output(name, t)
+                if on_output_grad is not None and t.requires_grad and follow is not False:
                     self.add(t.register_hook(self._grad_hook(name, on_output_grad, id(t))))
 
         return hook
 
-    def hook_param_grads(self, named_params: list[tuple[str, nn.Parameter]], on_grad: OutputFn) -> None:
+    def hook_forward_pre(self, module: nn.Module, fn: Callable[[nn.Module, tuple, dict], None]) -> None:
+        """Call ``fn(module, args, kwargs)`` before every call of ``module`` itself (not of its children), with
+        the arguments it is about to receive. ``fn`` returns nothing: the arguments are passed on unchanged.
+        The precision watch uses it to see each training step begin and to keep the step's batch."""
+
+        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            fn(mod, args, kwargs)
+
+        self.add(module.register_forward_pre_hook(hook, with_kwargs=True))
+
+    def hook_param_grads(
+        self, named_params: list[tuple[str, nn.Parameter]], on_grad: Callable[[str, torch.Tensor], None]
+    ) -> None:
         """Call ``on_grad(module_name, grad)`` when backward computes each parameter's gradient (before it
         is accumulated into ``.grad``): the time order of backward, which the non-finite search needs."""
         for owner, p in named_params:

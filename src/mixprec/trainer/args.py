@@ -32,6 +32,7 @@ from mixprec.trainer.configs import (
     check_positive_int,
     fail,
 )
+from mixprec.watch.settings import WatchConfig
 
 # -- the public, flat, HF-compatible dataclass ---------------------------------------------------------
 
@@ -126,6 +127,11 @@ class TrainingArguments:
     distributed: str | None = None
     """None (DDP under torchrun, else one process), "ddp" or "fsdp"."""
 
+    # -- precision watch ------------------------------------------------------------------------------
+    precision_watch: int | str | dict | None = None
+    """Watch each layer's range during the run (mixprec.watch): N (sample every N steps), "watch", "fallback"
+    or "fallback:N" (also move a layer that overflows fp16 to fp32), a dict of WatchConfig fields; None: off."""
+
     def __post_init__(self) -> None:
         self._merge_eval_alias()
         self._resolve_precision()
@@ -141,6 +147,7 @@ class TrainingArguments:
         check_positive_int("per_device_train_batch_size", self.per_device_train_batch_size)
         check_positive_int("dataloader_num_workers", self.dataloader_num_workers, allow_zero=True)
         check_choice("distributed", self.distributed, DISTRIBUTED)
+        WatchConfig.parse(self.precision_watch, f"TrainingArguments(precision_watch={self.precision_watch!r})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             fail("seed", self.seed, "must be an integer")
         self.validate()

@@ -48,6 +48,7 @@ from mixprec.trainer.optim import build_optimizer, build_scheduler
 from mixprec.trainer.progress import ProgressCallback
 from mixprec.trainer.state import PredictionOutput, TrainerState, TrainOutput
 from mixprec.trainer.summary import finish_run
+from mixprec.trainer.watching import WatchCallback
 
 logger = logging.getLogger("mixprec.trainer")
 
@@ -102,6 +103,7 @@ class Trainer:
             distributed=args.distributed,
             cpu=args.use_cpu,
             scaler_kwargs=args.precision_config.scaler_kwargs(),
+            watch=args.precision_watch,
         )
         self.model = model.to(self.accelerator.device)  # prepared (forward patched) when first used
         self._model_prepared = False
@@ -138,6 +140,10 @@ class Trainer:
             if not args.disable_tqdm:
                 self._progress = ProgressCallback()
                 self.callback_handler.add_callback(self._progress)
+        if self.accelerator.watch is not None:
+            self.callback_handler.add_callback(
+                WatchCallback(self.accelerator.watch, self.log, self.record_event, self.accelerator.is_main_process)
+            )
         for cb in callbacks or []:
             self.callback_handler.add_callback(cb)
         self.callback_handler.model = self.model
