@@ -73,7 +73,16 @@ def dataset(n: int = 256, d: int = 16, seed: int = 0) -> list[dict[str, torch.Te
 
 
 def train(
-    out: Path, precision: str, watch=None, *, record=False, steps=STEPS, resume=None, save_steps=None, accumulate=1
+    out: Path,
+    precision: str,
+    watch=None,
+    *,
+    record=False,
+    steps=STEPS,
+    resume=None,
+    save_steps=None,
+    accumulate=1,
+    max_skips=None,
 ):
     torch.manual_seed(0)
     model = Planted()
@@ -90,7 +99,7 @@ def train(
         save_steps=save_steps or 500,
         disable_tqdm=True,
         init_loss_scale=2.0**10,  # below the gradients' limit: the only skips are the planted overflow's
-        max_consecutive_skips=None,
+        max_consecutive_skips=max_skips,
         precision_watch=watch,
     )
     callbacks = [GrowEachStep(model)]
@@ -181,3 +190,11 @@ def test_with_gradient_accumulation_every_micro_batch_is_watched_and_replayed(tm
     assert [w.layer for w in watch.warnings] == ["grow"]
     assert [(a.module, a.phase) for a in watch.skips] == [("grow", "forward")] * output.metrics["skipped_steps"]
     assert [f["module"] for f in watch.fallbacks] == ["grow"] and output.metrics["skipped_steps"] <= 2
+
+
+@pytest.mark.slow
+def test_the_consecutive_skip_error_names_the_layer_the_watch_traced(tmp_path):
+    from mixprec import ConsecutiveSkipsError
+
+    with pytest.raises(ConsecutiveSkipsError, match=r"precision watch traced the skipped steps to: grow \(4 skips\)"):
+        train(tmp_path / "stop", "fp16", "watch:2", max_skips=5)

@@ -227,6 +227,10 @@ class TrainingLoop:
             f"{t.accelerator.mixed_precision}): {err} Nothing was saved from this state; the last complete "
             f"checkpoint is {last if last else 'none'}."
         )
+        watch = getattr(t.accelerator, "watch", None)
+        if watch is not None and watch.skip_counts:  # the precision watch traced earlier skips to modules
+            traced = ", ".join(f"{name} ({n} skips)" for name, n in watch.skip_counts.most_common(3))
+            message += f" The precision watch traced the skipped steps to: {traced}."
         t.record_event("stopped", t.state.global_step + 1, reason=message)
         t.close_progress()
         return ConsecutiveSkipsError(message)
