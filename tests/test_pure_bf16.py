@@ -137,3 +137,19 @@ def test_a_checkpoint_resumes_pure_bf16_exactly(tmp_path):
     resumed = run(3, True, 6)
     for a, b in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_on_fp32_weights_the_update_is_torchs_adamw_or_adam(decoupled, monkeypatch):
+    monkeypatch.setattr("mixprec.optim.bf16_adamw._CHUNK", 4096)  # several chunks, the last one partial
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(3, 5000))
+    b = torch.nn.Parameter(a.detach().clone())
+    ours = Bf16AdamW([a], lr=1e-2, weight_decay=0.1, decoupled=decoupled)
+    theirs = (torch.optim.AdamW if decoupled else torch.optim.Adam)([b], lr=1e-2, weight_decay=0.1)
+    for _ in range(5):
+        g = torch.randn_like(a)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

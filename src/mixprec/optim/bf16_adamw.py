@@ -39,12 +39,19 @@ def stochastic_round_(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(rounded)  # exact: the low 16 bits are zero
 
 
+_CHUNK = 1 << 22  # elements updated at once: the fp32 scratch is 4 x 16 MiB whatever the model's size
+
+
 class Bf16AdamW(torch.optim.Optimizer):
     """Adam / AdamW over bf16 (or any low-precision) parameters with fp32 arithmetic and a rounding rule.
 
     Args as ``torch.optim.AdamW`` (``decoupled=False`` gives ``torch.optim.Adam``'s L2 weight decay), plus
     ``rounding`` ("stochastic", "kahan" or "nearest"). Parameters may also be fp32, in which case the rule
     is irrelevant and the update is AdamW's.
+
+    Cost: the update runs chunk by chunk (at most 4M elements) through fp32 scratch buffers kept between
+    steps, so no step allocates (fresh multi-megabyte buffers cost page faults on every step), and the
+    temporaries stay at 64 MiB however large the model.
     """
 
     def __init__(
@@ -65,6 +72,7 @@ class Bf16AdamW(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "decoupled": decoupled,
                     "rounding": rounding}  # fmt: skip
         super().__init__(params, defaults)
+        self._scratch: dict[torch.device, _Scratch] = {}
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -74,50 +82,102 @@ class Bf16AdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     if group["rounding"] == "kahan" and p.dtype != torch.float32:
-                        state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        state["compensation"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 state["step"] += 1
                 step = float(state["step"])
-                _adamw_update(p, state, group, lr, beta1, beta2, eps, wd, step)
+                bias1, bias2 = 1 - beta1**step, 1 - beta2**step
+                # lr * m_hat / (sqrt(v_hat) + eps) with the bias corrections folded into two scalars
+                hyper = _Hyper(
+                    lr=group["lr"], beta1=beta1, beta2=beta2, wd=group["weight_decay"],
+                    decoupled=group["decoupled"], rounding=group["rounding"],
+                    step_size=group["lr"] * math.sqrt(bias2) / bias1, eps=group["eps"] * math.sqrt(bias2),
+                )  # fmt: skip
+                scratch = self._scratch.setdefault(p.device, _Scratch(p.device))
+                _update(p, state, hyper, scratch)
         return loss
 
 
-def _adamw_update(
-    p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], lr: float, beta1: float, beta2: float,
-    eps: float, wd: float, step: float,
-) -> None:  # fmt: skip
-    grad = p.grad.float()
-    w = p.float()
-    if wd and not group["decoupled"]:
-        grad = grad.add(w, alpha=wd)  # Adam's L2 decay enters the moments
-    m = state["exp_avg"].float().lerp_(grad, 1 - beta1)
-    v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    state["exp_avg"].copy_(m)
-    state["exp_avg_sq"].copy_(v)
-    bias1 = 1 - beta1**step
-    bias2 = 1 - beta2**step
-    denom = v.sqrt_().div_(math.sqrt(bias2)).add_(eps)
-    update = m.div_(denom).mul_(-lr / bias1)  # m is a temporary now
-    if wd and group["decoupled"]:
-        update.add_(w, alpha=-lr * wd)
-    if p.dtype == torch.float32:
-        p.add_(update)
-    elif group["rounding"] == "stochastic":
-        stochastic_round_(p, w.add_(update))
-    elif group["rounding"] == "kahan":
-        comp = state["compensation"]
-        y = update.sub_(comp.float())  # the update plus what earlier roundings lost
-        new = (w + y).to(p.dtype)  # round to nearest
-        comp.copy_(new.float().sub_(w).sub_(y))  # what this rounding lost (negated), kept for next step
-        p.copy_(new)
-    else:
-        p.copy_(w.add_(update))
+class _Hyper:
+    __slots__ = ("lr", "beta1", "beta2", "wd", "decoupled", "rounding", "step_size", "eps")
+
+    def __init__(self, **values: Any) -> None:
+        for k, v in values.items():
+            setattr(self, k, v)
+
+
+class _Scratch:
+    """fp32 work buffers (and int32 noise) of ``_CHUNK`` elements, made on first use, kept between steps."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffers: list[torch.Tensor] = []
+        self.noise: torch.Tensor | None = None
+
+    def take(self, n: int) -> tuple[torch.Tensor, ...]:
+        if not self.buffers:
+            self.buffers = [torch.empty(_CHUNK, dtype=torch.float32, device=self.device) for _ in range(4)]
+        return tuple(b[:n] for b in self.buffers)
+
+    def random_bits(self, n: int) -> torch.Tensor:
+        if self.noise is None:
+            self.noise = torch.empty(_CHUNK, dtype=torch.int32, device=self.device)
+        out = self.noise[:n]
+        # torch's generator of the device: checkpointed RNG states make a resumed run round alike
+        return out.random_(0, 1 << 16)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1)
+
+
+def _update(p: torch.Tensor, state: dict[str, Any], h: _Hyper, scratch: _Scratch) -> None:
+    contiguous = p.is_contiguous()
+    weights = _flat(p if contiguous else p.contiguous())
+    grads = _flat(p.grad if p.grad.is_contiguous() else p.grad.contiguous())
+    m_all, v_all = _flat(state["exp_avg"]), _flat(state["exp_avg_sq"])
+    comp_all = _flat(state["compensation"]) if "compensation" in state else None
+    for start in range(0, weights.numel(), _CHUNK):
+        end = min(start + _CHUNK, weights.numel())
+        w, g, m, v = scratch.take(end - start)
+        w.copy_(weights[start:end])
+        g.copy_(grads[start:end])
+        if h.wd and not h.decoupled:
+            g.add_(w, alpha=h.wd)  # Adam's L2 decay enters the moments
+        m.copy_(m_all[start:end]).lerp_(g, 1 - h.beta1)
+        m_all[start:end].copy_(m)
+        v.copy_(v_all[start:end]).mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
+        v_all[start:end].copy_(v)
+        denom = torch.sqrt(v, out=g).add_(h.eps)  # g is free now
+        if h.wd and h.decoupled:
+            w.mul_(1 - h.lr * h.wd)
+        target = weights[start:end]
+        if p.dtype == torch.float32:
+            target.copy_(w.addcdiv_(m, denom, value=-h.step_size))
+        elif h.rounding == "stochastic":
+            w.addcdiv_(m, denom, value=-h.step_size)
+            bits = w.view(torch.int32)
+            # integer addition on the bit pattern rounds the magnitude up, for negative numbers too; a carry
+            # out of the mantissa bumps the exponent, which is the correctly rounded value
+            bits.add_(scratch.random_bits(end - start)).bitwise_and_(_HIGH_MASK)
+            target.copy_(w)  # exact: the low 16 bits are zero
+        elif h.rounding == "kahan":
+            comp = comp_all[start:end]
+            update = m.div_(denom).mul_(-h.step_size)  # m is a temporary now
+            update.sub_(comp.float())  # the update plus what earlier roundings lost (y)
+            new = v.copy_(w).add_(update)  # w + y, in fp32
+            rounded = new.to(p.dtype)  # rounded to nearest
+            comp.copy_(new.copy_(rounded).sub_(w).sub_(update))  # (t - w) - y: this rounding's error, negated
+            target.copy_(rounded)
+        else:
+            target.copy_(w.addcdiv_(m, denom, value=-h.step_size))
+    if not contiguous:
+        p.copy_(weights.view_as(p))
