@@ -123,13 +123,13 @@ class _Scratch:
         self.noise: torch.Tensor | None = None
 
     def take(self, n: int) -> tuple[torch.Tensor, ...]:
-        if not self.buffers:
-            self.buffers = [torch.empty(_CHUNK, dtype=torch.float32, device=self.device) for _ in range(4)]
+        if not self.buffers or self.buffers[0].numel() < n:  # as large as the largest chunk seen, no larger
+            self.buffers = [torch.empty(n, dtype=torch.float32, device=self.device) for _ in range(4)]
         return tuple(b[:n] for b in self.buffers)
 
     def random_bits(self, n: int) -> torch.Tensor:
-        if self.noise is None:
-            self.noise = torch.empty(_CHUNK, dtype=torch.int32, device=self.device)
+        if self.noise is None or self.noise.numel() < n:
+            self.noise = torch.empty(n, dtype=torch.int32, device=self.device)
         out = self.noise[:n]
         # torch's generator of the device: checkpointed RNG states make a resumed run round alike
         return out.random_(0, 1 << 16)
