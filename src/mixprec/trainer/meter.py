@@ -16,10 +16,16 @@ import torch
 class StepMeter:
     """Loss since the last log, throughput since the last look, and totals for the summary."""
 
-    def __init__(self, learning_rate: Callable[[], float], loss_scale: Callable[[], float]) -> None:
+    def __init__(
+        self, learning_rate: Callable[[], float], loss_scale: Callable[[], float], nan_inf_filter: bool = True
+    ) -> None:
         self._learning_rate = learning_rate
         self._loss_scale = loss_scale
+        # HF's logging_nan_inf_filter: the non-finite loss of a skipped step is left out of the logged means
+        # (counted on the device, so still no sync), instead of turning every later mean into nan
+        self.nan_inf_filter = nan_inf_filter
         self._window_sum: torch.Tensor | None = None
+        self._window_finite: torch.Tensor | None = None
         self._window_count = 0
         self.total_loss = 0.0  # host sum of the windows already read
         self.total_count = 0
@@ -35,25 +41,42 @@ class StepMeter:
     def add(self, loss: torch.Tensor, samples: int, tokens: int) -> None:
         """Record one micro-batch. No host sync."""
         value = loss.detach().float()
+        if self.nan_inf_filter:
+            finite = torch.isfinite(value)
+            value = torch.where(finite, value, torch.zeros_like(value))
+            self._window_finite = finite.float() if self._window_finite is None else self._window_finite + finite
         self._window_sum = value if self._window_sum is None else self._window_sum + value
         self._window_count += 1
         self.samples += samples
         self.tokens += tokens
 
-    def window_mean(self) -> float | None:
-        """Mean loss since the last :meth:`take_window` (one host sync), or None if nothing was added."""
+    def _window(self) -> tuple[float, int] | None:
+        """(sum, count) of the window's losses, the non-finite ones left out under the filter. One sync."""
         if self._window_sum is None:
             return None
-        return float(self._window_sum.item()) / self._window_count
+        if self._window_finite is None:
+            return float(self._window_sum.item()), self._window_count
+        total, finite = torch.stack([self._window_sum, self._window_finite.float()]).tolist()
+        return total, int(finite)
+
+    def window_mean(self) -> float | None:
+        """Mean loss since the last :meth:`take_window` (one host sync), or None if nothing was added."""
+        window = self._window()
+        if window is None:
+            return None
+        total, count = window
+        return total / count if count else float("nan")
 
     def take_window(self) -> float | None:
         """The window's mean loss (one host sync), folded into the totals; the window starts again."""
-        mean = self.window_mean()
-        if mean is not None:
-            self.total_loss += mean * self._window_count
-            self.total_count += self._window_count
-        self._window_sum, self._window_count = None, 0
-        return mean
+        window = self._window()
+        self._window_sum, self._window_finite, self._window_count = None, None, 0
+        if window is None:
+            return None
+        total, count = window
+        self.total_loss += total
+        self.total_count += count
+        return total / count if count else float("nan")
 
     def mean_loss(self) -> float:
         """Mean loss over every micro-batch of the run (reads what is left in the window)."""
@@ -65,6 +88,7 @@ class StepMeter:
         losses as an uninterrupted one."""
         return {
             "window_sum": float(self._window_sum.item()) if self._window_sum is not None else None,
+            "window_finite": float(self._window_finite.item()) if self._window_finite is not None else None,
             "window_count": self._window_count,
             "total_loss": self.total_loss,
             "total_count": self.total_count,
@@ -74,6 +98,8 @@ class StepMeter:
         if state.get("window_sum") is not None:
             # fp32 sums survive the trip through a Python float exactly
             self._window_sum = torch.tensor(state["window_sum"], dtype=torch.float32, device=device)
+        if state.get("window_finite") is not None:
+            self._window_finite = torch.tensor(state["window_finite"], dtype=torch.float32, device=device)
         self._window_count = int(state.get("window_count", 0))
         self.total_loss = float(state.get("total_loss", 0.0))
         self.total_count = int(state.get("total_count", 0))
