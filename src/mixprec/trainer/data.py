@@ -142,6 +142,16 @@ def make_loader(
     )
 
 
+def call_model(model: torch.nn.Module, batch: Any) -> Any:
+    """How a batch reaches the model, in training and evaluation alike: ``model(**batch)`` for dict batches
+    (the HF convention), ``model(*batch)`` for tuples (a ``TensorDataset``), ``model(batch)`` otherwise."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
 def count_tokens(batch: Any) -> int:
     """Tokens in a batch (``input_ids.numel()``: host metadata, no device sync); 0 when there are none."""
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None

@@ -1,7 +1,11 @@
 """The evaluation loop behind ``Trainer.evaluate()`` and ``Trainer.predict()``.
 
 The model runs in eval mode without gradients, through the prepared model (so under the run's precision,
-with fp32 outputs). Losses are summed on the device and read once at the end; predictions and labels are
+with fp32 outputs), and through the same ``compute_loss`` as training (HF's ``prediction_step`` rule): a
+batch reaches the model as it does in training (``model(**batch)``, ``model(*batch)`` for tuples), and a
+``compute_loss`` override decides the evaluation loss too.
+
+Losses are summed on the device and read once at the end; predictions and labels are
 moved to the host only when ``compute_metrics`` (or ``predict``) needs them. Under several processes every
 process evaluates its shard of the prepared loader (each example in exactly one shard) and the results are
 gathered with ``Accelerator.gather``, which accepts shards of different sizes.
@@ -18,7 +22,7 @@ import numpy as np
 import torch
 
 from mixprec.models.outputs import extract_loss  # one loss rule, shared with the diagnosis
-from mixprec.trainer.data import count_samples
+from mixprec.trainer.data import call_model, count_samples
 from mixprec.trainer.state import EvalPrediction
 
 
@@ -81,11 +85,46 @@ def _to_host(x: Any) -> Any:
     return x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
 
 
+ComputeLoss = Callable[..., Any]  # compute_loss(model, batch, return_outputs=True) -> (loss, outputs)
+
+
+def eval_step(
+    compute_loss: ComputeLoss, model: torch.nn.Module, batch: Any, label_names: Sequence[str], need_loss: bool
+) -> tuple[torch.Tensor | None, Any]:
+    """One evaluation batch: ``(loss or None, logits or None)``.
+
+    A batch with labels (and any tuple batch, whose labels cannot be told apart) goes through
+    ``compute_loss(model, batch, return_outputs=True)``, the function training uses. A dict batch without
+    labels, when no loss is needed (``predict`` on unlabelled data), is only called: there is no loss to take.
+    """
+    labelled = not isinstance(batch, Mapping) or any(k in batch for k in label_names)
+    if not labelled and not need_loss:
+        outputs = call_model(model, batch)
+        return _optional_loss(outputs, required=False), logits_of(outputs)
+    try:
+        result = compute_loss(model, batch, return_outputs=True)
+    except ValueError:
+        if need_loss:
+            raise
+        # predict() with a model that returns no loss even given labels: its outputs are what is wanted
+        # (a second forward, on this rare path only).
+        outputs = call_model(model, batch)
+        return None, logits_of(outputs)
+    if isinstance(result, tuple) and len(result) == 2:
+        loss, outputs = result
+    else:  # an override that ignores return_outputs and returns the loss alone
+        loss, outputs = result, None
+    if isinstance(outputs, torch.Tensor):  # an override's model output: a bare tensor is its logits
+        return loss, outputs if outputs is not loss else None
+    return loss, logits_of(outputs)
+
+
 def evaluation_loop(
     model: torch.nn.Module,
     loader: Any,
     accelerator: Any,
     *,
+    compute_loss: ComputeLoss,
     dataset_size: int,
     label_names: Sequence[str],
     want_predictions: bool,
@@ -109,14 +148,13 @@ def evaluation_loop(
         with torch.no_grad():
             for batch in loader:
                 n = count_samples(batch)
-                outputs = model(**batch) if isinstance(batch, Mapping) else model(batch)
-                loss = _optional_loss(outputs, required=not want_predictions)
+                loss, logits = eval_step(compute_loss, model, batch, label_names, need_loss=not want_predictions)
                 if loss is not None:
                     weighted = loss.detach().float() * n  # batch means weighted by size: a mean over examples
                     loss_sum = weighted if loss_sum is None else loss_sum + weighted
                 counted += n
                 if want_predictions:
-                    logits, label = logits_of(outputs), _labels_of(batch, label_names)
+                    label = _labels_of(batch, label_names)
                     if preprocess_logits_for_metrics is not None and logits is not None:
                         logits = preprocess_logits_for_metrics(logits, label)
                     if world > 1:

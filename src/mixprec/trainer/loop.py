@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,15 +53,6 @@ class Plan:
             max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
             num_epochs = math.ceil(args.num_train_epochs)
         return cls(batches_per_epoch, steps_per_epoch, max_steps, num_epochs)
-
-
-def call_model(model: torch.nn.Module, batch: Any) -> Any:
-    """``model(**batch)`` for dict batches (the HF convention), ``model(*batch)`` for tuples."""
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
 
 
 class TrainingLoop:

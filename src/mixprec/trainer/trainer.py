@@ -34,6 +34,7 @@ from mixprec.trainer.callbacks import CallbackHandler, DefaultFlowCallback, Trai
 from mixprec.trainer.data import (
     ColumnFilter,
     DataPosition,
+    call_model,
     check_dataset,
     default_collator,
     forward_arg_names,
@@ -42,7 +43,7 @@ from mixprec.trainer.data import (
 from mixprec.trainer.diagnosis import diagnose_at_start
 from mixprec.trainer.evaluation import EvalResult, evaluation_loop
 from mixprec.trainer.logging import JsonlLogger, TensorBoardLogger, tensorboard_available
-from mixprec.trainer.loop import Plan, TrainingLoop, call_model
+from mixprec.trainer.loop import Plan, TrainingLoop
 from mixprec.trainer.meter import StepMeter
 from mixprec.trainer.optim import build_optimizer, build_scheduler
 from mixprec.trainer.progress import ProgressCallback
@@ -347,6 +348,7 @@ class Trainer:
             self._prepared_model(),
             loader,
             self.accelerator,
+            compute_loss=self.compute_loss,  # the function training uses, an override included
             dataset_size=len(dataset if dataset is not None else self.eval_dataset),
             label_names=self._label_names,
             want_predictions=want_predictions,
