@@ -276,8 +276,7 @@ class Trainer:
         self.state.max_steps = plan.max_steps
         self.state.num_train_epochs = plan.num_epochs
         self.state.train_batch_size = args.per_device_train_batch_size
-        self.state.logging_steps, self.state.eval_steps = args.logging_steps, args.eval_steps
-        self.state.save_steps = args.save_steps
+        self.state.logging_steps, self.state.eval_steps, self.state.save_steps = args.steps_for(plan.max_steps)
         model.train()
         loop = TrainingLoop(self, loader, plan, start)
         steps_before = self.state.global_step
@@ -300,7 +299,9 @@ class Trainer:
         if control.should_evaluate:
             control.should_evaluate = False
             metrics = self.evaluate()
-            self._track_best(metrics)
+            new_best = self._track_best(metrics)
+            if self.args.save_strategy == "best":  # HF: save exactly when an evaluation finds a new best
+                control.should_save = new_best
         if control.should_save:
             control.should_save = False
             ckpt.save_trainer_checkpoint(self, position)
@@ -325,10 +326,11 @@ class Trainer:
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.event("on_log", logs=logs)
 
-    def _track_best(self, metrics: dict[str, float]) -> None:
+    def _track_best(self, metrics: dict[str, float]) -> bool:
+        """Record a new best metric; returns whether ``metrics`` is one."""
         ev = self.args.evaluation
         if not (ev.load_best_model_at_end or ev.metric_for_best_model):
-            return
+            return False
         key = ev.metric_key()
         if key not in metrics:
             raise KeyError(
@@ -338,6 +340,8 @@ class Trainer:
         if ev.is_better(metrics[key], self.state.best_metric):
             self.state.best_metric = float(metrics[key])
             self.state.best_global_step = self.state.global_step
+            return True
+        return False
 
     # -- evaluation and prediction -------------------------------------------------------------------
 
