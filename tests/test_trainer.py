@@ -153,8 +153,8 @@ def test_bad_input_is_refused_with_a_message(tmp_path):
         Trainer(make_model(), quiet_args(tmp_path), train_dataset=make_examples(8), eval_dataset=[])
     with pytest.raises(ValueError, match=r"eval_strategy='epoch'\) needs an eval_dataset"):
         Trainer(make_model(), quiet_args(tmp_path, eval_strategy="epoch"), train_dataset=make_examples(8))
-    with pytest.raises(ValueError, match="map-style"):
-        Trainer(make_model(), quiet_args(tmp_path), train_dataset=Stream())
+    with pytest.raises(ValueError, match=r"max_steps=-1\): train_dataset is a stream"):
+        Trainer(make_model(), quiet_args(tmp_path), train_dataset=Stream()).train()  # HF: streams need max_steps
     with pytest.raises(ValueError, match="model=None"):
         Trainer(None, quiet_args(tmp_path))
     with pytest.raises(ValueError, match="needs a train_dataset"):

@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "TrainingArguments": "mixprec.trainer.args",
     "TrainerCallback": "mixprec.trainer.callbacks",
     "TrainerControl": "mixprec.trainer.callbacks",
+    "EarlyStoppingCallback": "mixprec.trainer.callbacks",
     "TrainerState": "mixprec.trainer.state",
     "EvalPrediction": "mixprec.trainer.state",
     # tools
@@ -64,6 +65,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.scaling.record import ScaleRecord
     from mixprec.scaling.scaler import ConsecutiveSkipsError, GradScaler, LossScaler
     from mixprec.trainer.args import TrainingArguments
-    from mixprec.trainer.callbacks import TrainerCallback, TrainerControl
+    from mixprec.trainer.callbacks import EarlyStoppingCallback, TrainerCallback, TrainerControl
     from mixprec.trainer.state import EvalPrediction, TrainerState
     from mixprec.trainer.trainer import Trainer

@@ -70,6 +70,31 @@ def is_prepared(module: torch.nn.Module) -> bool:
     return "_mixprec" in module.__dict__
 
 
+def prepared_precision(module: torch.nn.Module) -> Precision | None:
+    """The precision a prepared module runs under (None when not prepared): each Accelerator has its own, so
+    this tells which Accelerator prepared it."""
+    prepared = module.__dict__.get("_mixprec")
+    return None if prepared is None else prepared.precision
+
+
+def release(module: torch.nn.Module) -> None:
+    """Undo :func:`patch_forward`: ``module`` runs its own forward again and another Accelerator may prepare it
+    (a model trained by one Trainer, then by another). Refused for a module wrapped for DDP: its gradient
+    hooks (or shards) belong to the first wrapper."""
+    prepared = module.__dict__.get("_mixprec")
+    if prepared is None:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    if prepared.ddp is not None or isinstance(module, FSDPModule):
+        raise ValueError(
+            f"{type(module).__name__} is prepared for DDP/FSDP by another Accelerator; in a "
+            "distributed run build each model once per Accelerator (e.g. Trainer(model_init=...))"
+        )
+    for key in ("forward", "_mixprec_forward", "_mixprec"):
+        module.__dict__.pop(key, None)
+
+
 def original_forward(module: torch.nn.Module) -> Any:
     """The forward ``module`` had before ``prepare`` (no autocast)."""
     return module.__dict__.get("_mixprec_forward", module.forward)

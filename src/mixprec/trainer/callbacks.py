@@ -11,12 +11,15 @@ callback can override any of its decisions.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mixprec.trainer.args import TrainingArguments
     from mixprec.trainer.state import TrainerState
+
+logger = logging.getLogger("mixprec.trainer")
 
 EVENTS = (
     "on_init_end",
@@ -176,7 +179,7 @@ class DefaultFlowCallback(TrainerCallback):
             control.should_log = True
         if args.logging_strategy == "steps" and step % state.logging_steps == 0:
             control.should_log = True
-        if args.eval_strategy == "steps" and step % state.eval_steps == 0:
+        if args.eval_strategy == "steps" and step % state.eval_steps == 0 and args.eval_delay <= step:
             control.should_evaluate = True
         if args.save_strategy == "steps" and step % state.save_steps == 0:
             control.should_save = True
@@ -192,8 +195,71 @@ class DefaultFlowCallback(TrainerCallback):
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         if args.logging_strategy == "epoch":
             control.should_log = True
-        if args.eval_strategy == "epoch":
+        if args.eval_strategy == "epoch" and args.eval_delay <= (state.epoch or 0.0):
             control.should_evaluate = True
         if args.save_strategy == "epoch":
             control.should_save = True
         return control
+
+
+class EarlyStoppingCallback(TrainerCallback):
+    """Stop training when ``metric_for_best_model`` has not improved for ``early_stopping_patience``
+    evaluations in a row (HF's semantics: an improvement must beat the best so far by more than
+    ``early_stopping_threshold``; the best is the Trainer's ``state.best_metric``, updated after this check).
+
+    Needs an evaluation strategy and a metric; with ``load_best_model_at_end=True`` (which fills the metric
+    in as "loss") the best model is restored when it stops.
+    """
+
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float | None = 0.0) -> None:
+        self.early_stopping_patience = early_stopping_patience
+        self.early_stopping_threshold = early_stopping_threshold or 0.0
+        self.early_stopping_patience_counter = 0
+        """Evaluations in a row that did not improve on the best metric."""
+
+    def check_metric_value(self, args: Any, state: Any, control: TrainerControl, metric_value: float) -> None:
+        best = state.best_metric
+        if best is None:
+            self.early_stopping_patience_counter = 0
+            return
+        better = metric_value > best if args.greater_is_better else metric_value < best
+        if better and abs(metric_value - best) > self.early_stopping_threshold:
+            self.early_stopping_patience_counter = 0
+        else:
+            self.early_stopping_patience_counter += 1
+
+    def on_train_begin(self, args: Any, state: Any, control: TrainerControl, **kwargs: Any) -> None:
+        if args.metric_for_best_model is None:
+            raise ValueError(
+                "EarlyStoppingCallback needs TrainingArguments(metric_for_best_model=...) (or "
+                "load_best_model_at_end=True, which sets it to 'loss')"
+            )
+        if args.eval_strategy == "no":
+            raise ValueError("EarlyStoppingCallback needs TrainingArguments(eval_strategy='steps' or 'epoch')")
+        if not args.load_best_model_at_end:
+            logger.warning(
+                "EarlyStoppingCallback without load_best_model_at_end=True: the best model will not be "
+                "loaded when training stops"
+            )
+
+    def on_evaluate(self, args: Any, state: Any, control: TrainerControl, metrics: Any = None, **kwargs: Any):
+        key = args.metric_for_best_model
+        key = key if key.startswith("eval_") else f"eval_{key}"
+        value = (metrics or {}).get(key)
+        if value is None:
+            logger.warning("EarlyStoppingCallback: the evaluation returned no %r; early stopping is off", key)
+            return None
+        self.check_metric_value(args, state, control, value)
+        if self.early_stopping_patience_counter >= self.early_stopping_patience:
+            control.should_training_stop = True
+        return None
+
+    def state(self) -> dict[str, Any]:
+        """HF's ExportableState form: the arguments and the counter."""
+        return {
+            "args": {
+                "early_stopping_patience": self.early_stopping_patience,
+                "early_stopping_threshold": self.early_stopping_threshold,
+            },
+            "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter},
+        }

@@ -15,7 +15,7 @@ STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = (*STRATEGIES, "best")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
-REPORTERS = ("tensorboard",)  # JSONL is always written; these are the extras
+REPORTERS = ("tensorboard", "mlflow", "wandb")  # JSONL is always written; these are the extras
 DISTRIBUTED = (None, "ddp", "fsdp")
 
 

@@ -125,7 +125,7 @@ def evaluation_loop(
     accelerator: Any,
     *,
     compute_loss: ComputeLoss,
-    dataset_size: int,
+    dataset_size: int | None,
     label_names: Sequence[str],
     want_predictions: bool,
     compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None,
@@ -181,7 +181,8 @@ def evaluation_loop(
             metrics[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = _plain(value)
     runtime = time.perf_counter() - start
     metrics[f"{prefix}_runtime"] = round(runtime, 4)
-    metrics[f"{prefix}_samples_per_second"] = round(dataset_size / max(runtime, 1e-9), 3)
+    samples = dataset_size if dataset_size is not None else counted  # a stream: what this process read
+    metrics[f"{prefix}_samples_per_second"] = round(samples / max(runtime, 1e-9), 3)
     return EvalResult(metrics, predictions, label_ids)
 
 
