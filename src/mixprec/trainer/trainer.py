@@ -329,7 +329,8 @@ class Trainer:
         the process with status 143 (128 + SIGTERM), so schedulers see a job that did not finish."""
         args = self.args
         args.validate()
-        if self._trained:  # a later train(): a fresh state and control, as HF; the model continues as it is
+        again = self._trained
+        if again:  # a later train(): a fresh state and control, as HF; the model continues as it is
             self.state = TrainerState(
                 is_local_process_zero=self.accelerator.is_local_main_process,
                 is_world_process_zero=self.accelerator.is_main_process,
@@ -339,6 +340,8 @@ class Trainer:
             self._new_model_from_init()
         acc = self.accelerator
         loader = self.get_train_dataloader()
+        if again and hasattr(loader, "set_epoch"):
+            loader.set_epoch(0)  # the data from its start, as HF, and in step with the fresh state's position
         if acc.is_main_process:
             ckpt.recover_checkpoints(args.output_dir)
         acc.wait_for_everyone()
