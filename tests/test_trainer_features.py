@@ -268,3 +268,27 @@ def test_checkpoint_folders_hold_config_json_for_from_pretrained(tmp_path):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
     for name, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name
+
+
+@pytest.mark.distributed
+def test_a_stream_under_torchrun_gives_each_process_its_own_examples(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env["OMP_NUM_THREADS"] = "1"
+    script = Path(__file__).with_name("trainer_stream_torchrun_script.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+           str(script), str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    seen = [r["seen"] for r in ranks]
+    assert seen[0] == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27, 32, 33, 34, 35]
+    assert seen[1] == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31, 36, 37, 38, 39]
+    assert ranks[0]["params"] == ranks[1]["params"]  # DDP kept them in step

@@ -4,9 +4,13 @@ transformers) and with the one import line switched to mixprec."""
 
 import datasets
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
-
-from transformers import EarlyStoppingCallback, Trainer, TrainingArguments  # the line a user changes
+from transformers import (  # the line a user changes
+    EarlyStoppingCallback,
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainingArguments,
+)
 
 VOCAB, SEQ = 64, 16
 
