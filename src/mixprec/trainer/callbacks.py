@@ -40,8 +40,29 @@ EVENTS = (
 )
 
 
+class ExportableState:
+    """A callback whose state is saved in checkpoints (``trainer_state.json``, "stateful_callbacks") and, with
+    ``TrainingArguments(restore_callback_states_from_checkpoint=True)``, restored on resume (HF's contract).
+    ``state()`` returns ``{"args": <constructor kwargs>, "attributes": <attributes set afterwards>}``."""
+
+    def state(self) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} must implement state() to be saved with checkpoints")
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Any:
+        instance = cls(**state.get("args", {}))
+        for key, value in state.get("attributes", {}).items():
+            setattr(instance, key, value)
+        return instance
+
+
+def _is_stateful(obj: Any) -> bool:
+    # HF's own ExportableState subclasses count too (a callback written for transformers, unchanged)
+    return isinstance(obj, ExportableState) or (callable(getattr(obj, "state", None)) and hasattr(obj, "from_state"))
+
+
 @dataclass
-class TrainerControl:
+class TrainerControl(ExportableState):
     """Switches a callback flips to steer the loop. The step switches reset at every step, the epoch switch
     at every epoch; ``should_training_stop`` stays set."""
 
@@ -61,6 +82,10 @@ class TrainerControl:
         self.should_save = False
         self.should_evaluate = False
         self.should_log = False
+
+    def state(self) -> dict[str, Any]:
+        switches = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
+        return {"args": {name: getattr(self, name) for name in switches}, "attributes": {}}
 
 
 class TrainerCallback:
@@ -202,7 +227,7 @@ class DefaultFlowCallback(TrainerCallback):
         return control
 
 
-class EarlyStoppingCallback(TrainerCallback):
+class EarlyStoppingCallback(TrainerCallback, ExportableState):
     """Stop training when ``metric_for_best_model`` has not improved for ``early_stopping_patience``
     evaluations in a row (HF's semantics: an improvement must beat the best so far by more than
     ``early_stopping_threshold``; the best is the Trainer's ``state.best_metric``, updated after this check).
@@ -263,3 +288,35 @@ class EarlyStoppingCallback(TrainerCallback):
             },
             "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter},
         }
+
+
+def export_callback_states(callbacks: list[Any], control: TrainerControl) -> dict[str, Any]:
+    """HF's ``stateful_callbacks``: class name -> ``state()`` (a list of them for several of one class)."""
+    states: dict[str, Any] = {}
+    for cb in [*callbacks, control]:
+        if not _is_stateful(cb):
+            continue
+        name, value = type(cb).__name__, cb.state()
+        if name in states:
+            states[name] = (states[name] if isinstance(states[name], list) else [states[name]]) + [value]
+        else:
+            states[name] = value
+    return states
+
+
+def restore_callback_states(
+    handler: CallbackHandler, control: TrainerControl, stored: dict[str, Any]
+) -> TrainerControl:
+    """Rebuild each stateful callback (and the control) from a checkpoint's ``stateful_callbacks``, matched by
+    class name and, for several of one class, by order (HF's rule); returns the control to use."""
+    for name, data in (stored or {}).items():
+        states = data if isinstance(data, list) else [data]
+        if name == type(control).__name__:
+            control = type(control).from_state(states[0])
+            continue
+        matching = [cb for cb in handler.callbacks if type(cb).__name__ == name and _is_stateful(cb)]
+        if not matching:
+            logger.warning("checkpoint holds the state of callback %s, which this Trainer does not have", name)
+        for cb, state in zip(matching, states):
+            handler.callbacks[handler.callbacks.index(cb)] = type(cb).from_state(state)
+    return control

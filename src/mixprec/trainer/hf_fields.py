@@ -67,6 +67,9 @@ class HFCompatFields:
     fsdp: str | list[str] | bool | None = _f(
         None, IMPLEMENTED, "'full_shard' (optionally 'auto_wrap') selects distributed='fsdp'; other options refused"
     )
+    restore_callback_states_from_checkpoint: bool = _f(
+        False, IMPLEMENTED, "stateful callbacks (ExportableState) are rebuilt from the checkpoint on resume"
+    )
     do_eval: bool = _f(False, IMPLEMENTED, "as HF: set True when eval_strategy != 'no'; not read by the Trainer")
 
     # -- ignored (harmless) ----------------------------------------------------------------------------
@@ -130,7 +133,6 @@ class HFCompatFields:
     include_for_metrics: list[str] = _f([], REFUSED, "EvalPrediction carries predictions and label_ids only")
     batch_eval_metrics: bool = _f(False, REFUSED, "compute_metrics runs once over the whole evaluation set")
     save_only_model: bool = _f(False, REFUSED, "checkpoints hold the full state so a resume is exact")
-    restore_callback_states_from_checkpoint: bool = _f(False, REFUSED, "callback states are not saved")
     accelerator_config: dict[str, Any] | None = _f(None, REFUSED, "configure mixprec.Accelerator's arguments instead")
     parallelism_config: Any = _f(None, REFUSED, "tensor/context parallelism is not implemented")
     ddp_backend: str | None = _f(None, REFUSED, "the backend follows the device (nccl on CUDA, gloo on CPU)")

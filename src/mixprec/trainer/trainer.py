@@ -33,7 +33,14 @@ from mixprec.models.outputs import extract_loss  # one loss rule, shared with th
 from mixprec.trainer import checkpointing as ckpt
 from mixprec.trainer.activation_checkpointing import enable_activation_checkpointing
 from mixprec.trainer.args import TrainingArguments
-from mixprec.trainer.callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback, TrainerControl
+from mixprec.trainer.callbacks import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    TrainerCallback,
+    TrainerControl,
+    export_callback_states,
+    restore_callback_states,
+)
 from mixprec.trainer.data import (
     ColumnFilter,
     DataPosition,
@@ -364,6 +371,9 @@ class Trainer:
             start = ckpt.load_trainer_checkpoint(self, checkpoint)
             if isinstance(self._train_stream, ShardedStream):  # a stream cannot seek: read past what was trained
                 self._train_stream.skip_batches(start.batches_consumed)
+            if args.restore_callback_states_from_checkpoint:
+                saved = self.state.stateful_callbacks
+                self.control = restore_callback_states(self.callback_handler, self.control, saved)
             step = self.state.global_step
             self.record_event("train_begin", step, resumed_from=step, precision=acc.mixed_precision)
         # this run's plan, also over a loaded state (a resume may train longer than the run it continues)
@@ -413,6 +423,7 @@ class Trainer:
                 control.should_save = new_best
         if control.should_save:
             control.should_save = False
+            self.state.stateful_callbacks = export_callback_states(self.callback_handler.callbacks, control)
             ckpt.save_trainer_checkpoint(self, position)
 
     def _log_training(self, grad_norm: torch.Tensor | None) -> None:
