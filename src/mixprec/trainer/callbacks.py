@@ -155,6 +155,12 @@ class CallbackHandler:
 
     def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         cb = callback() if isinstance(callback, type) else callback
+        if any(type(c) is type(cb) for c in self.callbacks):  # as HF: allowed, but usually a mistake
+            logger.warning(
+                "adding a second %s to the Trainer's callbacks (it has: %s)",
+                type(cb).__name__,
+                ", ".join(type(c).__name__ for c in self.callbacks),
+            )
         missing = [e for e in ("on_step_end", "on_log") if not callable(getattr(cb, e, None))]
         if missing:
             raise TypeError(
@@ -210,8 +216,7 @@ class DefaultFlowCallback(TrainerCallback):
             control.should_save = True
         if step >= state.max_steps:
             control.should_training_stop = True
-            control.should_log = control.should_log or args.logging_strategy != "no"
-            if args.eval_strategy == "steps" and step % state.eval_steps != 0:
+            if args.eval_strategy == "steps" and step % state.eval_steps != 0 and args.eval_delay <= step:
                 control.should_evaluate = True
             if args.save_strategy == "steps":
                 control.should_save = True
