@@ -30,7 +30,14 @@ if IMPL == "transformers":
     )
     from transformers.trainer_callback import ExportableState
 else:
-    from mixprec import EarlyStoppingCallback, ExportableState, Trainer, TrainerCallback, TrainerState, TrainingArguments
+    from mixprec import (
+        EarlyStoppingCallback,
+        ExportableState,
+        Trainer,
+        TrainerCallback,
+        TrainerState,
+        TrainingArguments,
+    )
     from mixprec.trainer.callbacks import DefaultFlowCallback
 
 
@@ -140,7 +147,9 @@ def test_callbacks_passed_at_init_join_the_default_flow(tmp_path):
     assert any(isinstance(cb, DefaultFlowCallback) for cb in trainer.callback_handler.callbacks)
     with_recorder = get_trainer(tmp_path, callbacks=[Recorder])  # a class is instantiated
     extra = [cb for cb in with_recorder.callback_handler.callbacks if isinstance(cb, Recorder)]
-    assert len(extra) == 1 and len(with_recorder.callback_handler.callbacks) == len(trainer.callback_handler.callbacks) + 1
+    assert (
+        len(extra) == 1 and len(with_recorder.callback_handler.callbacks) == len(trainer.callback_handler.callbacks) + 1
+    )
 
 
 @hf_internal("the exact default list is HF's (DEFAULT_CALLBACKS + PrinterCallback/ProgressCallback)")
@@ -233,8 +242,8 @@ def test_stateful_mixed_callbacks(tmp_path):
 
 def test_stateful_duplicate_callbacks(tmp_path):
     get_trainer(tmp_path, callbacks=[Exportable("first"), Exportable("second")], **STATEFUL).train()
-    trainer = get_trainer(tmp_path, callbacks=[Exportable(), Exportable()], restore_callback_states_from_checkpoint=True,
-                          **STATEFUL)  # fmt: skip
+    fresh = [Exportable(), Exportable()]
+    trainer = get_trainer(tmp_path, callbacks=fresh, restore_callback_states_from_checkpoint=True, **STATEFUL)
     trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     states = [c.my_test_state for c in trainer.callback_handler.callbacks if isinstance(c, Exportable)]
     assert states == ["first", "second"]
