@@ -8,11 +8,11 @@ on the same batch without and with ``model.gradient_checkpointing_enable()`` (wh
   (counted with ``torch.autograd.graph.saved_tensors_hooks``: exact, independent of the allocator and of the
   neighbours on a shared machine); with checkpointing only each block's input is kept, the rest recomputed;
 - **peak memory of the step**: on CUDA ``torch.cuda.max_memory_allocated`` over the step; on the CPU the
-  process's resident-set high-water mark minus its size before the step, each variant in a fresh process
-  (the high-water mark never comes down) with glibc's mmap threshold fixed at 128 KiB, so every large
-  tensor is its own mapping and freeing it gives the memory back (by default glibc raises the threshold
-  after the first large free and then serves big tensors from a heap it does not shrink, which hides the
-  saving: measured 618 vs 529 MiB that way, against 553 vs 205 MiB with the fixed threshold).
+  process's resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs just before the step)
+  minus its size before the step, each variant in a fresh process, with glibc's mmap threshold fixed at
+  128 KiB so every large tensor is its own mapping and freeing it gives the memory back (by default glibc
+  raises the threshold after the first large free and then serves big tensors from a heap it does not
+  shrink, which hides most of the saving: measured 618 vs 529 MiB that way).
 
 Step time: the variants alternate for ``--rounds`` rounds after a warm-up; the median per variant and the
 median paired ratio are reported (CPU time of this process with one thread by default, as the other scripts).
@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -71,9 +70,10 @@ def saved_activation_bytes(model: GPT, ids: torch.Tensor) -> int:
     return sum(seen.values())
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(f"{field}:"))
+    return int(line.split()[1]) * 1024
 
 
 def peak_step_bytes(checkpointing: bool, size: int, device: str) -> int:
@@ -88,9 +88,12 @@ def peak_step_bytes(checkpointing: bool, size: int, device: str) -> int:
         model(ids, labels=ids).loss.backward()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    before = _rss_bytes()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark (VmHWM) to the current size
+    before = _status_bytes("VmRSS")
     model(ids, labels=ids).loss.backward()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    peak = _status_bytes("VmHWM")
+    return peak - before
 
 
 def time_steps(size: int, device: str, rounds: int, clock) -> dict[str, list[float]]:
