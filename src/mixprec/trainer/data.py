@@ -160,8 +160,10 @@ def make_loader(
 class ShardedStream(IterableDataset):
     """A stream split across ``num_replicas`` processes: of every ``batch_size * num_replicas`` examples,
     process ``rank`` takes the ``rank``-th block of ``batch_size``. Every process gets the same number of whole
-    batches (DDP's collectives need that), and no example is read twice: a last group too short to give every
-    process a whole batch is dropped (HF's IterableDatasetShard pads it with repeats instead).
+    batches (DDP's collectives need that), and no example is read twice: under several processes a last group
+    too short to give every process a whole batch is dropped (HF's IterableDatasetShard pads it with repeats
+    instead), in evaluation too, so a distributed evaluation of a stream leaves out up to
+    ``batch_size * num_replicas - 1`` trailing examples. One process reads the whole stream.
 
     Resume: a stream cannot seek, so ``skip_batches(n)`` makes the next pass read and discard this process's
     first ``n`` batches (their groups), as HF's Trainer skips batches on resume. The Trainer calls it with the
@@ -180,6 +182,12 @@ class ShardedStream(IterableDataset):
     def __iter__(self) -> Any:
         group = self.batch_size * self.num_replicas
         skip, self._skip = self._skip * group, 0
+        if self.num_replicas == 1 and torch.utils.data.get_worker_info() is None:
+            # one process: nothing to split, so nothing is dropped (the last batch may be short)
+            for i, example in enumerate(self.dataset):
+                if i >= skip:
+                    yield example
+            return
         start, stop = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
         worker = torch.utils.data.get_worker_info()  # DataLoader workers share the groups out too
         workers, worker_id = (worker.num_workers, worker.id) if worker is not None else (1, 0)

@@ -132,8 +132,13 @@ def evaluation_loop(
     preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None,
     prefix: str,
     on_batch: Callable[[], None] | None = None,
+    batch_metrics: bool = False,
 ) -> EvalResult:
     """Run ``model`` over ``loader``; return ``<prefix>_loss``, ``<prefix>_<metric>`` and timing metrics.
+
+    ``batch_metrics`` (HF's ``batch_eval_metrics``): ``compute_metrics`` is called after every batch with
+    that batch's (gathered) tensors and ``compute_result=False``, and with ``compute_result=True`` on the
+    last batch, whose return value are the metrics; so a metric can accumulate without the whole set in memory.
 
     Host syncs: one for the loss at the end; plus one copy per batch to the host when predictions are kept.
     """
@@ -144,9 +149,10 @@ def evaluation_loop(
     loss_sum: torch.Tensor | None = None
     counted = 0
     preds, labels = [], []
+    batch_result: dict[str, Any] | None = None
     try:
         with torch.no_grad():
-            for batch in loader:
+            for batch, is_last in _with_last(loader):
                 n = count_samples(batch)
                 loss, logits = eval_step(compute_loss, model, batch, label_names, need_loss=not want_predictions)
                 if loss is not None:
@@ -159,6 +165,8 @@ def evaluation_loop(
                         logits = preprocess_logits_for_metrics(logits, label)
                     if world > 1:
                         logits, label = _gather(accelerator, logits), _gather(accelerator, label)
+                    if batch_metrics and compute_metrics is not None and logits is not None and label is not None:
+                        batch_result = compute_metrics(EvalPrediction(logits, label), compute_result=is_last)
                     preds.append(_to_host(logits))
                     labels.append(_to_host(label))
                 if on_batch is not None:
@@ -175,8 +183,13 @@ def evaluation_loop(
         metrics[f"{prefix}_loss"] = total_loss / max(total_count, 1.0)
     predictions = _concat([p for p in preds if p is not None]) if preds and preds[0] is not None else None
     label_ids = _concat([lab for lab in labels if lab is not None]) if labels and labels[0] is not None else None
-    if compute_metrics is not None and predictions is not None:
+    if batch_metrics:
+        computed = batch_result
+    elif compute_metrics is not None and predictions is not None:
         computed = compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids))
+    else:
+        computed = None
+    if computed is not None:
         for key, value in (computed or {}).items():
             metrics[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = _plain(value)
     runtime = time.perf_counter() - start
@@ -184,6 +197,19 @@ def evaluation_loop(
     samples = dataset_size if dataset_size is not None else counted  # a stream: what this process read
     metrics[f"{prefix}_samples_per_second"] = round(samples / max(runtime, 1e-9), 3)
     return EvalResult(metrics, predictions, label_ids)
+
+
+def _with_last(items: Any) -> Any:
+    """``(item, is_last)`` pairs, one item of look-ahead."""
+    iterator = iter(items)
+    current = next(iterator, _END)
+    while current is not _END:
+        upcoming = next(iterator, _END)
+        yield current, upcoming is _END
+        current = upcoming
+
+
+_END = object()
 
 
 def _optional_loss(outputs: Any, required: bool) -> torch.Tensor | None:

@@ -70,6 +70,7 @@ class HFCompatFields:
     restore_callback_states_from_checkpoint: bool = _f(
         False, IMPLEMENTED, "stateful callbacks (ExportableState) are rebuilt from the checkpoint on resume"
     )
+    batch_eval_metrics: bool = _f(False, IMPLEMENTED, "compute_metrics(..., compute_result=) after every batch")
     do_eval: bool = _f(False, IMPLEMENTED, "as HF: set True when eval_strategy != 'no'; not read by the Trainer")
 
     # -- ignored (harmless) ----------------------------------------------------------------------------
@@ -131,7 +132,6 @@ class HFCompatFields:
     auto_find_batch_size: bool = _f(False, REFUSED, "no retry on out-of-memory: lower per_device_train_batch_size")
     eval_use_gather_object: bool = _f(False, REFUSED, "evaluation gathers tensors only")
     include_for_metrics: list[str] = _f([], REFUSED, "EvalPrediction carries predictions and label_ids only")
-    batch_eval_metrics: bool = _f(False, REFUSED, "compute_metrics runs once over the whole evaluation set")
     save_only_model: bool = _f(False, REFUSED, "checkpoints hold the full state so a resume is exact")
     accelerator_config: dict[str, Any] | None = _f(None, REFUSED, "configure mixprec.Accelerator's arguments instead")
     parallelism_config: Any = _f(None, REFUSED, "tensor/context parallelism is not implemented")

@@ -137,6 +137,14 @@ class Trainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class = processing_class
         self.compute_metrics = compute_metrics
+        if args.batch_eval_metrics and compute_metrics is not None:
+            import inspect
+
+            if "compute_result" not in inspect.signature(compute_metrics).parameters:
+                raise ValueError(
+                    "TrainingArguments(batch_eval_metrics=True): compute_metrics must take a compute_result "
+                    "argument (True on the last batch, when it returns the metrics)"
+                )
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         keep = forward_arg_names(model) if args.remove_unused_columns else None
         self.data_collator = ColumnFilter(data_collator or default_collator, keep)
@@ -481,6 +489,7 @@ class Trainer:
             preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
             prefix=prefix,
             on_batch=lambda: self.event("on_prediction_step"),
+            batch_metrics=self.args.batch_eval_metrics,
         )
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:
