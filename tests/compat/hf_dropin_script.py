@@ -4,13 +4,10 @@ transformers) and with the one import line switched to mixprec."""
 
 import datasets
 import torch
-from transformers import (  # the line a user changes
-    EarlyStoppingCallback,
-    GPT2Config,
-    GPT2LMHeadModel,
-    Trainer,
-    TrainingArguments,
-)
+from transformers import GPT2Config, GPT2LMHeadModel
+
+# isort: split
+from transformers import EarlyStoppingCallback, Trainer, TrainingArguments  # the line a user changes
 
 VOCAB, SEQ = 64, 16
 
