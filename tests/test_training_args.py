@@ -284,3 +284,13 @@ def test_hf_only_fields_default_as_in_hf(tmp_path):
         if theirs != mine:
             differ[name] = (theirs, mine)
     assert differ == {}
+
+
+def test_fields_edited_after_construction_are_still_checked():
+    args = TrainingArguments()
+    args.push_to_hub = True
+    with pytest.raises(ValueError, match="push_to_hub"):
+        args.validate()
+    args = TrainingArguments()
+    args.gradient_checkpointing = True  # the old name, set late, as many scripts do
+    assert args.checkpointing_requested() == (True, None)

@@ -261,6 +261,7 @@ class TrainingArguments(HFCompatFields):
 
     def validate(self) -> None:
         """Validate every group and the rules that span groups. Called at construction and by the Trainer."""
+        self.refuse_unsupported()
         _ = (self.precision_config, self.optimization, self.schedule, self.logging)  # each validates itself
         ev = self.evaluation
         ck = self.checkpointing

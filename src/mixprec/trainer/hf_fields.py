@@ -144,13 +144,7 @@ class HFCompatFields:
         """Refuse a non-default value of a ``refused`` field; apply HF's aliases and implied settings."""
         from mixprec.trainer.configs import fail  # the one error format for TrainingArguments
 
-        for f in fields(HFCompatFields):
-            if f.metadata.get("mixprec") != REFUSED:
-                continue
-            default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
-            value = getattr(self, f.name)
-            if value != default and not (value in (None, "", []) and default in (None, "", [])):
-                fail(f.name, value, f"is not supported by mixprec ({f.metadata['note']}); leave it at {default!r}")
+        self.refuse_unsupported()
         for old, new in (
             ("gradient_checkpointing", "activation_checkpointing"),
             ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
@@ -168,6 +162,25 @@ class HFCompatFields:
             )
         if not (isinstance(self.eval_delay, (int, float)) and self.eval_delay >= 0):
             fail("eval_delay", self.eval_delay, "must be a number >= 0")
+
+    def refuse_unsupported(self) -> None:
+        """A ValueError naming the first ``refused`` field set to anything but its default (also run by
+        ``validate()``, so a field edited after construction is caught before training)."""
+        from mixprec.trainer.configs import fail
+
+        for f in fields(HFCompatFields):
+            if f.metadata.get("mixprec") != REFUSED:
+                continue
+            default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+            value = getattr(self, f.name)
+            if value != default and not (value in (None, "", []) and default in (None, "", [])):
+                fail(f.name, value, f"is not supported by mixprec ({f.metadata['note']}); leave it at {default!r}")
+
+    def checkpointing_requested(self) -> tuple[bool, dict[str, Any] | None]:
+        """Whether to turn on activation checkpointing, and its kwargs. Either name counts, so a script that
+        sets ``args.gradient_checkpointing = True`` after construction is honoured (HF 5 would ignore it)."""
+        on = bool(self.activation_checkpointing or self.gradient_checkpointing)
+        return on, self.activation_checkpointing_kwargs or self.gradient_checkpointing_kwargs
 
     def fsdp_requested(self) -> bool:
         """Whether HF's ``fsdp`` field asks for plain full sharding (mixprec's distributed='fsdp')."""

@@ -366,8 +366,9 @@ class Trainer:
             self.record_event("train_begin", 0, resumed_from=None, precision=acc.mixed_precision)
             if args.diagnose_at_start:
                 self.diagnosis = diagnose_at_start(self)
-        if args.activation_checkpointing:
-            enable_activation_checkpointing(acc.unwrap_model(self.model), args.activation_checkpointing_kwargs)
+        checkpointing, checkpointing_kwargs = args.checkpointing_requested()
+        if checkpointing:
+            enable_activation_checkpointing(acc.unwrap_model(self.model), checkpointing_kwargs)
         model = self._prepared_model()
         self.create_optimizer_and_scheduler(plan.max_steps)
         self._trained = True
