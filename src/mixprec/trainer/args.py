@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,7 +90,8 @@ class TrainingArguments(HFCompatFields):
     num_train_epochs: float = 3.0
     max_steps: int = -1
     lr_scheduler_type: str = "linear"
-    warmup_steps: int = 0
+    warmup_steps: int | float = 0
+    """Warmup in optimizer steps; a float below 1 is a ratio of the total steps (HF 5)."""
     warmup_ratio: float = 0.0
 
     # -- evaluation -----------------------------------------------------------------------------------
@@ -142,6 +144,9 @@ class TrainingArguments(HFCompatFields):
     """None (DDP under torchrun, else one process), "ddp" or "fsdp"."""
 
     def __post_init__(self) -> None:
+        if self.output_dir is None:  # HF's default when None is passed
+            self.output_dir = "trainer_output"
+        self.output_dir = os.path.expanduser(self.output_dir)
         self.check_hf_fields()
         self._merge_eval_alias()
         self._resolve_precision()
@@ -207,6 +212,12 @@ class TrainingArguments(HFCompatFields):
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
             self.torch_compile = True
+        if self.torch_compile and self.torch_compile_backend is None:
+            self.torch_compile_backend = "inductor"  # torch.compile's default, named as HF does
+        if self.use_cpu:
+            self.dataloader_pin_memory = False  # as HF: nothing to pin for on the CPU
+        if self.dataloader_prefetch_factor is not None and self.dataloader_num_workers == 0:
+            fail("dataloader_prefetch_factor", self.dataloader_prefetch_factor, "needs dataloader_num_workers > 0")
         if self.fsdp_requested():
             if self.distributed not in (None, "fsdp"):
                 fail("fsdp", self.fsdp, f"conflicts with distributed={self.distributed!r}; set one of them")
@@ -348,7 +359,8 @@ class TrainingArguments(HFCompatFields):
     # -- serialisation --------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """JSON-ready: a torch.dtype (in a subclass's field) becomes its name, as in HF."""
+        return {f.name: _plain_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -373,3 +385,9 @@ def _not_a_multiple(save_steps: float, eval_steps: float) -> bool:
         ratio = save_steps / eval_steps
         return not (save_steps < 1 and eval_steps < 1 and math.isclose(ratio, round(ratio)))
     return save_steps % eval_steps != 0
+
+
+def _plain_value(value: Any) -> Any:
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return value

@@ -131,7 +131,7 @@ class ScheduleConfig:
     max_steps: int
     """Optimizer steps to run; overrides num_train_epochs when > 0 (-1: use num_train_epochs)."""
     lr_scheduler_type: str
-    warmup_steps: int
+    warmup_steps: int | float
     warmup_ratio: float
 
     def __post_init__(self) -> None:
@@ -142,7 +142,9 @@ class ScheduleConfig:
         if self.max_steps == -1 and not self.num_train_epochs > 0:
             fail("num_train_epochs", self.num_train_epochs, "must be > 0 (or set max_steps > 0)")
         check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
-        check_positive_int("warmup_steps", self.warmup_steps, allow_zero=True)
+        ws = self.warmup_steps
+        if isinstance(ws, bool) or not isinstance(ws, (int, float)) or ws < 0 or (ws >= 1 and ws != int(ws)):
+            fail("warmup_steps", ws, "must be an integer >= 0, or a float in (0, 1) for a ratio of the total steps")
         if not 0.0 <= self.warmup_ratio <= 1.0:
             fail("warmup_ratio", self.warmup_ratio, "must be in [0, 1]")
         if self.warmup_steps > 0 and self.warmup_ratio > 0:
@@ -150,8 +152,10 @@ class ScheduleConfig:
 
     def num_warmup_steps(self, total_steps: int) -> int:
         """Warmup in optimizer steps: warmup_steps if set, else ceil(warmup_ratio * total) as HF does."""
-        if self.warmup_steps > 0:
-            return self.warmup_steps
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        if self.warmup_steps > 0:  # HF 5: a float below 1 is a ratio, as warmup_ratio
+            return math.ceil(self.warmup_steps * total_steps)
         return math.ceil(self.warmup_ratio * total_steps)
 
 

@@ -14,6 +14,7 @@ The fields are keyword-only, so ``TrainingArguments("out")`` still takes ``outpu
 
 from __future__ import annotations
 
+import json
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -144,6 +145,15 @@ class HFCompatFields:
         """Refuse a non-default value of a ``refused`` field; apply HF's aliases and implied settings."""
         from mixprec.trainer.configs import fail  # the one error format for TrainingArguments
 
+        for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs", "lr_scheduler_kwargs"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.startswith("{"):  # HF parses JSON strings (command lines)
+                setattr(self, name, json.loads(value))
+        if isinstance(self.include_num_input_tokens_seen, bool):
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+        steps = self.torch_empty_cache_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            fail("torch_empty_cache_steps", steps, "must be a positive integer or None")
         self.refuse_unsupported()
         for old, new in (
             ("gradient_checkpointing", "activation_checkpointing"),
