@@ -292,3 +292,18 @@ def test_a_stream_under_torchrun_gives_each_process_its_own_examples(tmp_path):
     assert seen[0] == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27, 32, 33, 34, 35]
     assert seen[1] == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31, 36, 37, 38, 39]
     assert ranks[0]["params"] == ranks[1]["params"]  # DDP kept them in step
+
+
+def test_cli_train_gradient_checkpointing_flag(tmp_path, monkeypatch):
+    from mixprec.cli.main import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200)))
+    seen = []
+    monkeypatch.setattr(GPT, "gradient_checkpointing_enable", lambda self, **kw: seen.append(kw))
+    args = ["train", "--data", str(corpus), "--model", "tiny", "--seq-len", "32", "--batch-size", "4",
+            "--max-steps", "1", "--precision", "fp32", "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    assert main([*args, "--gradient-checkpointing"]) == 0
+    assert seen == [{"gradient_checkpointing_kwargs": None}]
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["training_arguments"]["gradient_checkpointing"] is True
