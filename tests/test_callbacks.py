@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -156,3 +157,48 @@ def test_default_flow_decisions():
     assert [s for s, c in seen.items() if c[3]] == [10]
     epoch = flow.on_epoch_end(TrainingArguments(eval_strategy="epoch", save_strategy="epoch"), state, TrainerControl())
     assert epoch.should_evaluate and epoch.should_save and not epoch.should_log
+
+
+# -- stateful callbacks (HF's ExportableState; issue 12 item 4) ------------------------------------------------
+
+
+def test_callback_states_are_saved_and_restored_on_resume(tmp_path):
+    from mixprec import EarlyStoppingCallback, ExportableState
+
+    class StepCounter(TrainerCallback, ExportableState):
+        def __init__(self, name="default"):
+            self.name, self.steps = name, 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps += 1
+
+        def state(self):
+            return {"args": {"name": self.name}, "attributes": {"steps": self.steps}}
+
+    def run(callbacks, restore, resume=None):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"), max_steps=4, save_strategy="steps", save_steps=2, eval_strategy="steps",
+            eval_steps=2, load_best_model_at_end=True, disable_tqdm=True, save_plots=False,
+            restore_callback_states_from_checkpoint=restore,
+        )  # fmt: skip
+        trainer = Trainer(make_model(), args, train_dataset=make_examples(16), eval_dataset=make_examples(8),
+                          callbacks=callbacks)  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    run([EarlyStoppingCallback(5, 0.2), StepCounter("a"), StepCounter("b")], restore=False)
+    saved = json.loads((tmp_path / "out" / "checkpoint-2" / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert saved["EarlyStoppingCallback"]["args"] == {"early_stopping_patience": 5, "early_stopping_threshold": 0.2}
+    assert [c["attributes"]["steps"] for c in saved["StepCounter"]] == [2, 2]
+    assert set(saved["TrainerControl"]["args"]) >= {"should_training_stop", "should_save"}
+
+    checkpoint = str(tmp_path / "out" / "checkpoint-2")
+    trainer = run([EarlyStoppingCallback(), StepCounter(), StepCounter()], restore=True, resume=checkpoint)
+    names = ("EarlyStoppingCallback", "StepCounter")
+    restored = [cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ in names]
+    early, first, second = restored
+    assert (early.early_stopping_patience, early.early_stopping_threshold) == (5, 0.2)
+    assert (first.name, second.name) == ("a", "b") and first.steps == 2 + 2  # restored at 2, then 2 more steps
+    plain = run([EarlyStoppingCallback()], restore=False, resume=checkpoint)
+    early = [cb for cb in plain.callback_handler.callbacks if isinstance(cb, EarlyStoppingCallback)][0]
+    assert early.early_stopping_patience == 1  # without restore_callback_states_from_checkpoint: as constructed

@@ -639,7 +639,8 @@ def test_fp16_master_weights_are_refused_with_the_fix():
         ({"hysteresis": 0}, "hysteresis"),
         ({"min_scale": 0.0}, "min_scale"),
         ({"min_scale": 8.0, "max_scale": 4.0, "init_scale": 4.0}, "min_scale"),
-        ({"init_scale": 2.0**30}, "init_scale"),
+        ({"init_scale": 2.0**30, "max_scale": 2.0**24}, "init_scale"),
+        ({"init_scale": 0.5, "min_scale": 1.0}, "init_scale"),
         ({"max_consecutive_skips": 0}, "max_consecutive_skips"),
         ({"history_size": 0}, "history_size"),
     ],
@@ -655,9 +656,106 @@ def test_a_number_as_first_argument_is_taken_for_init_scale_and_refused():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_cuda_device_without_cuda_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"CUDA is not available.*omit device="):
-        GradScaler(device="cuda")
+def test_cuda_device_without_cuda_warns_and_does_nothing_as_torchs():
+    # `GradScaler("cuda", enabled=args.fp16)` is the everyday torch spelling; it must run on a laptop.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet = GradScaler("cuda", enabled=False)
+    with pytest.warns(UserWarning, match=r"CUDA is not available.*Omit device="):
+        loud = GradScaler("cuda")
+    model = linear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for scaler in (quiet, loud):
+        assert not scaler.is_enabled() and scaler.get_scale() == 1.0
+        before = model.weight.detach().clone()
+        one_step(scaler, model, opt)  # a plain fp32 step: scale() returns the loss untouched
+        assert not torch.equal(before, model.weight)
+        assert scaler.state_dict() == {}
+
+
+def test_init_scale_outside_the_default_bounds_is_accepted_as_in_torch():
+    # torch's own test starts at 1e38 with growth 16 and checks the scale never becomes inf.
+    big = GradScaler(init_scale=1e38, growth_factor=2.0**4, growth_interval=1)
+    assert big.max_scale == pytest.approx(1e38) and big.min_scale == 1.0
+    assert _scales(big, "...") == [big.get_scale()] * 3 and math.isfinite(big.get_scale())
+    small = GradScaler(init_scale=2.0**-4)
+    assert small.min_scale == 2.0**-4 and small.max_scale == 2.0**24
+    assert _scales(small, "x.") == [2.0**-4, 2.0**-4]  # the floor is where it started
+
+
+def test_disabled_state_dict_is_empty_and_loading_our_old_ones_still_works():
+    disabled = GradScaler(enabled=False)
+    assert disabled.state_dict() == {}
+    disabled.load_state_dict({})  # ignored, as torch's disabled scaler does
+    old_disabled = {  # what a disabled mixprec scaler saved before it returned {}
+        "scale": 65536.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "_growth_tracker": 0,
+        "hysteresis": 1,
+        "_hysteresis_left": 1,
+        "min_scale": 1.0,
+        "max_scale": 2.0**24,
+        "record": {
+            "steps": 3,
+            "skipped_steps": 0,
+            "consecutive_skips": 0,
+            "last_step_skipped": False,
+            "scale": 1.0,
+            "history": [],
+        },
+    }
+    disabled.load_state_dict(old_disabled)
+    enabled = GradScaler()
+    enabled.load_state_dict(old_disabled)
+    assert enabled.get_scale() == 65536.0 and enabled.record.steps == 3
+
+
+class _SelfScalingSGD(torch.optim.SGD):
+    """An optimizer in torch's older contract: it declares _step_supports_amp_scaling and takes grad_scaler=."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self._step_supports_amp_scaling = True
+        self.seen = []
+
+    def step(self, closure=None, *, grad_scaler=None):
+        self.seen.append(grad_scaler)
+        grad_scaler.unscale_(self)  # it checks its own gradients, so update() has a check to use
+        return super().step(closure)
+
+
+def test_optimizer_declaring_amp_scaling_support_is_handed_the_scaler():
+    model = linear()
+    opt = _SelfScalingSGD(model.parameters(), lr=0.1)
+    scaler = GradScaler(init_scale=8.0, growth_interval=1)
+    with pytest.warns(FutureWarning, match="stop passing itself"):
+        one_step(scaler, model, opt)
+    assert opt.seen == [scaler] and scaler.get_scale() == 16.0
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+
+
+def test_update_without_any_inf_check_names_the_fix():
+    class Silent(_SelfScalingSGD):
+        def step(self, closure=None, *, grad_scaler=None):
+            pass
+
+    model = linear()
+    scaler = GradScaler()
+    with pytest.warns(FutureWarning), pytest.raises(RuntimeError, match="unscale_"):
+        one_step(scaler, model, Silent(model.parameters(), lr=0.1))
+
+
+def test_scale_walks_namedtuples_and_generators():
+    from collections import namedtuple
+
+    Out = namedtuple("Out", "loss aux")
+    scaler = GradScaler(init_scale=4.0)
+    out = scaler.scale(Out(torch.tensor(1.0), [torch.tensor(2.0)]))
+    assert isinstance(out, Out) and out.loss.item() == 4.0 and out.aux[0].item() == 8.0
+    lazy = scaler.scale(t for t in (torch.tensor(1.0), torch.tensor(3.0)))
+    assert [t.item() for t in lazy] == [4.0, 12.0]
 
 
 # -- more than the simple loop ------------------------------------------------------------------------------

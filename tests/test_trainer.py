@@ -153,8 +153,8 @@ def test_bad_input_is_refused_with_a_message(tmp_path):
         Trainer(make_model(), quiet_args(tmp_path), train_dataset=make_examples(8), eval_dataset=[])
     with pytest.raises(ValueError, match=r"eval_strategy='epoch'\) needs an eval_dataset"):
         Trainer(make_model(), quiet_args(tmp_path, eval_strategy="epoch"), train_dataset=make_examples(8))
-    with pytest.raises(ValueError, match="map-style"):
-        Trainer(make_model(), quiet_args(tmp_path), train_dataset=Stream())
+    with pytest.raises(ValueError, match=r"max_steps=-1\): train_dataset is a stream"):
+        Trainer(make_model(), quiet_args(tmp_path), train_dataset=Stream()).train()  # HF: streams need max_steps
     with pytest.raises(ValueError, match="model=None"):
         Trainer(None, quiet_args(tmp_path))
     with pytest.raises(ValueError, match="needs a train_dataset"):
@@ -333,3 +333,64 @@ def test_the_example_runs(tmp_path, monkeypatch):
     runpy.run_path(str(example), run_name="__main__")
     entries = [json.loads(line) for line in (tmp_path / "results" / "metrics.jsonl").read_text().splitlines()]
     assert [e["epoch"] for e in entries if "eval_next_byte_accuracy" in e] == [1.0, 2.0, 3.0]
+
+
+# -- evaluation uses training's model call and compute_loss (issue 12, bug 5) ----------------------------
+
+
+class TupleLM(torch.nn.Module):
+    """A model for a TensorDataset: ``forward(x, y)`` positionally, returning ``(loss, logits)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        out = self.net(x)
+        return torch.nn.functional.mse_loss(out, y), out
+
+
+def tensor_pairs(n=24):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    return torch.utils.data.TensorDataset(x, x.sum(-1, keepdim=True))
+
+
+def test_evaluate_on_a_tensor_dataset_calls_the_model_as_training_does(tmp_path):
+    data = tensor_pairs()
+    trainer = Trainer(TupleLM(), quiet_args(tmp_path, max_steps=3), train_dataset=data, eval_dataset=data)
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    after = trainer.evaluate()["eval_loss"]
+    assert math.isfinite(before) and after < before
+
+
+class SquaredErrorTrainer(Trainer):
+    """A compute_loss override (HF's documented way to customise the loss) on a model that returns a tensor."""
+
+    calls = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        type(self).calls += 1
+        x, y = inputs
+        out = model(x)
+        loss = ((out - y) ** 2).sum(-1).mean() * 10.0  # not what the model would compute: an override shows
+        return (loss, out) if return_outputs else loss
+
+
+def test_evaluate_honours_a_compute_loss_override(tmp_path):
+    data = tensor_pairs(16)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    trainer = SquaredErrorTrainer(
+        model, quiet_args(tmp_path, max_steps=2, per_device_eval_batch_size=16), train_dataset=data, eval_dataset=data
+    )
+    x, y = data.tensors
+    with torch.no_grad():
+        expected = (((model(x) - y) ** 2).sum(-1).mean() * 10.0).item()
+    SquaredErrorTrainer.calls = 0
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    assert SquaredErrorTrainer.calls == 1
+    trainer.train()
+    assert SquaredErrorTrainer.calls == 3

@@ -97,7 +97,7 @@ def test_precision_is_the_one_field_fp16_and_bf16_resolve_to(kwargs, precision, 
         ({"adam_beta2": 1.0}, r"adam_beta2=1.0.*\[0, 1\)"),
         ({"warmup_steps": 5, "warmup_ratio": 0.1}, r"warmup_ratio=0.1.*not both"),
         ({"lr_scheduler_type": "cyclic"}, r"lr_scheduler_type='cyclic'.*'linear'"),
-        ({"report_to": "wandb"}, r"report_to='wandb'.*tensorboard.*metrics.jsonl"),
+        ({"report_to": "comet_ml"}, r"report_to='comet_ml'.*tensorboard, mlflow, wandb.*metrics.jsonl"),
         ({"report_to": ["none", "tensorboard"]}, r"'none' cannot be combined"),
         ({"init_loss_scale": 0.5}, r"init_loss_scale=0.5.*min_loss_scale=1.0"),
         ({"loss_scale_hysteresis": 0}, r"loss_scale_hysteresis=0"),
@@ -170,3 +170,127 @@ def test_to_dict_is_json_and_round_trips():
     assert back == a
     with pytest.raises(ValueError, match="no field"):
         TrainingArguments.from_dict({"output_dir": "x", "not_a_field": 1})
+
+
+# -- every HF field is accepted (issue 12, item 3) -----------------------------------------------------------
+
+
+def _hf_fields():
+    transformers = pytest.importorskip("transformers")
+    import dataclasses
+
+    return {f.name: f for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
+
+
+def test_every_hf_field_name_is_a_field_here():
+    import dataclasses
+
+    ours = {f.name for f in dataclasses.fields(TrainingArguments)}
+    missing = sorted(set(_hf_fields()) - ours)
+    assert missing == []
+
+
+def test_an_hf_scripts_arguments_construct_unchanged(tmp_path):
+    args = TrainingArguments(
+        str(tmp_path),  # output_dir stays the first positional argument
+        do_train=True, do_eval=True, eval_strategy="steps", eval_steps=0.25, logging_steps=0.1, save_steps=0.5,
+        gradient_checkpointing=True, eval_accumulation_steps=4, label_smoothing_factor=0.0, report_to="none",
+        dataloader_pin_memory=True, push_to_hub=False, hub_model_id="me/model", log_level="info",
+        ddp_find_unused_parameters=False, tf32=None, load_best_model_at_end=True, save_strategy="steps",
+    )  # fmt: skip
+    assert args.activation_checkpointing is True and args.gradient_checkpointing is True
+    assert args.steps_for(40) == (4, 10, 20)  # ratios of the run, rounded up
+    assert args.ddp_kwargs() == {"find_unused_parameters": False}
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("label_smoothing_factor", 0.1),
+        ("push_to_hub", True),
+        ("deepspeed", "ds.json"),
+        ("auto_find_batch_size", True),
+        ("neftune_noise_alpha", 5.0),
+        ("bf16_full_eval", True),
+        ("include_for_metrics", ["inputs"]),
+        ("train_sampling_strategy", "group_by_length"),
+        ("fsdp", "full_shard offload"),
+    ],
+)
+def test_unimplemented_fields_that_would_change_training_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=rf"TrainingArguments\({field}="):
+        TrainingArguments(**{field: value})
+
+
+def test_every_field_is_documented_as_implemented_ignored_or_refused():
+    from mixprec.trainer.hf_fields import POLICY
+
+    ours = set(TrainingArguments.__dataclass_fields__)
+    native = ours - set(POLICY)
+    assert set(_hf_fields()) <= native | set(POLICY)
+    assert {kind for kind, _ in POLICY.values()} == {"implemented", "ignored", "refused"}
+    assert all(note for _, note in POLICY.values())
+
+
+def test_hf_properties(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    a = TrainingArguments(per_device_train_batch_size=4, per_device_eval_batch_size=6, use_cpu=True)
+    assert (a.train_batch_size, a.eval_batch_size, a.n_gpu, a.world_size) == (4, 6, 0, 1)
+    assert str(a.device) == "cpu" and a.process_index == 0 and a.should_save and a.should_log
+
+
+def test_load_best_model_at_end_fills_the_metric_as_hf_does():
+    a = TrainingArguments(load_best_model_at_end=True, eval_strategy="epoch", save_strategy="epoch")
+    assert (a.metric_for_best_model, a.greater_is_better) == ("loss", False)
+    b = TrainingArguments(metric_for_best_model="accuracy", eval_strategy="epoch")
+    assert b.greater_is_better is True
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.TrainingArguments(
+        "x", load_best_model_at_end=True, eval_strategy="epoch", save_strategy="epoch", report_to="none"
+    )
+    assert (hf.metric_for_best_model, hf.greater_is_better) == (a.metric_for_best_model, a.greater_is_better)
+
+
+@pytest.mark.parametrize("name", ["logging_steps", "eval_steps", "save_steps"])
+def test_step_intervals_take_ratios_and_refuse_fractional_counts(name):
+    assert getattr(TrainingArguments(**{name: 0.2}), name) == 0.2
+    with pytest.raises(ValueError, match=name):
+        TrainingArguments(**{name: 2.5})
+    with pytest.raises(ValueError, match=name):
+        TrainingArguments(**{name: 0})
+
+
+def test_save_strategy_best_needs_an_evaluation_and_a_metric():
+    TrainingArguments(save_strategy="best", eval_strategy="epoch", metric_for_best_model="loss")
+    with pytest.raises(ValueError, match="metric_for_best_model"):
+        TrainingArguments(save_strategy="best", eval_strategy="epoch")
+    with pytest.raises(ValueError, match="save_strategy"):
+        TrainingArguments(save_strategy="best", metric_for_best_model="loss")
+
+
+def test_hf_only_fields_default_as_in_hf(tmp_path):
+    from mixprec.trainer.hf_fields import POLICY
+
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    ours = TrainingArguments(output_dir=str(tmp_path))
+    differ = {}
+    for name in POLICY:
+        theirs, mine = _plain(getattr(hf, name)), getattr(ours, name)
+        if name == "debug" and theirs == []:
+            theirs = ""  # HF parses the string into a list of options
+        if name == "accelerator_config":
+            continue  # HF resolves None into its own AcceleratorConfig object
+        if theirs != mine:
+            differ[name] = (theirs, mine)
+    assert differ == {}
+
+
+def test_fields_edited_after_construction_are_still_checked():
+    args = TrainingArguments()
+    args.push_to_hub = True
+    with pytest.raises(ValueError, match="push_to_hub"):
+        args.validate()
+    args = TrainingArguments()
+    args.gradient_checkpointing = True  # the old name, set late, as many scripts do
+    assert args.checkpointing_requested() == (True, None)

@@ -29,6 +29,8 @@ _EXPORTS: dict[str, str] = {
     "TrainingArguments": "mixprec.trainer.args",
     "TrainerCallback": "mixprec.trainer.callbacks",
     "TrainerControl": "mixprec.trainer.callbacks",
+    "EarlyStoppingCallback": "mixprec.trainer.callbacks",
+    "ExportableState": "mixprec.trainer.callbacks",
     "TrainerState": "mixprec.trainer.state",
     "EvalPrediction": "mixprec.trainer.state",
     # tools
@@ -66,7 +68,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.scaling.record import ScaleRecord
     from mixprec.scaling.scaler import ConsecutiveSkipsError, GradScaler, LossScaler
     from mixprec.trainer.args import TrainingArguments
-    from mixprec.trainer.callbacks import TrainerCallback, TrainerControl
+    from mixprec.trainer.callbacks import EarlyStoppingCallback, ExportableState, TrainerCallback, TrainerControl
     from mixprec.trainer.state import EvalPrediction, TrainerState
     from mixprec.trainer.trainer import Trainer
     from mixprec.watch.settings import WatchConfig

@@ -242,6 +242,10 @@ class Accelerator:
             self.watch.attach(self, model)
         return model
 
+    def prepared_here(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` was prepared by this Accelerator (not another one, not at all)."""
+        return any(m is model for m in self._registry.models)
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         if isinstance(optimizer, PreparedOptimizer):
             return optimizer

@@ -170,8 +170,8 @@ def prepare_dataloader(
 def _split_plan(loader: DataLoader, world: int) -> tuple[bool, torch.Generator | None] | None:
     """``(shuffle, generator)`` when mixprec can own the order, None to keep the loader as it is."""
     sampler = loader.sampler
-    if hasattr(sampler, "num_replicas"):  # already split (DistributedSampler, the Trainer's sampler)
-        return None
+    if hasattr(sampler, "num_replicas") or hasattr(loader.dataset, "num_replicas"):
+        return None  # already split (a DistributedSampler, or a stream sharded per process as the Trainer's)
     if isinstance(loader.dataset, IterableDataset):
         reason = "an IterableDataset"
     elif loader.batch_size is None:

@@ -45,7 +45,10 @@ def _settle_auto(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     grad enabled) first races the candidate modes on this very call (see :mod:`mixprec.precision.auto`),
     then runs in the chosen one. A hook ahead of FSDP2's own, not code inside forward: each trial is a
     whole call of the module, its all-gathers and reshards included, before this call gathers anything."""
-    precision = module.__dict__["_mixprec"].precision
+    prepared = module.__dict__.get("_mixprec")
+    if prepared is None:  # released (handed to another Accelerator)
+        return
+    precision = prepared.precision
     if precision.pending and module.training and torch.is_grad_enabled():
         precision.settle(lambda: trial_loss(module(*args, **kwargs)), [module], batch=(args, kwargs))
 
@@ -96,11 +99,33 @@ def patch_forward(module: torch.nn.Module, precision: Precision, ddp: torch.nn.M
     module.__dict__["_mixprec"] = _Prepared(precision, ddp)
     module.__dict__["forward"] = types.MethodType(_prepared_forward, module)
     if precision.pending:
-        module.register_forward_pre_hook(_settle_auto, prepend=True, with_kwargs=True)
+        handle = module.register_forward_pre_hook(_settle_auto, prepend=True, with_kwargs=True)
+        module.__dict__["_mixprec_hook"] = handle
 
 
 def is_prepared(module: torch.nn.Module) -> bool:
     return "_mixprec" in module.__dict__
+
+
+def release(module: torch.nn.Module) -> None:
+    """Undo :func:`patch_forward`: ``module`` runs its own forward again and another Accelerator may prepare it
+    (a model trained by one Trainer, then by another). Refused for a module wrapped for DDP: its gradient
+    hooks (or shards) belong to the first wrapper."""
+    prepared = module.__dict__.get("_mixprec")
+    if prepared is None:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    if prepared.ddp is not None or isinstance(module, FSDPModule):
+        raise ValueError(
+            f"{type(module).__name__} is prepared for DDP/FSDP by another Accelerator; in a "
+            "distributed run build each model once per Accelerator (e.g. Trainer(model_init=...))"
+        )
+    hook = module.__dict__.pop("_mixprec_hook", None)
+    if hook is not None:
+        hook.remove()
+    for key in ("forward", "_mixprec_forward", "_mixprec"):
+        module.__dict__.pop(key, None)
 
 
 def original_forward(module: torch.nn.Module) -> Any:

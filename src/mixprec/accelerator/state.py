@@ -327,7 +327,7 @@ def _apply(run: RunState, loaded: _Loaded) -> None:
             scheduler.load_state_dict(state)
         for obj, state in zip(reg.custom, loaded.custom):
             obj.load_state_dict(state)
-        run.precision.load_state_dict(loaded.scaler)  # its scaler's state; a pass-through keeps its record too
+        run.precision.load_state_dict(loaded.scaler)  # the scaler, or the non-finite guard and its record
         for loader, position in zip(reg.dataloaders, meta["dataloaders"]):
             if position is not None:
                 loader.load_state_dict(position)

@@ -134,6 +134,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute activations in the backward pass: less memory, about 20%% more time",
+    )
+    g.add_argument(
         "--diagnose", action="store_true", help="diagnose gradient ranges first and start the loss scale there"
     )
     g.add_argument(
@@ -173,6 +178,7 @@ def _training_arguments(args: argparse.Namespace, info: DataModelInfo, output_di
         logging_first_step=True,
         seed=args.seed,
         torch_compile=args.compile,
+        gradient_checkpointing=args.gradient_checkpointing,
         diagnose_at_start=args.diagnose,
         precision_watch=args.watch,
         report_to="none",

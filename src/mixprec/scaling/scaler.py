@@ -3,11 +3,14 @@
 What it adds to torch's scaler (whose kernels it uses for the work itself):
 
 - no device argument needed: the scale lives on the device of the first loss it scales
-  (``torch.amp.GradScaler()`` defaults to CUDA and disables itself on a CPU-only machine);
+  (``torch.amp.GradScaler()`` defaults to CUDA and disables itself on a CPU-only machine); an explicit
+  ``GradScaler("cuda")`` on a machine without CUDA behaves as torch's does: it warns and does nothing, so the
+  everyday ``GradScaler("cuda", enabled=args.fp16)`` runs unchanged on a laptop;
 - hysteresis: tolerate ``hysteresis`` overflowing steps before backing off (as DeepSpeed and Megatron);
 - bounds: the scale stays within ``[min_scale, max_scale]`` (torch's reaches 0.0 after enough non-finite
-  steps and training silently stops), and ``max_consecutive_skips`` skipped steps in a row raise
-  :class:`ConsecutiveSkipsError` naming the parameters whose gradients were non-finite;
+  steps and training silently stops); by default ``[1, 2^24]`` widened to take in ``init_scale``, and
+  ``max_consecutive_skips`` skipped steps in a row raise :class:`ConsecutiveSkipsError` naming the
+  parameters whose gradients were non-finite;
 - a public :class:`~mixprec.scaling.record.ScaleRecord` of every step, right for fused optimizers too;
 - calls out of order raise an error that names the call.
 
@@ -18,16 +21,24 @@ host mirror of the scale.
 
 from __future__ import annotations
 
+import inspect
 import math
 import struct
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from mixprec.scaling.record import ScaleRecord
+
+# The default bounds, used when min_scale / max_scale are not given. 2^24: a larger scale only matters for
+# gradients below fp16's smallest subnormal times 2^-24, and it brings fp32 overflow of the scaled loss closer.
+DEFAULT_MIN_SCALE = 1.0
+DEFAULT_MAX_SCALE = 2.0**24
 
 
 class ConsecutiveSkipsError(RuntimeError):
@@ -67,7 +78,11 @@ class GradScaler:
             skipped with the scale held (1 = torch's behaviour: every overflow backs off). As in Megatron-LM
             and DeepSpeed, the count is restored only when the scale grows: once it is spent, every
             overflow backs off, so a persistent overflow still drives the scale down quickly.
-        min_scale, max_scale: bounds the scale never leaves.
+        min_scale, max_scale: bounds the scale never leaves. When not given they are ``DEFAULT_MIN_SCALE``
+            (1) and ``DEFAULT_MAX_SCALE`` (2^24) widened to take in ``init_scale``: torch accepts any positive
+            ``init_scale`` (``1e38`` in its own tests), and a start the user chose is no reason to refuse
+            torch code, while the floor still stops the scale decaying to 0.0 and the ceiling still stops
+            it growing without end. Bounds given explicitly must contain ``init_scale``.
         max_consecutive_skips: raise :class:`ConsecutiveSkipsError` after this many skipped steps in a row
             (``None`` never raises).
         history_size: how many recent steps :attr:`record` keeps.
@@ -83,14 +98,18 @@ class GradScaler:
         enabled: bool = True,
         *,
         hysteresis: int = 1,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**24,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
         max_consecutive_skips: int | None = 100,
         history_size: int = 1000,
     ) -> None:
         if isinstance(device, (int, float)) and not isinstance(device, bool):
             raise TypeError(f"GradScaler's first argument is the device, got {device!r}; pass init_scale={device!r}")
         _check(init_scale > 0, "init_scale", init_scale, "must be > 0")
+        if min_scale is None:
+            min_scale = min(DEFAULT_MIN_SCALE, float(init_scale))
+        if max_scale is None:
+            max_scale = max(DEFAULT_MAX_SCALE, float(init_scale))
         _check(growth_factor > 1.0, "growth_factor", growth_factor, "must be > 1.0")
         _check(0.0 < backoff_factor < 1.0, "backoff_factor", backoff_factor, "must be in (0, 1)")
         _check(int(growth_interval) == growth_interval >= 1, "growth_interval", growth_interval, "must be >= 1")
@@ -108,8 +127,18 @@ class GradScaler:
             max_consecutive_skips,
             "must be >= 1 or None",
         )
-        self._device = _check_device(device) if device is not None else None
+        self._device = torch.device(device) if device is not None else None
         self._enabled = bool(enabled)
+        if self._enabled and self._device is not None and self._device.type == "cuda" and not torch.cuda.is_available():
+            # As torch's scaler: `GradScaler("cuda")` on a CPU-only machine warns and does nothing, so scripts
+            # written for a GPU still run here (fp16 autocast on CUDA cannot run either, so no gradient here
+            # needed scaling). Omitting device= is the portable spelling: the scale follows the loss.
+            warnings.warn(
+                "GradScaler(device='cuda') is enabled, but CUDA is not available: disabling loss scaling. "
+                "Omit device= and the scaler takes its device from the loss.",
+                stacklevel=2,
+            )
+            self._enabled = False
         self._init_scale = float(init_scale)
         self._growth_factor = float(growth_factor)
         self._backoff_factor = float(backoff_factor)
@@ -173,12 +202,16 @@ class GradScaler:
         """Multiply a loss (or nested tensors) by the scale. No host sync."""
         if not self._enabled:
             return outputs
-        first = _first_tensor(outputs)
-        if first is None:
-            raise TypeError(f"scale() takes a tensor or tensors, got {type(outputs).__name__}")
-        self._lazy_init(first.device)
+        if _is_plain_iterable(outputs):  # a generator or other iterable: torch returns a lazy map over it
+            return map(self.scale, outputs)
+        leaves = pytree.tree_leaves(outputs)
+        bad = [leaf for leaf in leaves if not isinstance(leaf, torch.Tensor)]
+        if not leaves or bad:
+            found = type(bad[0]).__name__ if bad else type(outputs).__name__
+            raise TypeError(f"scale() takes a tensor or a (nested) container of tensors, got {found}")
+        self._lazy_init(leaves[0].device)
         self._scaled_since_update = True
-        return _apply(outputs, lambda t: t * self._scale.to(device=t.device, non_blocking=True))
+        return pytree.tree_map(lambda t: t * self._scale.to(device=t.device, non_blocking=True), outputs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale in place and check them for inf/NaN (no host sync).
@@ -216,6 +249,8 @@ class GradScaler:
         if state.stage is _Stage.STEPPED:
             raise RuntimeError("step() has already been called on this optimizer since the last update()")
         if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+                return self._self_scaling_step(optimizer, state, *args, **kwargs)
             return self._fused_step(optimizer, state, *args, **kwargs)
         if state.stage is _Stage.READY:
             self.unscale_(optimizer)
@@ -238,6 +273,15 @@ class GradScaler:
                 "update() was called without scaler.step(optimizer) since the last update(); "
                 "call scaler.step(optimizer) first"
             )
+        # An optimizer handed `grad_scaler=` checks its own gradients; it records a check only if it called
+        # scaler.unscale_(self). The scale moves on the checks there are, as in torch.
+        checked = [s for s in stepped if s.found_inf is not None]
+        if not checked:
+            raise RuntimeError(
+                "update() found no inf/NaN check for this step: an optimizer that takes grad_scaler= must call "
+                "grad_scaler.unscale_(self) in its step(), or pass a new scale to update(new_scale)"
+            )
+        stepped = checked
         found_inf = stepped[0].found_inf
         for s in stepped[1:]:
             found_inf = found_inf + s.found_inf
@@ -278,7 +322,10 @@ class GradScaler:
     # -- state ---------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's keys (so torch's scaler can load it) plus the bounds, hysteresis and the record."""
+        """torch's keys (so torch's scaler can load it) plus the bounds, hysteresis and the record.
+        ``{}`` when disabled, as torch's (so ``if scaler.state_dict():`` checks behave the same)."""
+        if not self._enabled:
+            return {}
         return {
             "scale": self.get_scale() if self._enabled else self._scale_host,
             "growth_factor": self._growth_factor,
@@ -293,7 +340,10 @@ class GradScaler:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load our own state dict or one from ``torch.amp.GradScaler`` (missing keys keep their values)."""
+        """Load our own state dict or one from ``torch.amp.GradScaler`` (missing keys keep their values).
+        A disabled scaler ignores it, as torch's does."""
+        if not self._enabled:
+            return
         if not state_dict:
             raise RuntimeError("the scaler state dict is empty: it was saved by a disabled torch GradScaler")
         self._scale_host = _fp32(float(state_dict["scale"]))
@@ -393,6 +443,24 @@ class GradScaler:
             del optimizer.grad_scale, optimizer.found_inf
             state.stage = _Stage.STEPPED
 
+    def _self_scaling_step(
+        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, *args: Any, **kwargs: Any
+    ) -> Any:
+        # torch's older contract for optimizers that declare _step_supports_amp_scaling and take grad_scaler=:
+        # the optimizer gets the scaler itself and unscales/skips on its own (torch deprecates it, with this
+        # FutureWarning, in favour of the grad_scale/found_inf attributes _fused_step sets).
+        warnings.warn(
+            "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. In the "
+            "near future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the passed "
+            "optimizer and let the optimizer use them directly.",
+            FutureWarning,
+            stacklevel=3,
+        )
+        try:
+            return optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+        finally:
+            state.stage = _Stage.STEPPED
+
     def _advance(self, found_inf: torch.Tensor, skipped: bool) -> None:
         """Move the scale one step: torch's update kernel on the device, the same arithmetic on the host."""
         if skipped:
@@ -441,36 +509,8 @@ def _check(ok: bool, name: str, value: Any, rule: str) -> None:
         raise ValueError(f"GradScaler({name}={value!r}): {name} {rule}")
 
 
-def _check_device(device: torch.device | str) -> torch.device:
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "GradScaler(device='cuda'): CUDA is not available on this machine; omit device= and the scaler "
-            "takes the device from the loss (torch's GradScaler would silently disable itself here)"
-        )
-    return dev
-
-
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, dict):
-        obj = obj.values()
-    if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
-        for item in obj:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
-
-
-def _apply(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return type(obj)({k: _apply(v, fn) for k, v in obj.items()})
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_apply(v, fn) for v in obj)
-    if isinstance(obj, Iterable):
-        return map(lambda v: _apply(v, fn), obj)
-    raise TypeError(f"scale() takes tensors, got {type(obj).__name__}")
+def _is_plain_iterable(obj: Any) -> bool:
+    """An iterable that is neither a tensor nor a container the tree-map knows (a generator, a map, ...)."""
+    if isinstance(obj, (torch.Tensor, str, bytes)) or not isinstance(obj, Iterable):
+        return False
+    return pytree.tree_is_leaf(obj)

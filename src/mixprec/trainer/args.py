@@ -5,6 +5,11 @@ A script moves over from ``transformers`` by changing its import: the fields tha
 (0.9, 0.999), eps 1e-8, logging and saving every 500 steps, seed 42). ``evaluation_strategy``, which HF
 Transformers 5 rejects with a TypeError, is accepted as an alias of ``eval_strategy``.
 
+Every other field of HF's ``TrainingArguments`` is accepted too (:mod:`mixprec.trainer.hf_fields`): each
+one is implemented, or ignored where ignoring it is harmless (documented per field), or refused with a
+message naming it when set to anything but its default. HF's properties (``train_batch_size``,
+``eval_batch_size``, ``device``, ``n_gpu``, ``world_size``, ``process_index``, ...) are here as well.
+
 The flat dataclass is what users write; the Trainer reads the grouped views (``args.precision_config``,
 ``args.optimization``, ``args.schedule``, ``args.evaluation``, ``args.checkpointing``, ``args.logging``),
 each a frozen dataclass that validates its own fields in ``__post_init__``. They are built on access, so a
@@ -15,9 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from mixprec.accelerator.distributed import LaunchEnv, select_device
 from mixprec.precision.registry import canonical_name
 from mixprec.trainer.configs import (
     DISTRIBUTED,
@@ -31,16 +41,19 @@ from mixprec.trainer.configs import (
     check_choice,
     check_positive_int,
     fail,
+    resolve_steps,
 )
+from mixprec.trainer.hf_fields import HFCompatFields
 from mixprec.watch.settings import WatchConfig
 
 # -- the public, flat, HF-compatible dataclass ---------------------------------------------------------
 
 
 @dataclass
-class TrainingArguments:
+class TrainingArguments(HFCompatFields):
     """Everything a :class:`~mixprec.trainer.trainer.Trainer` run needs. Field names and defaults follow
-    Hugging Face's ``TrainingArguments`` where they overlap; the loss-scaler fields are mixprec's own."""
+    Hugging Face's ``TrainingArguments`` where they overlap; the loss-scaler fields are mixprec's own; HF's
+    other fields come (keyword-only) from :class:`~mixprec.trainer.hf_fields.HFCompatFields`."""
 
     output_dir: str = "trainer_output"
     """Where checkpoints, metrics.jsonl, plots and the final model go."""
@@ -78,15 +91,17 @@ class TrainingArguments:
     num_train_epochs: float = 3.0
     max_steps: int = -1
     lr_scheduler_type: str = "linear"
-    warmup_steps: int = 0
+    warmup_steps: int | float = 0
+    """Warmup in optimizer steps; a float below 1 is a ratio of the total steps (HF 5)."""
     warmup_ratio: float = 0.0
 
     # -- evaluation -----------------------------------------------------------------------------------
     eval_strategy: str = "no"
     evaluation_strategy: str | None = None
     """Deprecated alias of eval_strategy, accepted so older scripts (and the seed's snippet) run unchanged."""
-    eval_steps: int | None = None
-    """Optimizer steps between evaluations when eval_strategy="steps" (default: logging_steps)."""
+    eval_steps: int | float | None = None
+    """Optimizer steps between evaluations when eval_strategy="steps" (default: logging_steps); a float
+    below 1 is a ratio of the run's total steps, as in HF."""
     per_device_eval_batch_size: int = 8
     load_best_model_at_end: bool = False
     metric_for_best_model: str | None = None
@@ -95,12 +110,14 @@ class TrainingArguments:
 
     # -- checkpointing --------------------------------------------------------------------------------
     save_strategy: str = "steps"
-    save_steps: int = 500
+    """"no", "steps", "epoch", or "best" (save whenever an evaluation finds a new best metric)."""
+    save_steps: int | float = 500
     save_total_limit: int | None = None
 
     # -- logging --------------------------------------------------------------------------------------
     logging_strategy: str = "steps"
-    logging_steps: int = 500
+    logging_steps: int | float = 500
+    """Optimizer steps between training logs; a float below 1 is a ratio of the run's total steps."""
     logging_first_step: bool = False
     logging_dir: str | None = None
     """TensorBoard event folder (default: <output_dir>/runs)."""
@@ -133,10 +150,15 @@ class TrainingArguments:
     or "fallback:N" (also move a layer that overflows fp16 to fp32), a dict of WatchConfig fields; None: off."""
 
     def __post_init__(self) -> None:
+        if self.output_dir is None:  # HF's default when None is passed
+            self.output_dir = "trainer_output"
+        self.output_dir = os.path.expanduser(self.output_dir)
+        self.check_hf_fields()
         self._merge_eval_alias()
         self._resolve_precision()
         if self.eval_steps is None:
             self.eval_steps = self.logging_steps  # HF's default
+        self._apply_hf_implied()
         if self.max_grad_norm == 0:
             self.max_grad_norm = None
         self.report_to = list(self._normalise_report_to(self.report_to))
@@ -185,6 +207,32 @@ class TrainingArguments:
         self.fp16 = name == "fp16"
         self.bf16 = name == "bf16"
 
+    def _apply_hf_implied(self) -> None:
+        """HF's derived settings, so scripts that rely on them behave the same."""
+        if self.eval_strategy != "no":
+            self.do_eval = True
+        # load_best_model_at_end compares checkpoints by a metric: HF picks the eval loss, minimised, and
+        # EarlyStoppingCallback needs both filled in.
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
+            self.torch_compile = True
+        if self.torch_compile and self.torch_compile_backend is None:
+            self.torch_compile_backend = "inductor"  # torch.compile's default, named as HF does
+        if self.use_cpu:
+            self.dataloader_pin_memory = False  # as HF: nothing to pin for on the CPU
+        if self.dataloader_prefetch_factor is not None and self.dataloader_num_workers == 0:
+            fail("dataloader_prefetch_factor", self.dataloader_prefetch_factor, "needs dataloader_num_workers > 0")
+        if self.fsdp_requested():
+            if self.distributed not in (None, "fsdp"):
+                fail("fsdp", self.fsdp, f"conflicts with distributed={self.distributed!r}; set one of them")
+            self.distributed = "fsdp"
+        if self.tf32 is not None:  # process-wide, as HF sets it (only CUDA matmuls read it)
+            torch.backends.cuda.matmul.allow_tf32 = bool(self.tf32)
+            torch.backends.cudnn.allow_tf32 = bool(self.tf32)
+
     @staticmethod
     def _normalise_report_to(value: str | list[str] | None) -> tuple[str, ...]:
         names = [value] if isinstance(value, str) else list(value or [])
@@ -231,20 +279,28 @@ class TrainingArguments:
 
     def validate(self) -> None:
         """Validate every group and the rules that span groups. Called at construction and by the Trainer."""
+        self.refuse_unsupported()
         _ = (self.precision_config, self.optimization, self.schedule, self.logging)  # each validates itself
         ev = self.evaluation
         ck = self.checkpointing
+        if ck.save_strategy == "best":
+            if ev.eval_strategy == "no":
+                fail("save_strategy", "best", "needs eval_strategy='steps' or 'epoch' to find the best model")
+            if self.metric_for_best_model is None:
+                fail("metric_for_best_model", None, "must be set when save_strategy='best' (e.g. 'loss')")
         if ev.load_best_model_at_end:
             if ev.eval_strategy == "no":
                 fail("load_best_model_at_end", True, "needs eval_strategy='steps' or 'epoch' to know the best")
-            if ck.save_strategy != ev.eval_strategy:
+            if ck.save_strategy == "best":
+                pass  # every new best is saved: there is always a checkpoint to return to
+            elif ck.save_strategy != ev.eval_strategy:
                 fail(
                     "save_strategy",
                     ck.save_strategy,
                     f"must equal eval_strategy={ev.eval_strategy!r} when load_best_model_at_end=True, so every "
                     "evaluated model has a checkpoint to return to",
                 )
-            if ev.eval_strategy == "steps" and ck.save_steps % ev.eval_steps != 0:
+            elif ev.eval_strategy == "steps" and _not_a_multiple(ck.save_steps, ev.eval_steps):
                 fail(
                     "save_steps",
                     ck.save_steps,
@@ -253,18 +309,92 @@ class TrainingArguments:
         if self.metric_for_best_model is not None and ev.eval_strategy == "no":
             fail("metric_for_best_model", self.metric_for_best_model, "needs eval_strategy='steps' or 'epoch'")
 
+    # -- HF's derived properties -----------------------------------------------------------------------
+
+    def steps_for(self, max_steps: int) -> tuple[int, int, int]:
+        """(logging_steps, eval_steps, save_steps) in optimizer steps for a run of ``max_steps``: a float
+        below 1 is a ratio of the run, rounded up (HF's rule)."""
+        return (
+            resolve_steps(self.logging_steps, max_steps),
+            resolve_steps(self.eval_steps, max_steps),
+            resolve_steps(self.save_steps, max_steps),
+        )
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process trains on (the Accelerator's rule: ``cuda:LOCAL_RANK``, else the CPU)."""
+        return select_device(None, self.use_cpu, LaunchEnv.from_environ())
+
+    @property
+    def n_gpu(self) -> int:
+        """GPUs used by this process: 1 on a GPU, 0 on the CPU (mixprec never uses DataParallel, so never
+        more, as HF under torchrun)."""
+        return 1 if self.device.type == "cuda" else 0
+
+    @property
+    def train_batch_size(self) -> int:
+        """The per-process training batch (HF: per_device_train_batch_size * max(1, n_gpu))."""
+        return self.per_device_train_batch_size * max(1, self.n_gpu)
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.per_device_eval_batch_size * max(1, self.n_gpu)
+
+    @property
+    def world_size(self) -> int:
+        """Processes training together (torchrun's WORLD_SIZE; 1 for a plain ``python script.py``)."""
+        return LaunchEnv.from_environ().world_size
+
+    @property
+    def process_index(self) -> int:
+        return LaunchEnv.from_environ().rank
+
+    @property
+    def local_process_index(self) -> int:
+        return LaunchEnv.from_environ().local_rank
+
+    @property
+    def should_log(self) -> bool:
+        """Whether this process logs: the main process only."""
+        return self.process_index == 0
+
+    @property
+    def should_save(self) -> bool:
+        """Whether this process writes files: the main process only."""
+        return self.process_index == 0
+
     # -- serialisation --------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """JSON-ready: a torch.dtype (in a subclass's field) becomes its name, as in HF."""
+        return {f.name: _plain_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainingArguments:
+        """Rebuild from :meth:`to_dict` (fields that are not constructor arguments are skipped)."""
+        values = {k: v for k, v in values.items() if k not in _NOT_INIT}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"TrainingArguments has no field(s) {', '.join(unknown)}")
         return cls(**values)
+
+
+_NOT_INIT = {f.name for f in dataclasses.fields(TrainingArguments) if not f.init}
+
+
+def _not_a_multiple(save_steps: float, eval_steps: float) -> bool:
+    # HF: ratios can only be compared with ratios; a whole number of eval intervals per save otherwise.
+    if save_steps < 1 or eval_steps < 1:
+        ratio = save_steps / eval_steps
+        return not (save_steps < 1 and eval_steps < 1 and math.isclose(ratio, round(ratio)))
+    return save_steps % eval_steps != 0
+
+
+def _plain_value(value: Any) -> Any:
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return value

@@ -11,12 +11,15 @@ callback can override any of its decisions.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mixprec.trainer.args import TrainingArguments
     from mixprec.trainer.state import TrainerState
+
+logger = logging.getLogger("mixprec.trainer")
 
 EVENTS = (
     "on_init_end",
@@ -37,8 +40,29 @@ EVENTS = (
 )
 
 
+class ExportableState:
+    """A callback whose state is saved in checkpoints (``trainer_state.json``, "stateful_callbacks") and, with
+    ``TrainingArguments(restore_callback_states_from_checkpoint=True)``, restored on resume (HF's contract).
+    ``state()`` returns ``{"args": <constructor kwargs>, "attributes": <attributes set afterwards>}``."""
+
+    def state(self) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} must implement state() to be saved with checkpoints")
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Any:
+        instance = cls(**state.get("args", {}))
+        for key, value in state.get("attributes", {}).items():
+            setattr(instance, key, value)
+        return instance
+
+
+def _is_stateful(obj: Any) -> bool:
+    # HF's own ExportableState subclasses count too (a callback written for transformers, unchanged)
+    return isinstance(obj, ExportableState) or (callable(getattr(obj, "state", None)) and hasattr(obj, "from_state"))
+
+
 @dataclass
-class TrainerControl:
+class TrainerControl(ExportableState):
     """Switches a callback flips to steer the loop. The step switches reset at every step, the epoch switch
     at every epoch; ``should_training_stop`` stays set."""
 
@@ -58,6 +82,10 @@ class TrainerControl:
         self.should_save = False
         self.should_evaluate = False
         self.should_log = False
+
+    def state(self) -> dict[str, Any]:
+        switches = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
+        return {"args": {name: getattr(self, name) for name in switches}, "attributes": {}}
 
 
 class TrainerCallback:
@@ -127,6 +155,12 @@ class CallbackHandler:
 
     def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         cb = callback() if isinstance(callback, type) else callback
+        if any(type(c) is type(cb) for c in self.callbacks):  # as HF: allowed, but usually a mistake
+            logger.warning(
+                "adding a second %s to the Trainer's callbacks (it has: %s)",
+                type(cb).__name__,
+                ", ".join(type(c).__name__ for c in self.callbacks),
+            )
         missing = [e for e in ("on_step_end", "on_log") if not callable(getattr(cb, e, None))]
         if missing:
             raise TypeError(
@@ -176,14 +210,13 @@ class DefaultFlowCallback(TrainerCallback):
             control.should_log = True
         if args.logging_strategy == "steps" and step % state.logging_steps == 0:
             control.should_log = True
-        if args.eval_strategy == "steps" and step % state.eval_steps == 0:
+        if args.eval_strategy == "steps" and step % state.eval_steps == 0 and args.eval_delay <= step:
             control.should_evaluate = True
         if args.save_strategy == "steps" and step % state.save_steps == 0:
             control.should_save = True
         if step >= state.max_steps:
             control.should_training_stop = True
-            control.should_log = control.should_log or args.logging_strategy != "no"
-            if args.eval_strategy == "steps" and step % state.eval_steps != 0:
+            if args.eval_strategy == "steps" and step % state.eval_steps != 0 and args.eval_delay <= step:
                 control.should_evaluate = True
             if args.save_strategy == "steps":
                 control.should_save = True
@@ -192,8 +225,103 @@ class DefaultFlowCallback(TrainerCallback):
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         if args.logging_strategy == "epoch":
             control.should_log = True
-        if args.eval_strategy == "epoch":
+        if args.eval_strategy == "epoch" and args.eval_delay <= (state.epoch or 0.0):
             control.should_evaluate = True
         if args.save_strategy == "epoch":
             control.should_save = True
         return control
+
+
+class EarlyStoppingCallback(TrainerCallback, ExportableState):
+    """Stop training when ``metric_for_best_model`` has not improved for ``early_stopping_patience``
+    evaluations in a row (HF's semantics: an improvement must beat the best so far by more than
+    ``early_stopping_threshold``; the best is the Trainer's ``state.best_metric``, updated after this check).
+
+    Needs an evaluation strategy and a metric; with ``load_best_model_at_end=True`` (which fills the metric
+    in as "loss") the best model is restored when it stops.
+    """
+
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float | None = 0.0) -> None:
+        self.early_stopping_patience = early_stopping_patience
+        self.early_stopping_threshold = early_stopping_threshold or 0.0
+        self.early_stopping_patience_counter = 0
+        """Evaluations in a row that did not improve on the best metric."""
+
+    def check_metric_value(self, args: Any, state: Any, control: TrainerControl, metric_value: float) -> None:
+        best = state.best_metric
+        if best is None:
+            self.early_stopping_patience_counter = 0
+            return
+        better = metric_value > best if args.greater_is_better else metric_value < best
+        if better and abs(metric_value - best) > self.early_stopping_threshold:
+            self.early_stopping_patience_counter = 0
+        else:
+            self.early_stopping_patience_counter += 1
+
+    def on_train_begin(self, args: Any, state: Any, control: TrainerControl, **kwargs: Any) -> None:
+        if args.metric_for_best_model is None:
+            raise ValueError(
+                "EarlyStoppingCallback needs TrainingArguments(metric_for_best_model=...) (or "
+                "load_best_model_at_end=True, which sets it to 'loss')"
+            )
+        if args.eval_strategy == "no":
+            raise ValueError("EarlyStoppingCallback needs TrainingArguments(eval_strategy='steps' or 'epoch')")
+        if not args.load_best_model_at_end:
+            logger.warning(
+                "EarlyStoppingCallback without load_best_model_at_end=True: the best model will not be "
+                "loaded when training stops"
+            )
+
+    def on_evaluate(self, args: Any, state: Any, control: TrainerControl, metrics: Any = None, **kwargs: Any):
+        key = args.metric_for_best_model
+        key = key if key.startswith("eval_") else f"eval_{key}"
+        value = (metrics or {}).get(key)
+        if value is None:
+            logger.warning("EarlyStoppingCallback: the evaluation returned no %r; early stopping is off", key)
+            return None
+        self.check_metric_value(args, state, control, value)
+        if self.early_stopping_patience_counter >= self.early_stopping_patience:
+            control.should_training_stop = True
+        return None
+
+    def state(self) -> dict[str, Any]:
+        """HF's ExportableState form: the arguments and the counter."""
+        return {
+            "args": {
+                "early_stopping_patience": self.early_stopping_patience,
+                "early_stopping_threshold": self.early_stopping_threshold,
+            },
+            "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter},
+        }
+
+
+def export_callback_states(callbacks: list[Any], control: TrainerControl) -> dict[str, Any]:
+    """HF's ``stateful_callbacks``: class name -> ``state()`` (a list of them for several of one class)."""
+    states: dict[str, Any] = {}
+    for cb in [*callbacks, control]:
+        if not _is_stateful(cb):
+            continue
+        name, value = type(cb).__name__, cb.state()
+        if name in states:
+            states[name] = (states[name] if isinstance(states[name], list) else [states[name]]) + [value]
+        else:
+            states[name] = value
+    return states
+
+
+def restore_callback_states(
+    handler: CallbackHandler, control: TrainerControl, stored: dict[str, Any]
+) -> TrainerControl:
+    """Rebuild each stateful callback (and the control) from a checkpoint's ``stateful_callbacks``, matched by
+    class name and, for several of one class, by order (HF's rule); returns the control to use."""
+    for name, data in (stored or {}).items():
+        states = data if isinstance(data, list) else [data]
+        if name == type(control).__name__:
+            control = type(control).from_state(states[0])
+            continue
+        matching = [cb for cb in handler.callbacks if type(cb).__name__ == name and _is_stateful(cb)]
+        if not matching:
+            logger.warning("checkpoint holds the state of callback %s, which this Trainer does not have", name)
+        for cb, state in zip(matching, states):
+            handler.callbacks[handler.callbacks.index(cb)] = type(cb).from_state(state)
+    return control

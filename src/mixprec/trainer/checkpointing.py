@@ -29,6 +29,7 @@ written before manifests existed is accepted, with a warning, when its required 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -262,6 +263,7 @@ def save_trainer_checkpoint(trainer: Trainer, position: DataPosition) -> Path:
         STATE_NAME: state.to_dict(),
         EXTRA_NAME: {"data_position": position.to_dict(), "meter": trainer.meter.state_dict()},
         ARGS_NAME: args.to_dict(),
+        **model_config_file(acc.unwrap_model(trainer.model)),
     }
     try:
         save_checkpoint(args.output_dir, state.global_step, acc, files)
@@ -280,6 +282,15 @@ def save_trainer_checkpoint(trainer: Trainer, position: DataPosition) -> Path:
     acc.wait_for_everyone()
     trainer.event("on_save", checkpoint=str(path))
     return path
+
+
+def model_config_file(model: Any) -> dict[str, Any]:
+    """``{"config": ...}`` (written as config.json) for a model with an HF-style config, so
+    ``from_pretrained("checkpoint-N")`` finds one next to model.safetensors; {} otherwise."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return {}
+    return {"config": json.loads(config.to_json_string())}
 
 
 def load_trainer_checkpoint(trainer: Trainer, path: Path) -> DataPosition:

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 STRATEGIES = ("no", "steps", "epoch")
+SAVE_STRATEGIES = (*STRATEGIES, "best")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
-REPORTERS = ("tensorboard",)  # JSONL is always written; these are the extras
+REPORTERS = ("tensorboard", "mlflow", "wandb")  # JSONL is always written; these are the extras
 DISTRIBUTED = (None, "ddp", "fsdp")
 
 
@@ -26,6 +27,21 @@ def check_positive_int(name: str, value: Any, *, allow_zero: bool = False) -> No
     low = 0 if allow_zero else 1
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         fail(name, value, f"must be an integer >= {low}")
+
+
+def check_steps(name: str, value: Any) -> None:
+    """An interval in optimizer steps: an integer >= 1, or a float in (0, 1) read as a ratio of the run."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        fail(name, value, "must be an integer >= 1, or a float in (0, 1) for a ratio of the total steps")
+    if value >= 1 and value != int(value):
+        fail(name, value, "must be an integer when >= 1 (a float below 1 is a ratio of the total steps)")
+
+
+def resolve_steps(value: float, max_steps: int) -> int:
+    """Steps for an interval given as an integer or as a ratio (< 1) of ``max_steps`` (rounded up, >= 1)."""
+    if value < 1:
+        return max(1, math.ceil(value * max_steps))
+    return int(value)
 
 
 def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
@@ -115,7 +131,7 @@ class ScheduleConfig:
     max_steps: int
     """Optimizer steps to run; overrides num_train_epochs when > 0 (-1: use num_train_epochs)."""
     lr_scheduler_type: str
-    warmup_steps: int
+    warmup_steps: int | float
     warmup_ratio: float
 
     def __post_init__(self) -> None:
@@ -126,7 +142,9 @@ class ScheduleConfig:
         if self.max_steps == -1 and not self.num_train_epochs > 0:
             fail("num_train_epochs", self.num_train_epochs, "must be > 0 (or set max_steps > 0)")
         check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
-        check_positive_int("warmup_steps", self.warmup_steps, allow_zero=True)
+        ws = self.warmup_steps
+        if isinstance(ws, bool) or not isinstance(ws, (int, float)) or ws < 0 or (ws >= 1 and ws != int(ws)):
+            fail("warmup_steps", ws, "must be an integer >= 0, or a float in (0, 1) for a ratio of the total steps")
         if not 0.0 <= self.warmup_ratio <= 1.0:
             fail("warmup_ratio", self.warmup_ratio, "must be in [0, 1]")
         if self.warmup_steps > 0 and self.warmup_ratio > 0:
@@ -134,8 +152,10 @@ class ScheduleConfig:
 
     def num_warmup_steps(self, total_steps: int) -> int:
         """Warmup in optimizer steps: warmup_steps if set, else ceil(warmup_ratio * total) as HF does."""
-        if self.warmup_steps > 0:
-            return self.warmup_steps
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        if self.warmup_steps > 0:  # HF 5: a float below 1 is a ratio, as warmup_ratio
+            return math.ceil(self.warmup_steps * total_steps)
         return math.ceil(self.warmup_ratio * total_steps)
 
 
@@ -144,7 +164,7 @@ class EvalConfig:
     """When to evaluate, and which metric decides the best checkpoint."""
 
     eval_strategy: str
-    eval_steps: int
+    eval_steps: int | float
     per_device_eval_batch_size: int
     load_best_model_at_end: bool
     metric_for_best_model: str | None
@@ -153,7 +173,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         check_choice("eval_strategy", self.eval_strategy, STRATEGIES)
-        check_positive_int("eval_steps", self.eval_steps)
+        check_steps("eval_steps", self.eval_steps)
         check_positive_int("per_device_eval_batch_size", self.per_device_eval_batch_size)
 
     def metric_key(self) -> str:
@@ -175,12 +195,12 @@ class CheckpointConfig:
     """When to write checkpoint-N folders and how many to keep."""
 
     save_strategy: str
-    save_steps: int
+    save_steps: int | float
     save_total_limit: int | None
 
     def __post_init__(self) -> None:
-        check_choice("save_strategy", self.save_strategy, STRATEGIES)
-        check_positive_int("save_steps", self.save_steps)
+        check_choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
+        check_steps("save_steps", self.save_steps)
         if self.save_total_limit is not None:
             check_positive_int("save_total_limit", self.save_total_limit)
 
@@ -190,7 +210,7 @@ class LoggingConfig:
     """What is logged, how often, and where (metrics.jsonl always; TensorBoard when asked)."""
 
     logging_strategy: str
-    logging_steps: int
+    logging_steps: int | float
     logging_first_step: bool
     report_to: tuple[str, ...]
     logging_dir: str
@@ -199,7 +219,7 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         check_choice("logging_strategy", self.logging_strategy, STRATEGIES)
-        check_positive_int("logging_steps", self.logging_steps)
+        check_steps("logging_steps", self.logging_steps)
         for name in self.report_to:
             if name not in REPORTERS:
                 fail(

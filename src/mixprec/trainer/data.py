@@ -8,7 +8,11 @@ uninterrupted one would have read next. The seed comes from a generator private 
 generator, and drawing it from the global RNG would shift a resumed run's dropout masks.
 
 Accepted datasets: anything map-style with ``__len__`` and ``__getitem__`` (torch ``Dataset``, a list of dicts,
-a Hugging Face ``datasets.Dataset`` split). Items that are dicts are collated key by key into tensors; string
+a Hugging Face ``datasets.Dataset`` split), and streams (a torch ``IterableDataset``, a ``datasets``
+``IterableDataset``) when ``max_steps`` says how long to train, as in HF. A stream is sharded across processes
+by :class:`ShardedStream`: each process reads whole batches of its own, no example twice (see its resume rule).
+
+Items that are dicts are collated key by key into tensors; string
 columns, and keys the model's forward does not take, are dropped (``remove_unused_columns``).
 """
 
@@ -39,12 +43,21 @@ class DataPosition:
         return cls(int(values["epoch"]), int(values["batches_consumed"]))
 
 
-def check_dataset(dataset: Any, name: str) -> int:
-    """Return ``len(dataset)``; raise ValueError for an empty dataset or one without random access."""
-    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+def is_stream(dataset: Any) -> bool:
+    """A dataset read front to back (no random access): torch's or ``datasets``' IterableDataset."""
+    if isinstance(dataset, IterableDataset):
+        return True
+    return not hasattr(dataset, "__getitem__") and hasattr(dataset, "__iter__") and not hasattr(dataset, "__len__")
+
+
+def check_dataset(dataset: Any, name: str) -> int | None:
+    """Return ``len(dataset)`` (None for a stream); raise ValueError for an empty dataset or an unusable one."""
+    if is_stream(dataset):
+        return None
+    if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
         raise ValueError(
             f"{name} must be map-style (with __len__ and __getitem__: a torch Dataset, a list of dicts or a "
-            f"datasets.Dataset split), got {type(dataset).__name__}; an exact resume needs random access"
+            f"datasets.Dataset split) or a stream (an IterableDataset), got {type(dataset).__name__}"
         )
     n = len(dataset)
     if n == 0:
@@ -127,6 +140,7 @@ def make_loader(
     seed: int,
     num_workers: int = 0,
     drop_last: bool = False,
+    **loader_kwargs: Any,
 ) -> DataLoader:
     """A plain DataLoader for ``Accelerator.prepare``, which splits it across processes, moves its batches to
     the device and saves its position. Its private generator, seeded with ``seed``, fixes the shuffle seed
@@ -134,12 +148,69 @@ def make_loader(
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=shuffle,
+        shuffle=shuffle and not is_stream(dataset),  # a stream's order is its own
         collate_fn=collate_fn,
         num_workers=num_workers,
         drop_last=drop_last,
         generator=torch.Generator().manual_seed(int(seed)),
+        **loader_kwargs,
     )
+
+
+class ShardedStream(IterableDataset):
+    """A stream split across ``num_replicas`` processes: of every ``batch_size * num_replicas`` examples,
+    process ``rank`` takes the ``rank``-th block of ``batch_size``. Every process gets the same number of whole
+    batches (DDP's collectives need that), and no example is read twice: under several processes a last group
+    too short to give every process a whole batch is dropped (HF's IterableDatasetShard pads it with repeats
+    instead), in evaluation too, so a distributed evaluation of a stream leaves out up to
+    ``batch_size * num_replicas - 1`` trailing examples. One process reads the whole stream.
+
+    Resume: a stream cannot seek, so ``skip_batches(n)`` makes the next pass read and discard this process's
+    first ``n`` batches (their groups), as HF's Trainer skips batches on resume. The Trainer calls it with the
+    checkpoint's data position; the data seen after the resume is the data the uninterrupted run would have
+    read, provided the stream yields the same examples in the same order when read again.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int, num_replicas: int = 1, rank: int = 0) -> None:
+        self.dataset, self.batch_size = dataset, int(batch_size)
+        self.num_replicas, self.rank = int(num_replicas), int(rank)  # num_replicas: "already split" to prepare()
+        self._skip = 0
+
+    def skip_batches(self, n: int) -> None:
+        self._skip = int(n)
+
+    def __iter__(self) -> Any:
+        group = self.batch_size * self.num_replicas
+        skip, self._skip = self._skip * group, 0
+        if self.num_replicas == 1 and torch.utils.data.get_worker_info() is None:
+            # one process: nothing to split, so nothing is dropped (the last batch may be short)
+            for i, example in enumerate(self.dataset):
+                if i >= skip:
+                    yield example
+            return
+        start, stop = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
+        worker = torch.utils.data.get_worker_info()  # DataLoader workers share the groups out too
+        workers, worker_id = (worker.num_workers, worker.id) if worker is not None else (1, 0)
+        block: list[Any] = []
+        groups = 0
+        for i, example in enumerate(self.dataset):
+            if i < skip:
+                continue
+            block.append(example)
+            if len(block) == group:
+                if groups % workers == worker_id:
+                    yield from block[start:stop]
+                block, groups = [], groups + 1
+
+
+def call_model(model: torch.nn.Module, batch: Any) -> Any:
+    """How a batch reaches the model, in training and evaluation alike: ``model(**batch)`` for dict batches
+    (the HF convention), ``model(*batch)`` for tuples (a ``TensorDataset``), ``model(batch)`` otherwise."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
 
 
 def count_tokens(batch: Any) -> int:

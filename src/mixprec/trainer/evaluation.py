@@ -1,7 +1,11 @@
 """The evaluation loop behind ``Trainer.evaluate()`` and ``Trainer.predict()``.
 
 The model runs in eval mode without gradients, through the prepared model (so under the run's precision,
-with fp32 outputs). Losses are summed on the device and read once at the end; predictions and labels are
+with fp32 outputs), and through the same ``compute_loss`` as training (HF's ``prediction_step`` rule): a
+batch reaches the model as it does in training (``model(**batch)``, ``model(*batch)`` for tuples), and a
+``compute_loss`` override decides the evaluation loss too.
+
+Losses are summed on the device and read once at the end; predictions and labels are
 moved to the host only when ``compute_metrics`` (or ``predict``) needs them. Under several processes every
 process evaluates its shard of the prepared loader (each example in exactly one shard) and the results are
 gathered with ``Accelerator.gather``, which accepts shards of different sizes.
@@ -18,7 +22,7 @@ import numpy as np
 import torch
 
 from mixprec.models.outputs import extract_loss  # one loss rule, shared with the diagnosis
-from mixprec.trainer.data import count_samples
+from mixprec.trainer.data import call_model, count_samples
 from mixprec.trainer.state import EvalPrediction
 
 
@@ -81,20 +85,60 @@ def _to_host(x: Any) -> Any:
     return x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
 
 
+ComputeLoss = Callable[..., Any]  # compute_loss(model, batch, return_outputs=True) -> (loss, outputs)
+
+
+def eval_step(
+    compute_loss: ComputeLoss, model: torch.nn.Module, batch: Any, label_names: Sequence[str], need_loss: bool
+) -> tuple[torch.Tensor | None, Any]:
+    """One evaluation batch: ``(loss or None, logits or None)``.
+
+    A batch with labels (and any tuple batch, whose labels cannot be told apart) goes through
+    ``compute_loss(model, batch, return_outputs=True)``, the function training uses. A dict batch without
+    labels, when no loss is needed (``predict`` on unlabelled data), is only called: there is no loss to take.
+    """
+    labelled = not isinstance(batch, Mapping) or any(k in batch for k in label_names)
+    if not labelled and not need_loss:
+        outputs = call_model(model, batch)
+        return _optional_loss(outputs, required=False), logits_of(outputs)
+    try:
+        result = compute_loss(model, batch, return_outputs=True)
+    except ValueError:
+        if need_loss:
+            raise
+        # predict() with a model that returns no loss even given labels: its outputs are what is wanted
+        # (a second forward, on this rare path only).
+        outputs = call_model(model, batch)
+        return None, logits_of(outputs)
+    if isinstance(result, tuple) and len(result) == 2:
+        loss, outputs = result
+    else:  # an override that ignores return_outputs and returns the loss alone
+        loss, outputs = result, None
+    if isinstance(outputs, torch.Tensor):  # an override's model output: a bare tensor is its logits
+        return loss, outputs if outputs is not loss else None
+    return loss, logits_of(outputs)
+
+
 def evaluation_loop(
     model: torch.nn.Module,
     loader: Any,
     accelerator: Any,
     *,
-    dataset_size: int,
+    compute_loss: ComputeLoss,
+    dataset_size: int | None,
     label_names: Sequence[str],
     want_predictions: bool,
     compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None,
     preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None,
     prefix: str,
     on_batch: Callable[[], None] | None = None,
+    batch_metrics: bool = False,
 ) -> EvalResult:
     """Run ``model`` over ``loader``; return ``<prefix>_loss``, ``<prefix>_<metric>`` and timing metrics.
+
+    ``batch_metrics`` (HF's ``batch_eval_metrics``): ``compute_metrics`` is called after every batch with
+    that batch's (gathered) tensors and ``compute_result=False``, and with ``compute_result=True`` on the
+    last batch, whose return value are the metrics; so a metric can accumulate without the whole set in memory.
 
     Host syncs: one for the loss at the end; plus one copy per batch to the host when predictions are kept.
     """
@@ -105,22 +149,24 @@ def evaluation_loop(
     loss_sum: torch.Tensor | None = None
     counted = 0
     preds, labels = [], []
+    batch_result: dict[str, Any] | None = None
     try:
         with torch.no_grad():
-            for batch in loader:
+            for batch, is_last in _with_last(loader):
                 n = count_samples(batch)
-                outputs = model(**batch) if isinstance(batch, Mapping) else model(batch)
-                loss = _optional_loss(outputs, required=not want_predictions)
+                loss, logits = eval_step(compute_loss, model, batch, label_names, need_loss=not want_predictions)
                 if loss is not None:
                     weighted = loss.detach().float() * n  # batch means weighted by size: a mean over examples
                     loss_sum = weighted if loss_sum is None else loss_sum + weighted
                 counted += n
                 if want_predictions:
-                    logits, label = logits_of(outputs), _labels_of(batch, label_names)
+                    label = _labels_of(batch, label_names)
                     if preprocess_logits_for_metrics is not None and logits is not None:
                         logits = preprocess_logits_for_metrics(logits, label)
                     if world > 1:
                         logits, label = _gather(accelerator, logits), _gather(accelerator, label)
+                    if batch_metrics and compute_metrics is not None and logits is not None and label is not None:
+                        batch_result = compute_metrics(EvalPrediction(logits, label), compute_result=is_last)
                     preds.append(_to_host(logits))
                     labels.append(_to_host(label))
                 if on_batch is not None:
@@ -137,14 +183,33 @@ def evaluation_loop(
         metrics[f"{prefix}_loss"] = total_loss / max(total_count, 1.0)
     predictions = _concat([p for p in preds if p is not None]) if preds and preds[0] is not None else None
     label_ids = _concat([lab for lab in labels if lab is not None]) if labels and labels[0] is not None else None
-    if compute_metrics is not None and predictions is not None:
+    if batch_metrics:
+        computed = batch_result
+    elif compute_metrics is not None and predictions is not None:
         computed = compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids))
+    else:
+        computed = None
+    if computed is not None:
         for key, value in (computed or {}).items():
             metrics[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = _plain(value)
     runtime = time.perf_counter() - start
     metrics[f"{prefix}_runtime"] = round(runtime, 4)
-    metrics[f"{prefix}_samples_per_second"] = round(dataset_size / max(runtime, 1e-9), 3)
+    samples = dataset_size if dataset_size is not None else counted  # a stream: what this process read
+    metrics[f"{prefix}_samples_per_second"] = round(samples / max(runtime, 1e-9), 3)
     return EvalResult(metrics, predictions, label_ids)
+
+
+def _with_last(items: Any) -> Any:
+    """``(item, is_last)`` pairs, one item of look-ahead."""
+    iterator = iter(items)
+    current = next(iterator, _END)
+    while current is not _END:
+        upcoming = next(iterator, _END)
+        yield current, upcoming is _END
+        current = upcoming
+
+
+_END = object()
 
 
 def _optional_loss(outputs: Any, required: bool) -> torch.Tensor | None:

@@ -1,6 +1,7 @@
-"""Where logs go: ``metrics.jsonl`` always, TensorBoard when installed and ``report_to`` asks.
+"""Where logs go: ``metrics.jsonl`` always; TensorBoard, MLflow and Weights & Biases when ``report_to`` asks
+(each an optional package, imported only when asked for; :func:`make_reporters` builds them).
 
-Both are callbacks on ``on_log`` and run on the main process only (the Trainer adds them there). The JSONL
+All are callbacks on ``on_log`` and run on the main process only (the Trainer adds them there). The JSONL
 file is the run's complete record: training and evaluation entries (the same dicts as ``state.log_history``)
 plus events the history does not hold: the start of each run (and of each resume), each skipped step with
 the parameters whose gradients were non-finite, and each change of the loss scale. The file is appended
@@ -9,8 +10,10 @@ to, so several runs in one output_dir follow each other; the plots are drawn fro
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -94,9 +97,103 @@ def read_metrics(path: str | Path, current_run: bool = True) -> list[dict[str, A
 
 
 def tensorboard_available() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("tensorboard") is not None
+
+
+def _numeric(logs: dict[str, Any] | None) -> dict[str, float]:
+    return {k: float(v) for k, v in (logs or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _require(module: str, reporter: str, package: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(
+            f"report_to={reporter!r} needs the {package} package: pip install {package} "
+            "(or leave it out of report_to; metrics.jsonl is written either way)"
+        )
+
+
+class MLflowLogger(TrainerCallback):
+    """Parameters (the TrainingArguments) and numeric logs to MLflow, as HF's MLflowCallback: the tracking
+    URI and experiment come from MLflow's own environment variables (MLFLOW_TRACKING_URI,
+    MLFLOW_EXPERIMENT_NAME); the run is named ``args.run_name`` and ended at the end of training if this
+    logger started it (an active run the script opened is used and left open)."""
+
+    def __init__(self) -> None:
+        _require("mlflow", "mlflow", "mlflow")
+        import mlflow
+
+        self._mlflow = mlflow
+        self._started = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        ml = self._mlflow
+        if ml.active_run() is None:
+            experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME")
+            if experiment:
+                ml.set_experiment(experiment)
+            ml.start_run(run_name=args.run_name)
+            self._started = True
+        # MLflow caps a parameter value's length; long lists (label_names, report_to) are cut, as in HF.
+        params = {k: str(v)[:250] for k, v in args.to_dict().items()}
+        names = list(params)
+        for i in range(0, len(names), 100):  # MLflow takes at most 100 params per call
+            ml.log_params({k: params[k] for k in names[i : i + 100]})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        metrics = {k.replace("/", "_"): v for k, v in _numeric(logs).items() if math.isfinite(v)}
+        if metrics:
+            self._mlflow.log_metrics(metrics, step=state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._started and self._mlflow.active_run() is not None:
+            self._mlflow.end_run()
+            self._started = False
+
+
+class WandbLogger(TrainerCallback):
+    """Numeric logs to Weights & Biases (``train/loss``, ``eval/loss``, ... as HF's WandbCallback), with the
+    TrainingArguments as the run config. WANDB_MODE=offline writes the run under ./wandb without a network;
+    WANDB_PROJECT names the project (default "huggingface", HF's)."""
+
+    def __init__(self) -> None:
+        _require("wandb", "wandb", "wandb")
+        import wandb
+
+        self._wandb = wandb
+        self._run: Any = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self._wandb.run is None:
+            self._run = self._wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "huggingface"), name=args.run_name, dir=args.output_dir
+            )
+        run = self._wandb.run
+        run.config.update({k: v for k, v in args.to_dict().items() if _plain(v)}, allow_val_change=True)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        metrics = {(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v for k, v in _numeric(logs).items()}
+        if metrics and self._wandb.run is not None:
+            self._wandb.log({**metrics, "train/global_step": state.global_step})
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool, list, tuple, dict))
+
+
+def make_reporters(report_to: list[str], logging_dir: str | Path) -> list[TrainerCallback]:
+    """The loggers ``report_to`` names, each raising a ValueError that says what to install when its package
+    is missing. Call it before joining a process group, so a missing package fails fast."""
+    factories = {
+        "tensorboard": lambda: TensorBoardLogger(logging_dir),
+        "mlflow": MLflowLogger,
+        "wandb": WandbLogger,
+    }
+    return [factories[name]() for name in report_to]
 
 
 class TensorBoardLogger(TrainerCallback):

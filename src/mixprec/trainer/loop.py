@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,15 +61,6 @@ def fp16_overflow(report: Any) -> dict[str, str]:
     if event is None:
         return {}
     return {"fp16": f"the diagnosis saw fp16 overflow ({event.phase} of {event.module}, {event.what})"}
-
-
-def call_model(model: torch.nn.Module, batch: Any) -> Any:
-    """``model(**batch)`` for dict batches (the HF convention), ``model(*batch)`` for tuples."""
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
 
 
 class TrainingLoop:

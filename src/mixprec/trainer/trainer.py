@@ -17,6 +17,7 @@ process trains; the main one logs and writes files.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import sys
 from pathlib import Path
@@ -26,23 +27,35 @@ import numpy as np
 import torch
 
 from mixprec.accelerator.accelerator import Accelerator
+from mixprec.accelerator.prepared import is_prepared, release
 from mixprec.checkpoint import save_json, save_tensors
 from mixprec.models.outputs import extract_loss  # one loss rule, shared with the diagnosis
 from mixprec.trainer import checkpointing as ckpt
+from mixprec.trainer.activation_checkpointing import enable_activation_checkpointing
 from mixprec.trainer.args import TrainingArguments
-from mixprec.trainer.callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback, TrainerControl
+from mixprec.trainer.callbacks import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    TrainerCallback,
+    TrainerControl,
+    export_callback_states,
+    restore_callback_states,
+)
 from mixprec.trainer.data import (
     ColumnFilter,
     DataPosition,
+    ShardedStream,
+    call_model,
     check_dataset,
     default_collator,
     forward_arg_names,
+    is_stream,
     make_loader,
 )
 from mixprec.trainer.diagnosis import diagnose_at_start
 from mixprec.trainer.evaluation import EvalResult, evaluation_loop
-from mixprec.trainer.logging import JsonlLogger, TensorBoardLogger, tensorboard_available
-from mixprec.trainer.loop import Plan, TrainingLoop, call_model
+from mixprec.trainer.logging import JsonlLogger, make_reporters
+from mixprec.trainer.loop import Plan, TrainingLoop
 from mixprec.trainer.meter import StepMeter
 from mixprec.trainer.optim import build_optimizer, build_scheduler
 from mixprec.trainer.progress import ProgressCallback
@@ -60,6 +73,16 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def enable_full_determinism(seed: int) -> None:
+    """``full_determinism=True``: seeded RNGs and deterministic kernels only (HF's enable_full_determinism);
+    an op without a deterministic kernel then raises instead of running."""
+    set_seed(seed)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs a fixed workspace
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 class Trainer:
     """Train, evaluate and predict with any ``nn.Module`` whose forward takes the batch's keys and returns
     a loss (``.loss``, a dict's "loss", or a tuple's first item), HF transformers models included."""
@@ -73,16 +96,27 @@ class Trainer:
         eval_dataset: Any = None,
         *,
         processing_class: Any = None,
+        model_init: Any = None,
         compute_metrics: Any = None,
         callbacks: list[TrainerCallback | type[TrainerCallback]] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
         preprocess_logits_for_metrics: Any = None,
     ) -> None:
+        self.args = args if args is not None else TrainingArguments()
+        # model_init (HF): a fresh model at every train(); also the model when none is given
+        self.model_init = model_init
+        if model_init is not None and optimizers != (None, None):
+            raise ValueError(
+                "Trainer(model_init=..., optimizers=...): a model built by model_init needs its own optimizer; "
+                "leave optimizers out, or subclass Trainer and override create_optimizer_and_scheduler"
+            )
+        if model is None and model_init is not None:
+            self._seed()
+            model = model_init()
         if model is None:
-            raise ValueError("Trainer(model=None): pass the torch.nn.Module to train")
+            raise ValueError("Trainer(model=None): pass the torch.nn.Module to train (or model_init=...)")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Trainer(model=...): expected a torch.nn.Module, got {type(model).__name__}")
-        self.args = args if args is not None else TrainingArguments()
         self.args.validate()
         args = self.args
         if train_dataset is not None:
@@ -94,22 +128,24 @@ class Trainer:
                 f"TrainingArguments(eval_strategy={args.eval_strategy!r}) needs an eval_dataset: pass "
                 "Trainer(eval_dataset=...) or set eval_strategy='no'"
             )
-        if "tensorboard" in args.report_to and not tensorboard_available():  # before joining any process group
-            TensorBoardLogger(args.logging_dir)  # raises, saying what to install
-        set_seed(args.seed)
-        self.accelerator = Accelerator(
-            mixed_precision=args.precision,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            distributed=args.distributed,
-            cpu=args.use_cpu,
-            scaler_kwargs=args.precision_config.scaler_kwargs(),
-            watch=args.precision_watch,
-        )
+        # the reporters' packages are checked before joining any process group, so a missing one fails fast
+        reporters = make_reporters(args.report_to, args.logging_dir) if self._is_main_launch() else []
+        self._seed()
+        self.accelerator = self._build_accelerator()
         self.model = model.to(self.accelerator.device)  # prepared (forward patched) when first used
         self._model_prepared = False
+        self._created_scheduler = False
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class = processing_class
         self.compute_metrics = compute_metrics
+        if args.batch_eval_metrics and compute_metrics is not None:
+            import inspect
+
+            if "compute_result" not in inspect.signature(compute_metrics).parameters:
+                raise ValueError(
+                    "TrainingArguments(batch_eval_metrics=True): compute_metrics must take a compute_result "
+                    "argument (True on the last batch, when it returns the metrics)"
+                )
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         keep = forward_arg_names(model) if args.remove_unused_columns else None
         self.data_collator = ColumnFilter(data_collator or default_collator, keep)
@@ -121,6 +157,7 @@ class Trainer:
         self.resume_command = "trainer.train(resume_from_checkpoint=True)"
         """How the user continues this run, for the stop and disk-full messages (the CLI sets its own)."""
         # Prepared first, before any eval loader: save_state records data positions in preparation order.
+        self._train_stream: Any = None
         self._train_loader = self._prepare_train_loader() if train_dataset is not None else None
 
         self.state = TrainerState(
@@ -128,15 +165,15 @@ class Trainer:
             is_world_process_zero=self.accelerator.is_main_process,
         )
         self.control = TrainerControl()
-        self.meter = StepMeter(self._current_lr, self._current_scale)
+        self.meter = StepMeter(self._current_lr, self._current_scale, args.logging_nan_inf_filter)
         self.callback_handler = CallbackHandler([DefaultFlowCallback])
         self._jsonl: JsonlLogger | None = None
         self._progress: ProgressCallback | None = None
         if self.accelerator.is_main_process:
             self._jsonl = JsonlLogger(args.output_dir)
             self.callback_handler.add_callback(self._jsonl)
-            if "tensorboard" in args.report_to:
-                self.callback_handler.add_callback(TensorBoardLogger(args.logging_dir))
+            for reporter in reporters:
+                self.callback_handler.add_callback(reporter)
             if not args.disable_tqdm:
                 self._progress = ProgressCallback()
                 self.callback_handler.add_callback(self._progress)
@@ -185,12 +222,55 @@ class Trainer:
     # -- the model and its loss ----------------------------------------------------------------------
 
     def _prepared_model(self) -> torch.nn.Module:
-        if not self._model_prepared:
-            self.model = self.accelerator.prepare_model(self.model)
-            if self.args.torch_compile:
-                self.model.compile()
+        if is_prepared(self.model) and not self.accelerator.prepared_here(self.model):
+            # prepared by another Trainer's Accelerator (one model, several Trainers, as in HF): this Trainer's
+            # precision takes over; single-process only (release refuses a DDP/FSDP-wrapped model)
+            release(self.model)
+            self._model_prepared = False
+        if not self._model_prepared or not is_prepared(self.model):
+            self.model = self.accelerator.prepare_model(self.model.to(self.accelerator.device))
+            if self.args.torch_compile and not self._model_prepared:
+                kwargs = {"backend": self.args.torch_compile_backend, "mode": self.args.torch_compile_mode}
+                self.model.compile(**{k: v for k, v in kwargs.items() if v is not None})
             self._model_prepared = True
         return self.model
+
+    # -- construction helpers ------------------------------------------------------------------------
+
+    def _seed(self) -> None:
+        if self.args.full_determinism:
+            enable_full_determinism(self.args.seed)
+        else:
+            set_seed(self.args.seed)
+
+    def _is_main_launch(self) -> bool:
+        return int(os.environ.get("RANK", "0")) == 0
+
+    def _build_accelerator(self) -> Accelerator:
+        args = self.args
+        return Accelerator(
+            mixed_precision=args.precision,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            distributed=args.distributed,
+            cpu=args.use_cpu,
+            scaler_kwargs=args.precision_config.scaler_kwargs(),
+            ddp_kwargs=args.ddp_kwargs() or None,
+            watch=args.precision_watch,
+        )
+
+    def _new_model_from_init(self) -> None:
+        """model_init at train(), as HF: a fresh model, optimizer and scheduler. The Accelerator is rebuilt
+        when it already prepared the old model or its optimizer, so its saved state holds this model only."""
+        self._seed()
+        model = self.model_init()
+        if self._model_prepared or self.optimizer is not None:
+            self.accelerator = self._build_accelerator()
+            self._train_loader = self._prepare_train_loader() if self.train_dataset is not None else None
+            self._eval_loaders = {}
+        self.model = model.to(self.accelerator.device)
+        self._model_prepared = False
+        self.optimizer, self.lr_scheduler, self._created_scheduler = None, None, False
+        self.callback_handler.model = self.model
 
     def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False) -> Any:
         """The loss of one batch (override to customise, as in HF). Raises ValueError if there is none."""
@@ -206,16 +286,25 @@ class Trainer:
 
     # -- data ----------------------------------------------------------------------------------------
 
+    def _stream_shard(self, dataset: Any, batch_size: int) -> Any:
+        """A stream read by this process only (each example by one process); map-style datasets as they are."""
+        if not is_stream(dataset):
+            return dataset
+        acc = self.accelerator
+        return ShardedStream(dataset, batch_size, acc.num_processes, acc.process_index)
+
     def _prepare_train_loader(self) -> Any:
         args = self.args
+        self._train_stream = self._stream_shard(self.train_dataset, args.per_device_train_batch_size)
         loader = make_loader(
-            self.train_dataset,
+            self._train_stream,
             args.per_device_train_batch_size,
             self.data_collator,
-            shuffle=True,
+            shuffle=args.train_sampling_strategy == "random",
             seed=args.data_seed,
             num_workers=args.dataloader_num_workers,
             drop_last=args.dataloader_drop_last,
+            **args.loader_kwargs(),
         )
         return self.accelerator.prepare_data_loader(loader)
 
@@ -231,12 +320,13 @@ class Trainer:
         if id(dataset) not in self._eval_loaders:
             check_dataset(dataset, "eval_dataset")
             loader = make_loader(
-                dataset,
+                self._stream_shard(dataset, self.args.per_device_eval_batch_size),
                 self.args.per_device_eval_batch_size,
                 self.data_collator,
                 shuffle=False,
                 seed=0,
                 num_workers=self.args.dataloader_num_workers,
+                **self.args.loader_kwargs(),
             )
             self._eval_loaders[id(dataset)] = (dataset, self.accelerator.prepare_data_loader(loader))
         return self._eval_loaders[id(dataset)][1]
@@ -249,6 +339,11 @@ class Trainer:
             self.optimizer = build_optimizer(self.model, self.args.optimization)
         if self.lr_scheduler is None:
             self.lr_scheduler = build_scheduler(self.optimizer, self.args.schedule, num_training_steps)
+            self._created_scheduler = True
+        elif self._created_scheduler and self._trained:
+            # a later train() (HF): the schedule this Trainer made restarts for the new run's length, inside
+            # the prepared scheduler the Accelerator already holds (so its saved state keeps one scheduler)
+            self.lr_scheduler.scheduler = build_scheduler(self.optimizer, self.args.schedule, num_training_steps)
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
         """Train for ``max_steps`` or ``num_train_epochs``; resume from a checkpoint (``True``: the newest
@@ -264,38 +359,57 @@ class Trainer:
                 raise
 
     def _train(self, resume_from_checkpoint: bool | str | None) -> TrainOutput:
-        if self._trained:
-            raise RuntimeError("Trainer.train() was already called; build a new Trainer to train again")
-        self._trained = True
-        args, acc = self.args, self.accelerator
+        args = self.args
         args.validate()
+        again = self._trained
+        if again:  # a later train(): a fresh state and control, as HF; the model continues as it is
+            self.state = TrainerState(
+                is_local_process_zero=self.accelerator.is_local_main_process,
+                is_world_process_zero=self.accelerator.is_main_process,
+            )
+            self.control = TrainerControl()
+        if self.model_init is not None:
+            self._new_model_from_init()
+        acc = self.accelerator
         loader = self.get_train_dataloader()
+        if again and hasattr(loader, "set_epoch"):
+            loader.set_epoch(0)  # the data from its start, as HF, and in step with the fresh state's position
         if acc.is_main_process:
             ckpt.recover_checkpoints(args.output_dir)
         acc.wait_for_everyone()
         checkpoint = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir, recover_first=False)
-        plan = Plan.make(len(loader), args)
+        plan = self._plan(loader)
         if checkpoint is None:
             self.record_event("train_begin", 0, resumed_from=None, precision=acc.mixed_precision)
             if args.diagnose_at_start:
                 self.diagnosis = diagnose_at_start(self)
+        checkpointing, checkpointing_kwargs = args.checkpointing_requested()
+        if checkpointing:
+            enable_activation_checkpointing(acc.unwrap_model(self.model), checkpointing_kwargs)
         model = self._prepared_model()
         self.create_optimizer_and_scheduler(plan.max_steps)
+        self._trained = True
         self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
         self.callback_handler.train_dataloader = loader
         start = DataPosition()
         if checkpoint is not None:
             start = ckpt.load_trainer_checkpoint(self, checkpoint)
+            if isinstance(self._train_stream, ShardedStream):  # a stream cannot seek: read past what was trained
+                self._train_stream.skip_batches(start.batches_consumed)
+            if args.restore_callback_states_from_checkpoint:
+                saved = self.state.stateful_callbacks
+                self.control = restore_callback_states(self.callback_handler, self.control, saved)
             step = self.state.global_step
             self.record_event("train_begin", step, resumed_from=step, precision=acc.mixed_precision)
         # this run's plan, also over a loaded state (a resume may train longer than the run it continues)
         self.state.max_steps = plan.max_steps
         self.state.num_train_epochs = plan.num_epochs
         self.state.train_batch_size = args.per_device_train_batch_size
-        self.state.logging_steps, self.state.eval_steps = args.logging_steps, args.eval_steps
-        self.state.save_steps = args.save_steps
+        self.state.logging_steps, self.state.eval_steps, self.state.save_steps = args.steps_for(plan.max_steps)
         model.train()
+        if args.eval_on_start and checkpoint is None:
+            self.evaluate()
         loop = TrainingLoop(self, loader, plan, start)
         steps_before = self.state.global_step
         loop.run()
@@ -309,6 +423,19 @@ class Trainer:
             raise SystemExit(128 + interrupted)
         return output
 
+    def _plan(self, loader: Any) -> Plan:
+        """The run's length. A stream has no length: max_steps is required (as in HF), and an exhausted stream
+        is read again from its start, as the next epoch, until max_steps."""
+        if not is_stream(self.train_dataset):
+            return Plan.make(len(loader), self.args)
+        if self.args.max_steps <= 0:
+            raise ValueError(
+                "TrainingArguments(max_steps=-1): train_dataset is a stream with no length, so the number of "
+                "steps cannot come from num_train_epochs; set max_steps > 0"
+            )
+        steps = self.args.max_steps
+        return Plan(steps * self.args.gradient_accumulation_steps, steps, steps, sys.maxsize)
+
     def maybe_log_save_evaluate(self, grad_norm: torch.Tensor | None, position: DataPosition) -> None:
         control = self.control
         if control.should_log:
@@ -317,9 +444,12 @@ class Trainer:
         if control.should_evaluate:
             control.should_evaluate = False
             metrics = self.evaluate()
-            self._track_best(metrics)
+            new_best = self._track_best(metrics)
+            if self.args.save_strategy == "best":  # HF: save exactly when an evaluation finds a new best
+                control.should_save = new_best
         if control.should_save:
             control.should_save = False
+            self.state.stateful_callbacks = export_callback_states(self.callback_handler.callbacks, control)
             ckpt.save_trainer_checkpoint(self, position)
 
     def _log_training(self, grad_norm: torch.Tensor | None) -> None:
@@ -342,10 +472,11 @@ class Trainer:
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.event("on_log", logs=logs)
 
-    def _track_best(self, metrics: dict[str, float]) -> None:
+    def _track_best(self, metrics: dict[str, float]) -> bool:
+        """Record a new best metric; returns whether ``metrics`` is one."""
         ev = self.args.evaluation
         if not (ev.load_best_model_at_end or ev.metric_for_best_model):
-            return
+            return False
         key = ev.metric_key()
         if key not in metrics:
             raise KeyError(
@@ -355,23 +486,28 @@ class Trainer:
         if ev.is_better(metrics[key], self.state.best_metric):
             self.state.best_metric = float(metrics[key])
             self.state.best_global_step = self.state.global_step
+            return True
+        return False
 
     # -- evaluation and prediction -------------------------------------------------------------------
 
     def _run_eval(self, dataset: Any, prefix: str, want_predictions: bool) -> EvalResult:
         loader = self.get_eval_dataloader(dataset)
+        dataset = dataset if dataset is not None else self.eval_dataset
         self.callback_handler.eval_dataloader = loader
         return evaluation_loop(
             self._prepared_model(),
             loader,
             self.accelerator,
-            dataset_size=len(dataset if dataset is not None else self.eval_dataset),
+            compute_loss=self.compute_loss,  # the function training uses, an override included
+            dataset_size=None if is_stream(dataset) else len(dataset),
             label_names=self._label_names,
             want_predictions=want_predictions,
             compute_metrics=self.compute_metrics,
             preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
             prefix=prefix,
             on_batch=lambda: self.event("on_prediction_step"),
+            batch_metrics=self.args.batch_eval_metrics,
         )
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:

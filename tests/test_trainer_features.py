@@ -1,0 +1,309 @@
+"""Trainer features HF scripts rely on (issue 12): early stopping, model_init, train() twice, one model through
+two Trainers, save_strategy="best", activation checkpointing, streams, MLflow/W&B reporting, config.json in
+checkpoint folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mixprec import GPT, EarlyStoppingCallback, Trainer, TrainerControl, TrainingArguments
+from mixprec.checkpoint import load_tensors
+from mixprec.trainer.checkpointing import list_checkpoints
+from mixprec.trainer.data import ShardedStream
+from trainer_utils import SEQ, VOCAB, flat_params, make_examples, make_model
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def quiet_args(tmp_path, **kwargs) -> TrainingArguments:
+    defaults = {"output_dir": str(tmp_path / "out"), "disable_tqdm": True, "save_plots": False, "save_strategy": "no"}
+    return TrainingArguments(**{**defaults, **kwargs})
+
+
+class ScriptedEval(Trainer):
+    """Evaluation losses follow a script (one eval batch per evaluation), training is real."""
+
+    def __init__(self, *args, eval_losses, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.eval_losses = list(eval_losses)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True)
+        if not model.training:
+            loss = torch.tensor(self.eval_losses.pop(0))
+        return (loss, outputs) if return_outputs else loss
+
+
+def scripted(tmp_path, losses, callbacks=(), **kwargs):
+    args = quiet_args(
+        tmp_path, max_steps=20, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=8, **kwargs
+    )
+    return ScriptedEval(
+        make_model(dropout=0.0),
+        args,
+        train_dataset=make_examples(32),
+        eval_dataset=make_examples(8, 1),
+        callbacks=list(callbacks),
+        eval_losses=losses,
+    )
+
+
+# -- early stopping and the best model -------------------------------------------------------------------
+
+
+def test_early_stopping_stops_after_patience_and_loads_the_best_model(tmp_path):
+    trainer = scripted(
+        tmp_path,
+        [1.0, 0.9, 0.95, 0.92, 0.5],
+        [EarlyStoppingCallback(early_stopping_patience=2)],
+        load_best_model_at_end=True,
+        save_strategy="steps",
+        save_steps=1,
+    )
+    trainer.train()
+    assert trainer.state.global_step == 4  # 0.95 and 0.92 do not beat 0.9: two strikes
+    assert trainer.state.best_metric == pytest.approx(0.9)
+    assert Path(trainer.state.best_model_checkpoint).name == "checkpoint-2"
+    best = load_tensors(Path(trainer.state.best_model_checkpoint) / "model.safetensors")
+    now = flat_params(trainer.model)
+    assert all(torch.equal(best[k], now[k]) for k in best)
+
+
+def test_early_stopping_threshold_counts_small_gains_as_none():
+    cb = EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=0.1)
+    args = TrainingArguments(metric_for_best_model="loss", eval_strategy="epoch")
+
+    class State:
+        best_metric = 1.0
+
+    control = TrainerControl()
+    cb.on_evaluate(args, State(), control, metrics={"eval_loss": 0.95})  # better, but by less than 0.1
+    assert control.should_training_stop
+
+
+def test_early_stopping_without_a_metric_is_refused(tmp_path):
+    trainer = Trainer(make_model(), quiet_args(tmp_path, max_steps=2), train_dataset=make_examples(8),
+                      callbacks=[EarlyStoppingCallback()])  # fmt: skip
+    with pytest.raises(ValueError, match="metric_for_best_model"):
+        trainer.train()
+
+
+def test_save_strategy_best_saves_only_new_bests(tmp_path):
+    trainer = scripted(tmp_path, [1.0, 1.2, 0.8, 0.9], save_strategy="best", metric_for_best_model="loss")
+    trainer.args.max_steps = 4
+    trainer.train()
+    assert [p.name for p in list_checkpoints(trainer.args.output_dir)] == ["checkpoint-1", "checkpoint-3"]
+
+
+# -- model_init, train() twice, one model in two Trainers -----------------------------------------------------
+
+
+def test_model_init_builds_a_fresh_model_per_train_and_is_reproducible(tmp_path):
+    built = []
+
+    def model_init():
+        built.append(make_model(seed=3))
+        return built[-1]
+
+    trainer = Trainer(model_init=model_init, args=quiet_args(tmp_path, max_steps=3), train_dataset=make_examples(24))
+    first = trainer.train()
+    params_first = flat_params(trainer.model)
+    second = trainer.train()
+    assert len(built) == 3  # one at construction, one per train(), as HF
+    assert trainer.model is built[-1]
+    assert first.training_loss == second.training_loss
+    assert all(torch.equal(v, flat_params(trainer.model)[k]) for k, v in params_first.items())
+    with pytest.raises(ValueError, match="model_init"):
+        Trainer(model_init=model_init, args=quiet_args(tmp_path), optimizers=(object(), None))
+
+
+def test_train_twice_continues_the_model_with_a_fresh_state_and_resumes(tmp_path):
+    args = quiet_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=4, logging_steps=1)
+    trainer = Trainer(make_model(), args, train_dataset=make_examples(32))
+    trainer.train()
+    after_first = flat_params(trainer.model)
+    trainer.train()
+    assert trainer.state.global_step == 4  # a fresh state, as HF
+    assert any(not torch.equal(v, flat_params(trainer.model)[k]) for k, v in after_first.items())
+    # the second run's checkpoint holds one model/optimizer/scheduler: a new Trainer resumes from it
+    fresh = Trainer(make_model(), quiet_args(tmp_path, max_steps=5, save_strategy="steps", save_steps=4),
+                    train_dataset=make_examples(32))  # fmt: skip
+    fresh.train(resume_from_checkpoint=True)
+    assert fresh.state.global_step == 5
+
+
+def test_a_model_trained_by_one_trainer_is_trained_and_evaluated_by_another(tmp_path):
+    model = make_model()
+    data = make_examples(16)
+    Trainer(model, quiet_args(tmp_path / "a", max_steps=2), train_dataset=data).train()
+    second = Trainer(model, quiet_args(tmp_path / "b", max_steps=2, bf16=True), train_dataset=data, eval_dataset=data)
+    seen = set()
+    model.head.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
+    before = flat_params(model)
+    second.train()
+    assert "eval_loss" in second.evaluate()
+    assert torch.bfloat16 in seen  # the second Trainer's precision runs the model now
+    assert any(not torch.equal(v, flat_params(model)[k]) for k, v in before.items())
+
+
+# -- activation checkpointing ----------------------------------------------------------------------------
+
+
+def test_gpt_gradient_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 32))
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(1)
+        model = GPT.from_preset("tiny")
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=0)
+
+
+def test_training_argument_turns_checkpointing_on_or_names_the_field(tmp_path):
+    gpt = GPT.from_preset("tiny")
+    rows = [{"input_ids": torch.randint(0, 256, (16,))} for _ in range(8)]
+    rows = [{**r, "labels": r["input_ids"]} for r in rows]
+    Trainer(gpt, quiet_args(tmp_path, max_steps=1, gradient_checkpointing=True), train_dataset=rows).train()
+    assert gpt.is_gradient_checkpointing
+    trainer = Trainer(make_model(), quiet_args(tmp_path, max_steps=1, activation_checkpointing=True),
+                      train_dataset=make_examples(8))  # fmt: skip
+    with pytest.raises(ValueError, match=r"activation_checkpointing=True\): DropLM has no"):
+        trainer.train()
+
+
+# -- streams ------------------------------------------------------------------------------------------------
+
+
+class Numbers(torch.utils.data.IterableDataset):
+    def __init__(self, n):
+        self.n, self.passes = n, 0
+
+    def __iter__(self):
+        self.passes += 1
+        for i in range(self.n):
+            yield {"input_ids": torch.full((SEQ,), i % VOCAB), "labels": torch.full((SEQ,), (i + 1) % VOCAB)}
+
+
+def test_a_stream_is_split_into_whole_batches_with_no_example_twice():
+    shards = [list(ShardedStream(range(23), batch_size=3, num_replicas=2, rank=r)) for r in (0, 1)]
+    assert shards == [[0, 1, 2, 6, 7, 8, 12, 13, 14], [3, 4, 5, 9, 10, 11, 15, 16, 17]]  # 18-22: a short group
+    resumed = ShardedStream(range(23), batch_size=3, num_replicas=2, rank=1)
+    resumed.skip_batches(2)
+    assert list(resumed) == [15, 16, 17]  # the rank's third batch, as the uninterrupted run reads it
+
+
+def test_trainer_trains_a_stream_for_max_steps_rereading_it(tmp_path):
+    stream = Numbers(20)
+    trainer = Trainer(make_model(), quiet_args(tmp_path, max_steps=7, per_device_train_batch_size=4),
+                      train_dataset=stream, eval_dataset=Numbers(8))  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 7 and stream.passes == 2  # 5 batches a pass
+    assert "eval_loss" in trainer.evaluate()
+
+
+# -- reporting ---------------------------------------------------------------------------------------------
+
+
+def test_report_to_mlflow_logs_params_and_metrics_to_a_local_store(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store behind this switch
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "mixprec-test")
+    args = quiet_args(tmp_path, max_steps=4, logging_steps=2, report_to=["mlflow"], run_name="r1")
+    Trainer(make_model(), args, train_dataset=make_examples(32)).train()
+    client = mlflow.tracking.MlflowClient()
+    run = client.search_runs([client.get_experiment_by_name("mixprec-test").experiment_id])[0]
+    assert run.info.run_name == "r1" and run.info.status == "FINISHED"
+    assert run.data.params["learning_rate"] == "5e-05"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [2, 4]
+
+
+def test_report_to_wandb_offline_writes_a_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    args = quiet_args(tmp_path, max_steps=2, logging_steps=1, report_to="wandb")
+    Trainer(make_model(), args, train_dataset=make_examples(16)).train()
+    runs = list((Path(args.output_dir) / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+def test_a_missing_reporter_package_says_what_to_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    with pytest.raises(ValueError, match="pip install mlflow"):
+        Trainer(make_model(), quiet_args(tmp_path, report_to="mlflow"), train_dataset=make_examples(8))
+
+
+# -- checkpoint-N folders for from_pretrained --------------------------------------------------------------
+
+
+def test_checkpoint_folders_hold_config_json_for_from_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    rows = [{"input_ids": e["input_ids"], "labels": e["input_ids"]} for e in make_examples(8)]
+    args = quiet_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    Trainer(model, args, train_dataset=rows).train()
+    folder = Path(args.output_dir) / "checkpoint-2"
+    assert json.loads((folder / "config.json").read_text())["n_embd"] == 16
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+
+@pytest.mark.distributed
+def test_a_stream_under_torchrun_gives_each_process_its_own_examples(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env["OMP_NUM_THREADS"] = "1"
+    script = Path(__file__).with_name("trainer_stream_torchrun_script.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+           str(script), str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    seen = [r["seen"] for r in ranks]
+    assert seen[0] == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27, 32, 33, 34, 35]
+    assert seen[1] == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31, 36, 37, 38, 39]
+    assert ranks[0]["params"] == ranks[1]["params"]  # DDP kept them in step
+
+
+def test_cli_train_gradient_checkpointing_flag(tmp_path, monkeypatch):
+    from mixprec.cli.main import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200)))
+    seen = []
+    monkeypatch.setattr(GPT, "gradient_checkpointing_enable", lambda self, **kw: seen.append(kw))
+    args = ["train", "--data", str(corpus), "--model", "tiny", "--seq-len", "32", "--batch-size", "4",
+            "--max-steps", "1", "--precision", "fp32", "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    assert main([*args, "--gradient-checkpointing"]) == 0
+    assert seen == [{"gradient_checkpointing_kwargs": None}]
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["training_arguments"]["gradient_checkpointing"] is True
