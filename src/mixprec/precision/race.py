@@ -30,7 +30,7 @@ from typing import Any
 
 MARGIN = 0.05  # a lower precision must be at least 5% faster than every safer one
 DROP_RATIO = 1.5  # stop timing a mode this much slower (best vs best) than the fastest
-ABORT_RATIO = 2.0  # stop a warm-up run taking this much longer than the safest mode's warm-up
+ABORT_RATIO = 1.5  # stop a warm-up run taking this much longer than the safest mode's warm-up
 ROUNDS = 3
 
 Agree = Callable[[list[str]], list[str]]
