@@ -143,7 +143,7 @@ def _measure(start: float) -> ProbeResult:
 
 def choose(step_seconds: dict[str, float], best_seconds: dict[str, float] | None = None) -> str:
     """fp32 unless a low-precision mode is at least ``MARGIN`` faster by the median times (and, when given,
-    by the minimum times too); bf16 wins ties with fp16 because it needs no loss scaling. The rule of
+    not slower by the minimum times); bf16 wins ties with fp16 because it needs no loss scaling. The rule of
     :func:`mixprec.precision.race.choose`, the one both the probe and the real race use."""
     return race.choose(("fp32", "bf16", "fp16"), step_seconds, best_seconds or step_seconds)
 
