@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from mixprec.precision.base import Precision, PrecisionNotSupportedError, default_device
+from mixprec.precision.fp8 import Fp8Precision, Fp8RowwisePrecision
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
 
@@ -29,6 +30,8 @@ def register_precision(cls: type[Precision], aliases: tuple[str, ...] = ()) -> t
 register_precision(FullPrecision, aliases=("no", "32", "float32", "32-true"))
 register_precision(Fp16MixedPrecision, aliases=("16", "float16", "half", "16-mixed", "fp16-mixed"))
 register_precision(Bf16MixedPrecision, aliases=("bfloat16", "bf16-mixed"))
+register_precision(Fp8Precision, aliases=("float8", "fp8-tensorwise"))
+register_precision(Fp8RowwisePrecision, aliases=("float8-rowwise",))
 
 
 def available_precisions() -> list[str]:
