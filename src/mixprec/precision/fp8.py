@@ -13,8 +13,8 @@ dimensions divisible by 16 (a GPT-2 head of 50257 words is not).
 
 Devices: fp8 matmuls exist on CUDA compute capability 8.9+ (Ada, Hopper, Blackwell). Elsewhere the mode is
 refused with what to use instead. ``MIXPREC_FP8_EMULATE=1`` (tests only) runs torchao's emulation, which does
-the same casts and scales and multiplies the fp8-rounded values in fp32, so fp8's numerics can be tested on a CPU; it is slower than
-bf16, never a fallback, and the strategy's reason says "emulated".
+the same casts and scales and multiplies the fp8-rounded values in fp32, so fp8's numerics can be tested on a
+CPU; it is slower than bf16, never a fallback, and the strategy's reason says "emulated".
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The optimizer and learning-rate schedule a Trainer builds when the user passes none.
 
-The optimizer ``args.optim`` names (see :mod:`mixprec.trainer.optimizers`; AdamW by default); weight decay only on tensors with two or more dimensions (matrices and
-embeddings), never on biases and norm gains, as nanoGPT and HF both do. The schedules are ``LambdaLR`` over
-picklable-free ``functools.partial`` objects, so the scheduler's state dict is plain numbers (saved as JSON).
+The optimizer ``args.optim`` names (see :mod:`mixprec.trainer.optimizers`; AdamW by default); weight decay
+only on tensors with two or more dimensions (matrices and embeddings), never on biases and norm gains, as
+nanoGPT and HF both do. The schedules are ``LambdaLR`` over picklable-free ``functools.partial`` objects, so
+the scheduler's state dict is plain numbers (saved as JSON).
 """
 
 from __future__ import annotations

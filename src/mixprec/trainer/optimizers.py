@@ -98,7 +98,9 @@ def parse_optim_args(optim: str, text: str | None) -> dict[str, Any]:
             raise ValueError(f"TrainingArguments(optim_args={text!r}): {item!r} is not key=value")
         if key not in schema:
             valid = ", ".join(schema) if schema else "none (leave optim_args unset)"
-            raise ValueError(f"TrainingArguments(optim_args={text!r}): optim={optim!r} takes no {key!r}; valid keys: {valid}")
+            raise ValueError(
+                f"TrainingArguments(optim_args={text!r}): optim={optim!r} takes no {key!r}; valid keys: {valid}"
+            )
         given[key] = value
     out = {}
     for key, (parse, default) in schema.items():
