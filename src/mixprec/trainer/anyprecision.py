@@ -53,6 +53,22 @@ class AnyPrecisionAdamW(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loader casts every floating state to its parameter's dtype (fp32 moments after a resume
+        would undo the saving): put the moments back in the dtypes their group asks for."""
+        super().load_state_dict(state_dict)
+        keys = {
+            "exp_avg": "momentum_dtype",
+            "exp_avg_sq": "variance_dtype",
+            "compensation": "compensation_buffer_dtype",
+        }
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                for key, dtype_key in keys.items():
+                    if key in state:
+                        state[key] = state[key].to(group[dtype_key])
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One update. No host sync (the step counter is a host float)."""
