@@ -248,6 +248,6 @@ def test_console_script_bad_input_has_no_traceback(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "mixprec train: error: --precision: unknown precision 'fp17'; choose one of: no, fp32, fp16, bf16, auto"
-    ]
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("mixprec train: error: --precision: unknown precision 'fp17'; choose one of: no, fp32, ")
+    assert line.endswith(", auto")
