@@ -98,8 +98,9 @@ def _update(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step:
     beta1, beta2 = group["betas"]
     lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
     grad = p.grad.float()
-    m = state["exp_avg"].float().lerp_(grad, 1 - beta1)
-    v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    # out of place: .float() of an fp32 moment is the moment itself, and m and v are consumed below
+    m = state["exp_avg"].float().lerp(grad, 1 - beta1)
+    v = state["exp_avg_sq"].float().mul(beta2).addcmul_(grad, grad, value=1 - beta2)
     state["exp_avg"].copy_(m)
     state["exp_avg_sq"].copy_(v)
     denom = v.sqrt_().div_(math.sqrt(1 - beta2**step)).add_(eps)
