@@ -40,6 +40,7 @@ def test_the_public_names_are_the_documented_ones():
     names = available_precisions()
     assert names[:4] == ["no", "fp32", "fp16", "bf16"] and names[-1] == "auto"
     assert {"bf16-pure", "bf16-pure-kahan"} <= set(names)
+    assert {"fp8", "fp8-rowwise"} <= set(names)
     assert mixprec.resolve_precision is resolve_precision
 
 

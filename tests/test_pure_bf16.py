@@ -153,3 +153,21 @@ def test_on_fp32_weights_the_update_is_torchs_adamw_or_adam(decoupled, monkeypat
         ours.step()
         theirs.step()
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_pure_bf16_with_8bit_adam_states_holds_about_6_bytes_per_parameter():
+    pytest.importorskip("torchao")
+    from torchao.optim import AdamW8bit
+
+    torch.manual_seed(0)
+    acc = Accelerator(mixed_precision="bf16-pure", verbose=False)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))  # blocks of 256 quantise
+    model, optimizer = acc.prepare(model, AdamW8bit(model.parameters(), lr=1e-3))
+    assert optimizer.optimizer.bf16_stochastic_round is True
+    acc.backward(model(torch.randn(4, 256)).float().pow(2).mean())
+    optimizer.step()
+    per_param = training_state_bytes(model, optimizer)["per_param"]
+    assert per_param < 6.1  # 2 (bf16 weight) + 2 (bf16 grad) + ~2 (two 8-bit moments and their block scales)
+    with pytest.raises(ValueError, match="Kahan"):
+        Accelerator(mixed_precision="bf16-pure-kahan", verbose=False).prepare(AdamW8bit(model.parameters()))

@@ -152,9 +152,15 @@ def _one_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def _allowlisted(cls: type) -> bool:
+    """A tensor subclass its library registered for ``weights_only`` loading (torchao's 8/4-bit optimizer
+    states do, on import), so ``load_torch`` reads it back without running other code."""
+    return any(g is cls or (isinstance(g, tuple) and g[0] is cls) for g in torch.serialization.get_safe_globals())
+
+
 def _check_loadable(obj: Any, where: str) -> None:
     if isinstance(obj, torch.Tensor):
-        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter) and not _allowlisted(type(obj)):
             raise TypeError(f"save_torch: {where} is a {type(obj).__name__}; save plain tensors (full_tensor())")
         return
     if isinstance(obj, _PLAIN):

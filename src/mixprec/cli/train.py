@@ -34,6 +34,7 @@ from mixprec.cli._config import add_config_arg, apply_config
 from mixprec.cli._epochs import EpochCallback, EpochChunks, evenly_spaced
 from mixprec.data import decode, encode, unigram_entropy
 from mixprec.models import GPT
+from mixprec.trainer.optimizers import OPTIMIZER_NAMES
 
 # -- defaults, measured on the project's 2-core AMD EPYC (AVX2) machine, where "auto" picks fp32 ------------
 # 300 steps of 16 x 128 bytes (614K bytes: a fifth of the training split, so no chunk is seen twice) bring the
@@ -66,6 +67,7 @@ examples:
   mixprec train --config train.toml --lr 1e-3     flags from a file; the command line wins
   mixprec train --diagnose --precision fp16       diagnose gradient ranges first, start at the advised scale
   mixprec train --precision fp16 --watch 20       per-layer headroom every 20 steps, warnings, skip tracing
+  mixprec train --precision bf16 --optim adamw_torch_8bit   8-bit Adam states (pip install "mixprec[lean]")
   torchrun --nproc_per_node=2 -m mixprec.cli.main train --output-dir runs/ddp
 
 an epoch is --epoch-tokens tokens of new chunks drawn from the training split (the whole split if it is
@@ -118,6 +120,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"peak learning rate (default: {DEFAULT_LR:g})",
     )
     g.add_argument(
+        "--optim",
+        metavar="NAME",
+        default="adamw_torch",
+        help=f"optimizer, by HF's name: {', '.join(OPTIMIZER_NAMES)} (default: adamw_torch; the 8/4-bit ones "
+        "need torchao: pip install 'mixprec[lean]')",
+    )
+    g.add_argument(
         "--output-dir",
         metavar="DIR",
         default=None,
@@ -165,6 +174,7 @@ def _training_arguments(args: argparse.Namespace, info: DataModelInfo, output_di
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size,
         learning_rate=args.lr,
+        optim=args.optim,
         # nanoGPT's recipe for small models: AdamW(0.9, 0.99), decay 0.1 on matrices, clip 1, warmup + cosine
         adam_beta2=0.99,
         weight_decay=0.1,

@@ -41,12 +41,22 @@ class PureBf16Precision(Bf16MixedPrecision):
 
     def convert_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """An Adam/AdamW becomes a :class:`~mixprec.optim.Bf16AdamW` over the same parameter groups (the very
-        group dicts, so an LR scheduler built on the original keeps steering it)."""
+        group dicts, so an LR scheduler built on the original keeps steering it); torchao's 8/4-bit AdamW
+        (``optim="adamw_torch_8bit"``) keeps its quantised states and rounds the bf16 weights with its own
+        stochastic rounding (about 6 bytes per parameter in all)."""
         from mixprec.optim import Bf16AdamW
 
         if isinstance(optimizer, Bf16AdamW):
             return optimizer
         kind = type(optimizer)
+        if hasattr(optimizer, "bf16_stochastic_round"):  # torchao's Adam family (8/4-bit states): its own SR
+            if self.rounding != "stochastic":
+                raise ValueError(
+                    f"precision={self.name!r}: {kind.__name__} rounds bf16 weights stochastically, not with "
+                    "Kahan summation; use precision='bf16-pure' with it"
+                )
+            optimizer.bf16_stochastic_round = True
+            return optimizer
         if kind not in (torch.optim.AdamW, torch.optim.Adam):
             raise ValueError(
                 f"precision={self.name!r} updates bf16 weights with its own Adam/AdamW (rounding: {self.rounding}); "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from mixprec.precision.base import Precision, PrecisionNotSupportedError, default_device
+from mixprec.precision.fp8 import Fp8Precision, Fp8RowwisePrecision
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
 from mixprec.precision.pure import PureBf16KahanPrecision, PureBf16Precision
@@ -32,6 +33,8 @@ register_precision(Fp16MixedPrecision, aliases=("16", "float16", "half", "16-mix
 register_precision(Bf16MixedPrecision, aliases=("bfloat16", "bf16-mixed"))
 register_precision(PureBf16Precision, aliases=("bf16-true", "true-bf16", "bf16-pure-sr"))
 register_precision(PureBf16KahanPrecision, aliases=("bf16-true-kahan",))
+register_precision(Fp8Precision, aliases=("float8", "fp8-tensorwise"))
+register_precision(Fp8RowwisePrecision, aliases=("float8-rowwise",))
 
 
 def available_precisions() -> list[str]:

@@ -77,7 +77,11 @@ class TrainingArguments(HFCompatFields):
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     optim: str = "adamw_torch"
-    """"adamw_torch", "adamw_torch_fused" or "sgd" (HF 5 defaults to the fused AdamW; the results match)."""
+    """"adamw_torch", "adamw_torch_fused", "adamw_torch_8bit", "adamw_torch_4bit" (torchao: mixprec[lean]),
+    "adamw_anyprecision" or "sgd", as in HF (HF 5 defaults to the fused AdamW; the results match)."""
+    optim_args: str | None = None
+    """Options for ``optim`` in HF's "key=value,key=value" form, e.g.
+    "momentum_dtype=bfloat16,variance_dtype=bfloat16" for adamw_anyprecision (see mixprec.trainer.optimizers)."""
     learning_rate: float = 5e-5
     weight_decay: float = 0.0
     """Decoupled weight decay on weights with >= 2 dimensions (biases and norm gains are never decayed)."""

@@ -14,7 +14,6 @@ from typing import Any
 STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = (*STRATEGIES, "best")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 REPORTERS = ("tensorboard", "mlflow", "wandb")  # JSONL is always written; these are the extras
 DISTRIBUTED = (None, "ddp", "fsdp")
 
@@ -99,6 +98,8 @@ class OptimConfig:
     """The optimizer built when ``Trainer(optimizers=(None, ...))``, and what happens to each step."""
 
     optim: str
+    optim_args: str | None
+    """HF's "key=value,key=value" options for ``optim`` (see :mod:`mixprec.trainer.optimizers`)."""
     learning_rate: float
     weight_decay: float
     adam_beta1: float
@@ -108,7 +109,10 @@ class OptimConfig:
     gradient_accumulation_steps: int
 
     def __post_init__(self) -> None:
-        check_choice("optim", self.optim, OPTIMIZERS)
+        from mixprec.trainer.optimizers import OPTIMIZER_NAMES, parse_optim_args
+
+        check_choice("optim", self.optim, OPTIMIZER_NAMES)
+        parse_optim_args(self.optim, self.optim_args)
         if not self.learning_rate >= 0:
             fail("learning_rate", self.learning_rate, "must be >= 0")
         if not self.weight_decay >= 0:

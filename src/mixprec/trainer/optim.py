@@ -1,8 +1,9 @@
 """The optimizer and learning-rate schedule a Trainer builds when the user passes none.
 
-AdamW with HF's defaults; weight decay only on tensors with two or more dimensions (matrices and
-embeddings), never on biases and norm gains, as nanoGPT and HF both do. The schedules are ``LambdaLR`` over
-picklable-free ``functools.partial`` objects, so the scheduler's state dict is plain numbers (saved as JSON).
+The optimizer ``args.optim`` names (see :mod:`mixprec.trainer.optimizers`; AdamW by default); weight decay
+only on tensors with two or more dimensions (matrices and embeddings), never on biases and norm gains, as
+nanoGPT and HF both do. The schedules are ``LambdaLR`` over picklable-free ``functools.partial`` objects, so
+the scheduler's state dict is plain numbers (saved as JSON).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import math
 import torch
 
 from mixprec.trainer.configs import OptimConfig, ScheduleConfig
+from mixprec.trainer.optimizers import make_optimizer
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """``cfg.optim`` over the model's trainable parameters, in a decayed and a not-decayed group."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no parameters with requires_grad=True: there is nothing to train")
@@ -26,15 +29,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
         for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
         if g["params"]
     ]
-    if cfg.optim == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.learning_rate)
-    return torch.optim.AdamW(
-        groups,
-        lr=cfg.learning_rate,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_epsilon,
-        fused=cfg.optim == "adamw_torch_fused",
-    )
+    return make_optimizer(groups, cfg)
 
 
 def _linear(step: int, warmup: int, total: int) -> float:
