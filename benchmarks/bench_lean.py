@@ -43,7 +43,7 @@ from mixprec.bench.footprint import training_state_bytes
 from mixprec.bench.memory import measure_run
 from mixprec.data.corpus import stdlib_corpus
 from mixprec.models.gpt import GPT, GPT_PRESETS, GPTConfig
-from mixprec.precision import Precision, available_precisions, resolve_precision
+from mixprec.precision import Precision, resolve_precision
 from mixprec.trainer.args import TrainingArguments
 from mixprec.trainer.optim import build_optimizer
 
@@ -86,9 +86,10 @@ MODES: dict[str, Builder] = {
     "bf16 autocast + adamw_anyprecision (bf16 moments)": library_mode(
         "bf16", "adamw_anyprecision", "momentum_dtype=bfloat16,variance_dtype=bfloat16"
     ),
+    "bf16-pure + AdamW (stochastic rounding)": library_mode("bf16-pure"),
+    "bf16-pure-kahan + AdamW (Kahan summation)": library_mode("bf16-pure-kahan"),
+    "bf16-pure + adamw_torch_8bit (torchao's stochastic rounding)": library_mode("bf16-pure", "adamw_torch_8bit"),
 }
-if "bf16-pure" in available_precisions():  # issue 11 item 2, where it is merged
-    MODES["bf16-pure + AdamW (stochastic rounding)"] = library_mode("bf16-pure")
 
 
 def train_step(mode: Mode, batch: torch.Tensor) -> tuple[float, float]:
@@ -131,9 +132,11 @@ def lean_modes(a: argparse.Namespace) -> dict[str, Any]:
         return model.train()
 
     data = batches(4, SEQ)
-    out: dict[str, Any] = {"params": n_params, "modes": {name: {} for name in MODES}}
+    chosen = {name: b for i, (name, b) in enumerate(MODES.items())
+              if i == 0 or not a.modes or any(t in name for t in a.modes)}  # fmt: skip
+    out: dict[str, Any] = {"params": n_params, "modes": {name: {} for name in chosen}}
     if a.only in (None, "speed"):  # first, so that memory is measured after every first-use cost
-        modes = {name: builder(fresh) for name, builder in MODES.items()}
+        modes = {name: builder(fresh) for name, builder in chosen.items()}
         for name, mode in modes.items():  # warm-up: first-use costs (torchao compiles its step here)
             t = time.perf_counter()
             for b in data[: a.warmup]:
@@ -152,7 +155,7 @@ def lean_modes(a: argparse.Namespace) -> dict[str, Any]:
             out["modes"][name]["optimizer_s"] = quartiles([o for _, o in ts])
         del modes
     if a.only in (None, "memory"):
-        for name, builder in MODES.items():
+        for name, builder in chosen.items():
             row = out["modes"][name]
 
             def prepare(builder: Builder = builder, row: dict[str, Any] = row) -> Callable[[], None]:
@@ -264,6 +267,13 @@ def main() -> None:
     parser.add_argument("--fp8-steps", type=int, default=150, help="training steps per mode in part 2")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a shared box)")
     parser.add_argument("--only", choices=("memory", "speed", "fp8"), default=None)
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        metavar="TEXT",
+        help="run only the rows whose name contains one of these (the first row always runs)",
+    )
     parser.add_argument("--json", default=None, help="write the figures here")
     a = parser.parse_args()
     torch.set_num_threads(a.threads)
