@@ -125,7 +125,6 @@ class HFCompatFields:
     bf16_full_eval: bool = _f(False, REFUSED, "evaluation runs under the training precision (autocast, fp32 master)")
     fp16_full_eval: bool = _f(False, REFUSED, "evaluation runs under the training precision (autocast, fp32 master)")
     lr_scheduler_kwargs: dict[str, Any] | None = _f(None, REFUSED, "the schedules take no extra arguments")
-    optim_args: str | None = _f(None, REFUSED, "pass a built optimizer: Trainer(optimizers=(optimizer, None))")
     optim_target_modules: str | list[str] | None = _f(None, REFUSED, "GaLore-style optimizers are not built in")
     use_liger_kernel: bool = _f(False, REFUSED, "Liger kernels are not applied")
     liger_kernel_config: dict[str, bool] | None = _f(None, REFUSED, "Liger kernels are not applied")
