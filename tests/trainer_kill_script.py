@@ -30,18 +30,18 @@ SAVE_STEPS = 4
 
 
 class Pace(TrainerCallback):
-    """Touch ``ready`` when step ``ready_after`` has ended (and been saved, if it is a save step), then hold
-    at the start of step ``hold_at`` until the parent has acted: a kill -9 ends the process there; after a
+    """At the start of step ``hold_at`` (every step before it has ended, been logged and, at a save step,
+    saved), touch ``ready`` and hold until the parent has acted: a kill -9 ends the process there; after a
     SIGTERM the parent touches ``signalled`` and the step runs, to stop at its end. Holding, rather than
-    merely slowing down, keeps the test deterministic however loaded the machine is."""
+    merely slowing down, keeps the test deterministic however loaded the machine is (``ready`` touched any
+    earlier let a kill -9 land before the steps in between were logged)."""
 
-    def __init__(self, out: Path, ready_after: int, hold_at: int) -> None:
-        self.out, self.ready_after, self.hold_at = out, ready_after, hold_at
+    def __init__(self, out: Path, hold_at: int) -> None:
+        self.out, self.hold_at = out, hold_at
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == self.ready_after:  # everything of that step is done, its checkpoint too
-            (self.out / "ready").touch()
         if state.global_step + 1 == self.hold_at:
+            (self.out / "ready").touch()
             deadline = time.monotonic() + 120
             while not (self.out / "signalled").exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -85,9 +85,9 @@ def main() -> None:
     torch.set_num_threads(1)  # the same arithmetic in every process that is compared
     callbacks = []
     if mode == "victim":
-        callbacks.append(Pace(out, ready_after=SAVE_STEPS, hold_at=SAVE_STEPS + 2))
+        callbacks.append(Pace(out, hold_at=SAVE_STEPS + 2))
     if mode == "sigterm":
-        callbacks.append(Pace(out, ready_after=1, hold_at=2))
+        callbacks.append(Pace(out, hold_at=2))
     if mode == "save-victim":
         hang_in_second_save(out)
     trainer = build_trainer(out, precision, callbacks)
