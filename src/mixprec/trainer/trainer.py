@@ -104,6 +104,7 @@ class Trainer:
             cpu=args.use_cpu,
             scaler_kwargs=args.precision_config.scaler_kwargs(),
             watch=args.precision_watch,
+            timeout=args.ddp_timeout,
         )
         self.model = model.to(self.accelerator.device)  # prepared (forward patched) when first used
         self._model_prepared = False
@@ -254,13 +255,19 @@ class Trainer:
         """Train for ``max_steps`` or ``num_train_epochs``; resume from a checkpoint (``True``: the newest
         one in output_dir whose manifest verifies; newer damaged ones are skipped with a warning). On
         SIGTERM: saves a checkpoint at the next step boundary and exits the process with status 143
-        (128 + SIGTERM), so schedulers see a job that did not finish. output_dir is locked while training:
+        (128 + SIGTERM), so schedulers see a job that did not finish. Under ``torchrun --max-restarts=N``,
+        a restarted worker group resumes by itself (``None`` then means the newest complete checkpoint if
+        any; ``False`` always starts fresh). A peer that dies or stays silent past ``ddp_timeout`` ends the
+        run with :class:`~mixprec.accelerator.peers.PeerLostError` naming its rank. output_dir is locked while training:
         a second run into it is refused (FolderInUseError) naming the process that holds it."""
         with ckpt.lock_output_dir(self.accelerator, self.args.output_dir):
             try:
                 return self._train(resume_from_checkpoint)
-            except BaseException:
+            except BaseException as err:
                 self.close_progress()  # end the bar's line, so that the error is printed on its own
+                explained = self.accelerator.explain_failure(err)
+                if explained is not err:  # a peer died or went silent: one line naming it, not gloo's trace
+                    raise explained from None
                 raise
 
     def _train(self, resume_from_checkpoint: bool | str | None) -> TrainOutput:
@@ -270,10 +277,7 @@ class Trainer:
         args, acc = self.args, self.accelerator
         args.validate()
         loader = self.get_train_dataloader()
-        if acc.is_main_process:
-            ckpt.recover_checkpoints(args.output_dir)
-        acc.wait_for_everyone()
-        checkpoint = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir, recover_first=False)
+        checkpoint = ckpt.agree_on_resume(acc, resume_from_checkpoint, args.output_dir)
         plan = Plan.make(len(loader), args)
         if checkpoint is None:
             self.record_event("train_begin", 0, resumed_from=None, precision=acc.mixed_precision)
