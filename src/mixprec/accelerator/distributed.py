@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from mixprec.accelerator.peers import PeerLostError, explain, is_collective_failure, timeout_delta
+from mixprec.accelerator.peers import PeerLostError, explain, is_collective_failure, launcher_store, timeout_delta
 from mixprec.accelerator.prepared import patch_forward
 
 if TYPE_CHECKING:
@@ -216,10 +216,10 @@ class ProcessGroupStrategy(DistributedStrategy):
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             if env.world_size > 1:
-                extra = {"device_id": device} if device.type == "cuda" else {}
-                dist.init_process_group(
-                    backend, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=delta, **extra
-                )
+                extra: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+                store = launcher_store(delta)  # under torchrun: a fresh namespace for each restart
+                extra.update({"store": store} if store is not None else {"init_method": "env://"})
+                dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=delta, **extra)
             else:
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=delta)
             self._owns_group = True

@@ -47,6 +47,21 @@ def timeout_delta(seconds: float | None) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(value))
 
 
+def launcher_store(timeout: datetime.timedelta, environ: Mapping[str, str] = os.environ) -> dist.Store | None:
+    """The launcher's store, under a prefix of its own for this restart (None: not under torchelastic).
+
+    Why: torchrun's agent keeps ONE store for the whole job (static rendezvous, and c10d's shared store), and
+    ``init_process_group("env://")`` writes its keys there unprefixed. A worker group restarted after a
+    failure then reads the dead group's keys (gloo's peer addresses, the barrier counters): observed here,
+    1 restart in 3 failed with "Gloo connectFullMesh failed ... Connection refused" or hung forever. One
+    prefix per restart makes every worker group start from an empty namespace."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in environ:
+        return None
+    client = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    run, restart = environ.get("TORCHELASTIC_RUN_ID", "-"), environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"mixprec/{run}/attempt_{restart}/", client)
+
+
 def is_collective_failure(err: BaseException) -> bool:
     """Whether ``err`` is how a collective reports a lost or silent peer (not a bug in the user's code)."""
     if isinstance(err, PeerLostError):

@@ -1,0 +1,186 @@
+"""Lost and stuck peers, and torchelastic restarts that resume by themselves.
+
+The torchrun tests launch tests/elastic_worker.py (2 processes, gloo, a 12-step fp16 Trainer run with dropout)
+and are slow (two torch imports per launch, about 10 s each on 2 cores); the rest run in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mixprec import Accelerator, Trainer, TrainerCallback, TrainingArguments
+from mixprec.accelerator.peers import PeerLostError, explain, is_collective_failure, silent_ranks
+from mixprec.trainer import checkpointing as ckpt
+from trainer_utils import assert_bit_identical, make_examples, make_model
+
+WORKER = Path(__file__).with_name("elastic_worker.py")
+ROOT = Path(__file__).parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(out: Path, *flags: str, env: dict[str, str] | None = None, timeout: int = 180) -> int:
+    """Launch the worker under torchrun on the loopback address; the launcher's exit status."""
+    out.mkdir(parents=True, exist_ok=True)
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    base.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]), **(env or {}))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}", *flags, str(WORKER), str(out),
+    ]  # fmt: skip
+    with open(out / "launcher.log", "w") as log:
+        return subprocess.run(cmd, env=base, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+
+
+def final(out: Path, rank: int) -> dict:
+    return json.loads((out / f"final_rank{rank}.json").read_text())
+
+
+def as_tensors(report: dict) -> dict[str, torch.Tensor]:
+    return {k: torch.tensor(v) for k, v in report["params"].items()}
+
+
+# -- one process ----------------------------------------------------------------------------------------
+
+
+def test_silent_ranks_are_those_that_never_check_in_at_the_store() -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_RUN_ID": "t"}
+    store.set("mixprec/alive/t/0/0", "1")  # rank 0 already checked in; rank 2 never will
+    assert silent_ranks(1, 3, wait_s=0.5, environ=env) == (2,)
+
+
+def test_no_store_to_ask_means_unknown() -> None:
+    assert silent_ranks(0, 2, wait_s=0.1, environ={}) is None
+
+
+def test_the_message_names_the_rank_and_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    err = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation")
+    assert is_collective_failure(err) and not is_collective_failure(ValueError("timed out"))
+    lost = explain(err, rank=0, world_size=2, timeout_s=5)
+    assert isinstance(lost, PeerLostError) and lost.ranks == (1,)
+    assert "rank 1 did not answer" in str(lost) and "5 s timeout" in str(lost) and "ddp_timeout" in str(lost)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "300"])
+def test_a_bad_timeout_is_refused_naming_the_argument(bad: object) -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        Accelerator(cpu=True, timeout=bad, verbose=False)
+    with pytest.raises(ValueError, match="ddp_timeout"):
+        TrainingArguments(output_dir="x", ddp_timeout=bad)
+
+
+def test_the_timeout_reaches_the_process_group(tmp_path: Path) -> None:
+    acc = Accelerator(cpu=True, distributed="ddp", timeout=7, verbose=False)
+    try:
+        assert acc.config.timeout == 7
+        # torch keeps the default group's options where only it looks; the strategy's copy is what went there
+        assert acc.explain_failure(ValueError("x")).__class__ is ValueError
+    finally:
+        acc.end_training()
+
+
+class Steps(TrainerCallback):
+    """Records the step a run starts from; ends it (as a lost process would) once ``stop_at`` steps are done."""
+
+    def __init__(self, stop_at: int | None = None) -> None:
+        self.stop_at, self.first = stop_at, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.first = state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.stop_at:
+            control.should_training_stop = True
+
+
+def _trainer(out: Path, steps: Steps | None = None, **kwargs: object) -> Trainer:
+    args = TrainingArguments(
+        output_dir=str(out), max_steps=6, save_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
+        logging_steps=1, disable_tqdm=True, save_plots=False, use_cpu=True, **kwargs,
+    )  # fmt: skip
+    trainer = Trainer(make_model(), args, train_dataset=make_examples(40))
+    trainer.add_callback(steps or Steps())
+    return trainer
+
+
+def test_a_restarted_worker_group_resumes_from_the_newest_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = _trainer(tmp_path / "ref")
+    reference.train()
+    _trainer(tmp_path / "run", Steps(stop_at=3)).train()  # got to checkpoint-3, then lost a process
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    steps = Steps()
+    restarted = _trainer(tmp_path / "run", steps)
+    restarted.train()  # resume_from_checkpoint=None: under a restart, the newest complete checkpoint
+    assert steps.first == 3  # resumed, not retrained from step 0
+    assert_bit_identical(
+        {k: v for k, v in restarted.model.state_dict().items()}, dict(reference.model.state_dict().items())
+    )
+
+
+def test_a_restart_with_no_checkpoint_starts_afresh_and_false_always_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert ckpt.restarted_by_launcher()
+    trainer = _trainer(tmp_path / "empty")
+    assert trainer.train().global_step == 6  # nothing to resume from: a fresh start, not an error
+    steps = Steps()
+    _trainer(tmp_path / "empty", steps).train(resume_from_checkpoint=False)
+    assert steps.first == 0  # False: fresh even though checkpoints exist
+
+
+# -- two processes under torchrun -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("reference")
+    assert torchrun(out) == 0, (out / "launcher.log").read_text()[-3000:]
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1])
+def test_a_run_that_loses_a_process_restarts_resumes_and_ends_as_the_uninterrupted_one(
+    tmp_path: Path, reference: Path, victim: int
+) -> None:
+    rc = torchrun(tmp_path, "--max-restarts=1", env={"ELASTIC_KILL": f"{victim}:5"})
+    assert rc == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+    assert (tmp_path / "killed").exists()  # the fault happened
+    for rank in (0, 1):
+        report = final(tmp_path, rank)
+        assert report["restart"] == 1 and report["first_step"] == 3  # restarted, resumed from checkpoint-3
+        assert_bit_identical(as_tensors(report), as_tensors(final(reference, rank)))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_stuck_peer_ends_the_survivor_within_the_timeout_naming_its_rank(tmp_path: Path) -> None:
+    start = time.monotonic()
+    rc = torchrun(tmp_path, env={"ELASTIC_HANG": "1:4", "ELASTIC_TIMEOUT": "5"}, timeout=120)
+    assert rc != 0 and time.monotonic() - start < 90  # the job ended; it did not hang
+    stamp, message = (tmp_path / "error_rank0.txt").read_text().split("\n", 1)
+    hung_at = float((tmp_path / "hung_at").read_text())
+    assert message.startswith("PeerLostError: rank 0: rank 1 did not answer"), message
+    # the 5 s timeout, plus up to 5 s asking the store who is missing, plus a loaded machine's slack
+    assert float(stamp) - hung_at < 5 + 5 + 10
+    assert ckpt.latest_checkpoint(tmp_path / "run").name == "checkpoint-3"  # the checkpoint is intact
