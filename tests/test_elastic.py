@@ -184,3 +184,24 @@ def test_a_stuck_peer_ends_the_survivor_within_the_timeout_naming_its_rank(tmp_p
     # the 5 s timeout, plus up to 5 s asking the store who is missing, plus a loaded machine's slack
     assert float(stamp) - hung_at < 5 + 5 + 10
     assert ckpt.latest_checkpoint(tmp_path / "run").name == "checkpoint-3"  # the checkpoint is intact
+
+
+def test_mixprec_train_restarted_by_the_launcher_resumes_its_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mixprec.cli import train as train_cli
+    from mixprec.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train_cli, "SAMPLE_BYTES", 8)
+    corpus = tmp_path / "corpus.py"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)))
+    run = str(tmp_path / "run")
+    argv = ["train", "--data", str(corpus), "--model", "tiny", "--seq-len", "32", "--batch-size", "4",
+            "--epoch-tokens", "256", "--precision", "fp32", "--epochs", "2", "--output-dir", run]  # fmt: skip
+    assert main(argv) == 0
+    assert main(argv) == 2  # the same command line again, by hand: refused (it would overwrite the run)
+    capsys.readouterr()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # ... but run again by torchrun after a failure
+    assert main(argv) == 0
+    assert "already holds a run" not in capsys.readouterr().err

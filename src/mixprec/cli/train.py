@@ -34,6 +34,7 @@ from mixprec.cli._config import add_config_arg, apply_config
 from mixprec.cli._epochs import EpochCallback, EpochChunks, evenly_spaced
 from mixprec.data import decode, encode, unigram_entropy
 from mixprec.models import GPT
+from mixprec.trainer.checkpointing import restarted_by_launcher
 
 # -- defaults, measured on the project's 2-core AMD EPYC (AVX2) machine, where "auto" picks fp32 ------------
 # 300 steps of 16 x 128 bytes (614K bytes: a fifth of the training split, so no chunk is seen twice) bring the
@@ -231,7 +232,10 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         _rundir.apply_saved_flags(args, run_dir)
     else:
         run_dir = Path(args.output_dir) if args.output_dir is not None else _rundir.new_run_dir()
-        _rundir.check_new_run_dir(run_dir)
+        # torchrun --max-restarts: the restarted workers rerun this command line into the run their
+        # predecessors began; the Trainer resumes it from its newest complete checkpoint (if any)
+        if not restarted_by_launcher():
+            _rundir.check_new_run_dir(run_dir)
 
     model, train_chunks, val_chunks, info = load_model_and_data(args)
     chunks_per_epoch = len(train_chunks) if args.epoch_tokens == 0 else max(1, args.epoch_tokens // info.seq_len)
