@@ -8,7 +8,8 @@ change the result) of MAX_STEPS steps, a checkpoint every SAVE_STEPS. What goes 
 environment:
 
   ELASTIC_KILL=RANK:STEP   that rank SIGKILLs itself when STEP steps are done, once (OUT/killed marks it)
-  ELASTIC_HANG=RANK:STEP   that rank stops answering there (sleeps; only a signal ends it)
+  ELASTIC_HANG=RANK:STEP   that rank stops answering there (sleeps; only a signal ends it); RANK "any": this
+                           process, whatever its rank (a launcher of its own, as a "node" of a 2-node run)
   ELASTIC_TIMEOUT=S        TrainingArguments(ddp_timeout=S)
   ELASTIC_STEPS=N          MAX_STEPS (default 12)
 
@@ -40,7 +41,7 @@ def _target(name: str) -> tuple[int, int] | None:
     if not value:
         return None
     rank, step = value.split(":")
-    return int(rank), int(step)
+    return (-1 if rank == "any" else int(rank)), int(step)
 
 
 class Fault(TrainerCallback):
@@ -57,7 +58,7 @@ class Fault(TrainerCallback):
         if self.kill == (self.rank, state.global_step) and not marker.exists():
             marker.touch()
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.hang == (self.rank, state.global_step):
+        if self.hang is not None and self.hang[0] in (-1, self.rank) and self.hang[1] == state.global_step:
             (self.out / "hung_at").write_text(repr(time.time()))
             # stuck as a deadlocked process is; the launcher's SIGTERM ends it (a real deadlock: its SIGKILL)
             signal.signal(signal.SIGTERM, lambda *_: os._exit(143))

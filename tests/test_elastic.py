@@ -6,8 +6,10 @@ and are slow (two torch imports per launch, about 10 s each on 2 cores); the res
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,17 +35,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _env(extra: dict[str, str] | None) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    base.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]), **(extra or {}))
+    return base
+
+
 def torchrun(out: Path, *flags: str, env: dict[str, str] | None = None, timeout: int = 180) -> int:
     """Launch the worker under torchrun on the loopback address; the launcher's exit status."""
     out.mkdir(parents=True, exist_ok=True)
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    base.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]), **(env or {}))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
         f"--master_port={_free_port()}", *flags, str(WORKER), str(out),
     ]  # fmt: skip
     with open(out / "launcher.log", "w") as log:
-        return subprocess.run(cmd, env=base, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        return subprocess.run(cmd, env=_env(env), stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+
+
+def two_nodes(out: Path, node_env: tuple[dict[str, str], dict[str, str]] = ({}, {})) -> list[subprocess.Popen]:
+    """Two launchers of one process each, meeting at a c10d rendezvous on 127.0.0.1: a 2-node job in
+    miniature. Each launcher gets a session of its own, so a "node" can be killed whole."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    procs = []
+    for node, extra in enumerate(node_env):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes",
+            "--local-addr=127.0.0.1", str(WORKER), str(out),
+        ]  # fmt: skip
+        log = open(out / f"node{node}.log", "w")  # noqa: SIM115 (closed with the process)
+        procs.append(
+            subprocess.Popen(cmd, env=_env(extra), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
+    return procs
 
 
 def final(out: Path, rank: int) -> dict:
@@ -205,3 +230,42 @@ def test_mixprec_train_restarted_by_the_launcher_resumes_its_run(
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # ... but run again by torchrun after a failure
     assert main(argv) == 0
     assert "already holds a run" not in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_nodes_on_the_loopback_train_as_one_launcher_of_two_processes(tmp_path: Path, reference: Path) -> None:
+    procs = two_nodes(tmp_path)
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0], [(tmp_path / f"node{i}.log").read_text()[-2000:] for i in (0, 1)]
+    for rank in (0, 1):
+        assert_bit_identical(as_tensors(final(tmp_path, rank)), as_tensors(final(reference, rank)))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_lost_node_stops_the_other_cleanly_with_the_checkpoint_intact(tmp_path: Path) -> None:
+    # node 1's process stops answering at step 4 (after checkpoint-3); then the whole node is killed
+    procs = two_nodes(tmp_path, ({"ELASTIC_TIMEOUT": "10"}, {"ELASTIC_HANG": "any:4", "ELASTIC_TIMEOUT": "10"}))
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "hung_at").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "hung_at").exists(), (tmp_path / "node1.log").read_text()[-2000:]
+        os.killpg(procs[1].pid, signal.SIGKILL)  # the node: its launcher and its worker
+        survivor = procs[0].wait(timeout=120)
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    assert survivor != 0  # no restarts allowed: the job stops
+    errors = list(tmp_path.glob("error_rank*.txt"))
+    assert len(errors) == 1 and "did not answer" in errors[0].read_text(), errors
+    lost = 1 - int(errors[0].stem[-1])
+    assert f"rank {lost} did not answer" in errors[0].read_text()
+    latest = ckpt.latest_checkpoint(tmp_path / "run")
+    assert latest is not None and latest.name == "checkpoint-3" and ckpt.verify_checkpoint(latest) is None
