@@ -269,3 +269,26 @@ def test_a_lost_node_stops_the_other_cleanly_with_the_checkpoint_intact(tmp_path
     assert f"rank {lost} did not answer" in errors[0].read_text()
     latest = ckpt.latest_checkpoint(tmp_path / "run")
     assert latest is not None and latest.name == "checkpoint-3" and ckpt.verify_checkpoint(latest) is None
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_saves_then_ends_with_143_and_no_traceback(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "mixprec.cli.torchrun", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(WORKER), str(tmp_path)]  # fmt: skip
+    with open(tmp_path / "launcher.log", "w") as log:
+        launcher = subprocess.Popen(cmd, env=_env({"ELASTIC_STEPS": "100000"}), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while not (tmp_path / "run" / "checkpoint-3").is_dir() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            launcher.send_signal(signal.SIGTERM)  # what a scheduler does to preempt the job
+            rc = launcher.wait(timeout=120)
+        finally:
+            launcher.kill()
+    text = (tmp_path / "launcher.log").read_text()
+    assert rc == 143, text[-3000:]
+    assert "Traceback" not in text and "stopped by signal 15 at step" in text
+    stopped_at = int(text.split("stopped by signal 15 at step ")[1].split(";")[0])
+    latest = ckpt.latest_checkpoint(tmp_path / "run")  # the checkpoint taken at the stop, complete
+    assert latest is not None and ckpt.step_of(latest) == stopped_at and ckpt.verify_checkpoint(latest) is None
