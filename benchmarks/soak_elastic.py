@@ -39,7 +39,7 @@ def launch(out: Path, rdzv: str, env_extra: dict[str, str], restarts: int) -> in
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]), **env_extra)
     port = _free_port()
     where = (
-        ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=soak"]
+        ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=soak", "--local-addr=127.0.0.1"]
         if rdzv == "c10d"
         else ["--master_addr=127.0.0.1", f"--master_port={port}"]
     )
