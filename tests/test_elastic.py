@@ -292,3 +292,20 @@ def test_sigterm_to_the_launcher_saves_then_ends_with_143_and_no_traceback(tmp_p
     stopped_at = int(text.split("stopped by signal 15 at step ")[1].split(";")[0])
     latest = ckpt.latest_checkpoint(tmp_path / "run")  # the checkpoint taken at the stop, complete
     assert latest is not None and ckpt.step_of(latest) == stopped_at and ckpt.verify_checkpoint(latest) is None
+
+
+def test_mixprec_train_on_several_nodes_needs_a_shared_output_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mixprec.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    # what torchrun --nnodes=2 --nproc_per_node=1 tells each worker; no group is joined before the check
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    assert main(["train", "--model", "tiny", "--max-steps", "1"]) == 2
+    assert "pass --output-dir" in capsys.readouterr().err

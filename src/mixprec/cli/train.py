@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import Subset
 
+from mixprec.accelerator.distributed import LaunchEnv
 from mixprec.cli import _rundir, report
 from mixprec.cli._common import (
     DataModelInfo,
@@ -32,6 +33,7 @@ from mixprec.cli._common import (
 )
 from mixprec.cli._config import add_config_arg, apply_config
 from mixprec.cli._epochs import EpochCallback, EpochChunks, evenly_spaced
+from mixprec.cli.main import CliError
 from mixprec.data import decode, encode, unigram_entropy
 from mixprec.models import GPT
 from mixprec.trainer.checkpointing import restarted_by_launcher
@@ -231,6 +233,9 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         resume_from = _rundir.resume_checkpoint(run_dir, named)
         _rundir.apply_saved_flags(args, run_dir)
     else:
+        env = LaunchEnv.from_environ()
+        if args.output_dir is None and env.world_size > env.local_world_size:  # each node's clock names its own
+            raise CliError("on several nodes, pass --output-dir: a folder every node sees (a shared filesystem)")
         run_dir = Path(args.output_dir) if args.output_dir is not None else _rundir.new_run_dir()
         # torchrun --max-restarts: the restarted workers rerun this command line into the run their
         # predecessors began; the Trainer resumes it from its newest complete checkpoint (if any)
