@@ -76,10 +76,11 @@ class Accelerator:
         non_blocking: bool = False,
         verbose: bool = True,
         watch: Any = None,
+        timeout: float | None = None,
     ) -> None:
         self.config = AcceleratorConfig(
             mixed_precision, gradient_accumulation_steps, distributed, device, cpu, scaler_kwargs,
-            ddp_kwargs, fsdp_shard, non_blocking, verbose,
+            ddp_kwargs, fsdp_shard, non_blocking, verbose, timeout,
         )  # fmt: skip
         env = LaunchEnv.from_environ()
         dev = select_device(self.config.device, self.config.cpu, env)
@@ -88,7 +89,12 @@ class Accelerator:
         # the first training step, by racing the candidates on it (mixprec.precision.auto).
         self._precision: Precision = _resolve(self.config.mixed_precision, dev, env.world_size)
         self._strategy = make_strategy(
-            self.config.distributed, env, dev, ddp_kwargs=self.config.ddp_kwargs, fsdp_shard=self.config.fsdp_shard
+            self.config.distributed,
+            env,
+            dev,
+            ddp_kwargs=self.config.ddp_kwargs,
+            fsdp_shard=self.config.fsdp_shard,
+            timeout=self.config.timeout,
         )
         self._precision.configure(
             self.config.scaler_kwargs,
@@ -348,6 +354,12 @@ class Accelerator:
 
     def wait_for_everyone(self) -> None:
         self._strategy.barrier()
+
+    def explain_failure(self, err: BaseException) -> BaseException:
+        """``err`` itself, or, when it is a collective that failed because a peer died or stopped answering
+        within ``timeout``, a :class:`~mixprec.accelerator.peers.PeerLostError` naming that rank (asks the
+        launcher's store, up to 5 s). ``except Exception as err: raise accelerator.explain_failure(err)``."""
+        return self._strategy.explain_failure(err) or err
 
     @contextlib.contextmanager
     def main_process_first(self) -> Iterator[None]:

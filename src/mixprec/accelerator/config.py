@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from mixprec.accelerator.distributed import KINDS
+from mixprec.accelerator.peers import timeout_delta
 
 
 @dataclass
@@ -46,6 +47,11 @@ class AcceleratorConfig:
     verbose: bool = True
     """Print the one-line summary of the resolved precision and processes at start (main process)."""
 
+    timeout: float | None = None
+    """Seconds a collective waits for every process before failing with an error naming the rank that did
+    not answer (None: 300; see :mod:`mixprec.accelerator.peers` for why). Applies when mixprec creates the
+    process group."""
+
     def __post_init__(self) -> None:
         if self.mixed_precision is None:
             self.mixed_precision = "no"
@@ -64,6 +70,8 @@ class AcceleratorConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, Mapping):
                 raise TypeError(f"Accelerator({name}=...): {name} must be a dict, got {type(value).__name__}")
+        if self.timeout is not None:
+            timeout_delta(self.timeout)  # raises naming the argument
         if self.fsdp_shard is not None and not callable(self.fsdp_shard):
             raise TypeError("Accelerator(fsdp_shard=...): fsdp_shard must be a callable (module) -> bool")
         if self.fsdp_shard is not None and self.distributed != "fsdp":

@@ -40,8 +40,14 @@ class DDPStrategy(ProcessGroupStrategy):
 
     name = "ddp"
 
-    def __init__(self, env: LaunchEnv, device: torch.device, ddp_kwargs: Mapping[str, Any] | None = None) -> None:
-        super().__init__(env, device)
+    def __init__(
+        self,
+        env: LaunchEnv,
+        device: torch.device,
+        ddp_kwargs: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        super().__init__(env, device, timeout)
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self._wrappers: dict[int, DistributedDataParallel] = {}
 

@@ -8,7 +8,8 @@ One small object per kind, each overriding only what differs (the facade never b
 - :class:`~mixprec.accelerator.fsdp.FSDP2Strategy`: parameters, gradients and optimizer state sharded.
 
 The process group is set up from the launcher's environment (``torchrun`` sets RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR and MASTER_PORT), so a script needs no ``init_process_group`` of its own.
+MASTER_ADDR and MASTER_PORT), so a script needs no ``init_process_group`` of its own. Its collectives
+wait at most ``timeout`` seconds for a peer (:mod:`mixprec.accelerator.peers`: 5 minutes by default).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from mixprec.accelerator.peers import PeerLostError, explain, is_collective_failure, launcher_store, timeout_delta
 from mixprec.accelerator.prepared import patch_forward
 
 if TYPE_CHECKING:
@@ -188,6 +190,10 @@ class DistributedStrategy:
     ) -> None:
         optimizer.load_state_dict(read())
 
+    def explain_failure(self, err: BaseException) -> PeerLostError | None:
+        """The error naming the rank that did not answer, when ``err`` is a collective's failure (else None)."""
+        return None
+
     def close(self) -> None:
         """Release what this strategy set up (the process group it created)."""
 
@@ -200,20 +206,22 @@ class ProcessGroupStrategy(DistributedStrategy):
     one-process group in memory, so single-process runs exercise the same code.
     """
 
-    def __init__(self, env: LaunchEnv, device: torch.device) -> None:
+    def __init__(self, env: LaunchEnv, device: torch.device, timeout: float | None = None) -> None:
         super().__init__(env, device)
         self._owns_group = False
+        delta = timeout_delta(timeout)
+        self.timeout_s = delta.total_seconds()
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             if env.world_size > 1:
-                extra = {"device_id": device} if device.type == "cuda" else {}
-                dist.init_process_group(
-                    backend, init_method="env://", rank=env.rank, world_size=env.world_size, **extra
-                )
+                extra: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+                store = launcher_store(delta)  # under torchrun: a fresh namespace for each restart
+                extra.update({"store": store} if store is not None else {"init_method": "env://"})
+                dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=delta, **extra)
             else:
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=delta)
             self._owns_group = True
             # A script that never calls end_training() still leaves the group cleanly (nccl warns otherwise).
             atexit.register(self.close)
@@ -274,6 +282,11 @@ class ProcessGroupStrategy(DistributedStrategy):
 
         return reduce_max
 
+    def explain_failure(self, err: BaseException) -> PeerLostError | None:
+        if not is_collective_failure(err) or self.num_processes < 2:
+            return None
+        return explain(err, self.process_index, self.num_processes, self.timeout_s)
+
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -294,9 +307,11 @@ def make_strategy(
     *,
     ddp_kwargs: Mapping[str, Any] | None = None,
     fsdp_shard: Callable[[torch.nn.Module], bool] | None = None,
+    timeout: float | None = None,
 ) -> DistributedStrategy:
     """``None``: DDP when several processes were launched (or a group exists), else one process;
-    ``"ddp"`` / ``"fsdp"``: that kind, also with one process."""
+    ``"ddp"`` / ``"fsdp"``: that kind, also with one process. ``timeout``: seconds a collective waits
+    (None: :data:`~mixprec.accelerator.peers.DEFAULT_TIMEOUT_S`)."""
     if distributed is not None and distributed not in KINDS:
         raise ValueError(f"Accelerator(distributed={distributed!r}): choose one of: None, {', '.join(KINDS)}")
     several = env.world_size > 1 or (dist.is_initialized() and dist.get_world_size() > 1)
@@ -304,11 +319,12 @@ def make_strategy(
     if kind == "ddp":
         from mixprec.accelerator.ddp import DDPStrategy
 
-        return DDPStrategy(env, device, ddp_kwargs=ddp_kwargs)
+        return DDPStrategy(env, device, ddp_kwargs=ddp_kwargs, timeout=timeout)
     if kind == "fsdp":
         from mixprec.accelerator.fsdp import FSDP2Strategy
 
-        return FSDP2Strategy(env, device, shard=fsdp_shard)
+        return FSDP2Strategy(env, device, shard=fsdp_shard, timeout=timeout)
+    timeout_delta(timeout)  # one process waits for no one, but a bad value is still an error
     return DistributedStrategy(env, device)
 
 

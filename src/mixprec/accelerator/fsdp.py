@@ -50,8 +50,9 @@ class FSDP2Strategy(ProcessGroupStrategy):
         device: torch.device,
         shard: Callable[[torch.nn.Module], bool] | None = None,
         reshard_after_forward: bool = True,
+        timeout: float | None = None,
     ) -> None:
-        super().__init__(env, device)
+        super().__init__(env, device, timeout)
         self.shard = shard
         self.reshard_after_forward = reshard_after_forward
         self._replaced: dict[int, torch.nn.Parameter] = {}

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import Subset
 
+from mixprec.accelerator.distributed import LaunchEnv
 from mixprec.cli import _rundir, report
 from mixprec.cli._common import (
     DataModelInfo,
@@ -32,8 +33,10 @@ from mixprec.cli._common import (
 )
 from mixprec.cli._config import add_config_arg, apply_config
 from mixprec.cli._epochs import EpochCallback, EpochChunks, evenly_spaced
+from mixprec.cli.main import CliError
 from mixprec.data import decode, encode, unigram_entropy
 from mixprec.models import GPT
+from mixprec.trainer.checkpointing import restarted_by_launcher
 from mixprec.trainer.optimizers import OPTIMIZER_NAMES
 
 # -- defaults, measured on the project's 2-core AMD EPYC (AVX2) machine, where "auto" picks fp32 ------------
@@ -246,8 +249,14 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         resume_from = _rundir.resume_checkpoint(run_dir, named)
         _rundir.apply_saved_flags(args, run_dir)
     else:
+        env = LaunchEnv.from_environ()
+        if args.output_dir is None and env.world_size > env.local_world_size:  # each node's clock names its own
+            raise CliError("on several nodes, pass --output-dir: a folder every node sees (a shared filesystem)")
         run_dir = Path(args.output_dir) if args.output_dir is not None else _rundir.new_run_dir()
-        _rundir.check_new_run_dir(run_dir)
+        # torchrun --max-restarts: the restarted workers rerun this command line into the run their
+        # predecessors began; the Trainer resumes it from its newest complete checkpoint (if any)
+        if not restarted_by_launcher():
+            _rundir.check_new_run_dir(run_dir)
 
     model, train_chunks, val_chunks, info = load_model_and_data(args)
     chunks_per_epoch = len(train_chunks) if args.epoch_tokens == 0 else max(1, args.epoch_tokens // info.seq_len)

@@ -147,6 +147,9 @@ class TrainingArguments(HFCompatFields):
     """Train on the CPU even when a GPU is present."""
     distributed: str | None = None
     """None (DDP under torchrun, else one process), "ddp" or "fsdp"."""
+    ddp_timeout: float = 300
+    """Seconds a collective waits for every process before the run ends naming the rank that did not answer
+    (HF's name; its default is 1800, torch's too: mixprec waits 5 minutes, see mixprec.accelerator.peers)."""
 
     # -- precision watch ------------------------------------------------------------------------------
     precision_watch: int | str | dict | None = None
@@ -173,6 +176,9 @@ class TrainingArguments(HFCompatFields):
         check_positive_int("per_device_train_batch_size", self.per_device_train_batch_size)
         check_positive_int("dataloader_num_workers", self.dataloader_num_workers, allow_zero=True)
         check_choice("distributed", self.distributed, DISTRIBUTED)
+        timeout = self.ddp_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            fail("ddp_timeout", self.ddp_timeout, "must be a number of seconds > 0")
         WatchConfig.parse(self.precision_watch, f"TrainingArguments(precision_watch={self.precision_watch!r})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             fail("seed", self.seed, "must be an integer")

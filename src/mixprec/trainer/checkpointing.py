@@ -34,6 +34,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -193,6 +194,58 @@ def resolve_resume(
             "use resume_from_checkpoint=True for the newest one that is"
         )
     return path
+
+
+def restarted_by_launcher(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether torchelastic restarted this worker group after a failure (``torchrun --max-restarts=N``)."""
+    try:
+        return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    except ValueError:
+        return False
+
+
+def agree_on_resume(
+    accelerator: Any, resume_from_checkpoint: bool | str | os.PathLike[str] | None, output_dir: str
+) -> Path | None:
+    """The checkpoint every process resumes from, chosen once by the main process and sent to the others
+    (one tiny all-reduce), so processes never disagree because one of them saw a save land a moment later,
+    or a folder the others cannot read. Collective.
+
+    ``resume_from_checkpoint=None`` in a worker group that torchelastic restarted (TORCHELASTIC_RESTART_COUNT
+    > 0) means the newest complete checkpoint if there is one, else a fresh start: the automatic resume of
+    ``torchrun --max-restarts=N``. Pass ``False`` to always start fresh."""
+    elastic = resume_from_checkpoint is None and restarted_by_launcher()
+    code, error = -1, None  # -1: start fresh; -2: the main process failed; N >= 0: checkpoint-N (or the path)
+    if accelerator.is_main_process:
+        try:
+            recover_checkpoints(output_dir)
+            if elastic:
+                found = find_resumable(output_dir, recover_first=False).checkpoint
+                logger.warning(
+                    "restarted by the launcher: %s",
+                    f"resuming from {found}" if found else f"no complete checkpoint in {output_dir}; starting afresh",
+                )
+            else:
+                found = resolve_resume(resume_from_checkpoint, output_dir, recover_first=True)
+            code = -1 if found is None else (step_of(found) if step_of(found) is not None else 0)
+            chosen = found
+        except Exception as err:
+            code, error = -2, err
+    if accelerator.num_processes > 1:
+        code = int(accelerator.reduce(torch.tensor(code if accelerator.is_main_process else 0), "sum").item())
+    if error is not None:
+        raise error
+    if code == -2:
+        raise CheckpointError(
+            f"the main process could not choose a checkpoint to resume from in {output_dir} (see its error)"
+        )
+    if accelerator.is_main_process:
+        return chosen
+    if code == -1:
+        return None
+    if resume_from_checkpoint is not None and resume_from_checkpoint is not True and not elastic:
+        return Path(resume_from_checkpoint)
+    return Path(output_dir) / f"{PREFIX}{code}"
 
 
 def save_checkpoint(output_dir: str | os.PathLike[str], step: int, accelerator: Any, files: dict[str, Any]) -> Path:

@@ -100,7 +100,6 @@ class HFCompatFields:
     skip_memory_metrics: bool = _f(True, IGNORED, "peak memory is in the end-of-run summary regardless")
     torch_empty_cache_steps: int | None = _f(None, IGNORED, "a memory-hygiene knob; the allocator caches as usual")
     use_cache: bool = _f(False, IGNORED, "the model's KV cache setting is left as the model has it")
-    ddp_timeout: int = _f(1800, IGNORED, "the process group uses torch's default timeout")
     length_column_name: str = _f("length", IGNORED, "only read by train_sampling_strategy='group_by_length'")
     ignore_data_skip: bool = _f(False, IGNORED, "a resume always restarts at the exact batch, at no cost")
     enable_jit_checkpoint: bool = _f(False, IGNORED, "mixprec always checkpoints on SIGTERM")

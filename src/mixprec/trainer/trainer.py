@@ -256,6 +256,7 @@ class Trainer:
             scaler_kwargs=args.precision_config.scaler_kwargs(),
             ddp_kwargs=args.ddp_kwargs() or None,
             watch=args.precision_watch,
+            timeout=args.ddp_timeout,
         )
 
     def _new_model_from_init(self) -> None:
@@ -349,13 +350,19 @@ class Trainer:
         """Train for ``max_steps`` or ``num_train_epochs``; resume from a checkpoint (``True``: the newest
         one in output_dir whose manifest verifies; newer damaged ones are skipped with a warning). On
         SIGTERM: saves a checkpoint at the next step boundary and exits the process with status 143
-        (128 + SIGTERM), so schedulers see a job that did not finish. output_dir is locked while training:
+        (128 + SIGTERM), so schedulers see a job that did not finish. Under ``torchrun --max-restarts=N``,
+        a restarted worker group resumes by itself (``None`` then means the newest complete checkpoint if
+        any; ``False`` always starts fresh). A peer that dies or stays silent past ``ddp_timeout`` ends the
+        run with :class:`~mixprec.accelerator.peers.PeerLostError` naming its rank. output_dir is locked while training:
         a second run into it is refused (FolderInUseError) naming the process that holds it."""
         with ckpt.lock_output_dir(self.accelerator, self.args.output_dir):
             try:
                 return self._train(resume_from_checkpoint)
-            except BaseException:
+            except BaseException as err:
                 self.close_progress()  # end the bar's line, so that the error is printed on its own
+                explained = self.accelerator.explain_failure(err)
+                if explained is not err:  # a peer died or went silent: one line naming it, not gloo's trace
+                    raise explained from None
                 raise
 
     def _train(self, resume_from_checkpoint: bool | str | None) -> TrainOutput:
@@ -374,10 +381,7 @@ class Trainer:
         loader = self.get_train_dataloader()
         if again and hasattr(loader, "set_epoch"):
             loader.set_epoch(0)  # the data from its start, as HF, and in step with the fresh state's position
-        if acc.is_main_process:
-            ckpt.recover_checkpoints(args.output_dir)
-        acc.wait_for_everyone()
-        checkpoint = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir, recover_first=False)
+        checkpoint = ckpt.agree_on_resume(acc, resume_from_checkpoint, args.output_dir)
         plan = self._plan(loader)
         if checkpoint is None:
             self.record_event("train_begin", 0, resumed_from=None, precision=acc.mixed_precision)
