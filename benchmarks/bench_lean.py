@@ -232,8 +232,10 @@ def report(lean: dict[str, Any] | None, fp8: dict[str, Any] | None) -> str:
         ref = next(iter(lean["modes"].values())).get("step_s")
         for name, row in lean["modes"].items():
             b = row.get("bytes")
-            bpp = f"{b['per_param']:.2f} ({b['params'] / lean['params']:.1f} + {b['grads'] / lean['params']:.1f} + "
-            bpp = bpp + f"{b['optimizer'] / lean['params']:.2f})" if b else "-"
+            bpp = "-"
+            if b:  # measured by the memory part only
+                n = lean["params"]
+                bpp = f"{b['per_param']:.2f} ({b['params'] / n:.1f} + {b['grads'] / n:.1f} + {b['optimizer'] / n:.2f})"
             peak = f"{row['peak_bytes'] / 2**20:.0f} MiB" if row.get("peak_bytes") is not None else "-"
             if "step_s" in row:
                 lo, med, hi = row["step_s"]
