@@ -321,3 +321,17 @@ def test_a_diagnosis_that_saw_fp16_overflow_excludes_fp16_from_the_race(monkeypa
     accelerator.settle_precision(lambda: model(batch["input_ids"], labels=batch["labels"]).loss, batch,
                                  excluded=excluded)  # fmt: skip
     assert accelerator.mixed_precision == "fp32" and "diagnosis saw fp16 overflow" in accelerator.precision.reason
+
+
+@pytest.mark.parametrize(
+    "cost, rounds",
+    [
+        ({"fp32": 1.0, "bf16": 0.5}, 2),  # a clear win: decided after two rounds
+        ({"fp32": 1.0, "bf16": 1.0}, 2),  # level: bf16 cannot win by the margin
+        ({"fp32": 1.0, "bf16": 0.93}, 3),  # a close call gets the third round
+    ],
+)
+def test_the_race_stops_after_two_rounds_only_when_the_choice_is_clear(cost, rounds):
+    clock = FakeClock(cost)
+    decision = decide(["fp32", "bf16"], clock.run, device="cpu", threads=1, clock=clock)
+    assert decision.rounds == rounds and len(decision.step_seconds) == 2

@@ -9,7 +9,8 @@ the threads training will use. The protocol (STYLE.md habit 13, as ``mixprec ben
    but bounded: a candidate still running ``ABORT_RATIO`` times as long as the safest one's warm-up is
    stopped mid-forward and dropped (an emulated fp16 step can take 15x fp32's: one whole run of it would
    cost more than the rest of the race);
-2. ``rounds`` timed rounds, the order rotated each round so a noisy neighbour hurts every mode alike;
+2. ``rounds`` timed rounds, the order rotated each round so a noisy neighbour hurts every mode alike (two
+   when, after two, every mode is far from the margin: the race's cost is a share of the user's run);
    from the third round on, a mode whose best time is ``DROP_RATIO`` times the fastest one's stops
    running (an emulated low precision can be 10x slower: timing it again would only cost);
 3. a lower-precision mode is chosen only if it beats every safer mode by ``MARGIN`` on the median time and
@@ -154,7 +155,7 @@ def race(
     for name in racing:  # warm-up, untimed: its finiteness is the safety check
         t0 = clock()
         finite[name] = run(name, None if budget is None else t0 + budget)
-        if budget is None:
+        if budget is None:  # the safest mode's first run (inflated by one-time costs: a lenient deadline)
             budget = (clock() - t0) * ABORT_RATIO
         if finite[name] is None:
             dropped[name] = 0
@@ -176,7 +177,23 @@ def race(
                 if c not in keep:
                     dropped[c] = r + 1
             racing = same(keep)
+        # every mode far from the margin after two rounds: a third would not change the choice (the main
+        # process's verdict for all, as a non-empty list: every process must run the same trials)
+        if r == 1 and r + 1 < rounds and same(list(racing) if _decided(racing, samples) else []):
+            break
     return {c: s for c, s in samples.items() if s}, out, dropped
+
+
+def _decided(racing: Sequence[str], samples: dict[str, list[float]]) -> bool:
+    """Whether each less safe mode is clearly on one side of the margin against the safest one: within half
+    the margin of it or slower, on both samples' mean (it cannot win), or faster by twice the margin on both
+    samples (it wins whatever a third sample says). Close calls get the third round."""
+    base = statistics.mean(samples[racing[0]])
+    for name in racing[1:]:
+        ratio = statistics.mean(samples[name]) / base
+        if not (ratio >= 1 - MARGIN / 2 or max(samples[name]) < min(samples[racing[0]]) * (1 - 2 * MARGIN)):
+            return False
+    return True
 
 
 def choose(order: Sequence[str], medians: dict[str, float], minima: dict[str, float]) -> str:
@@ -210,6 +227,7 @@ def decide(
     """Race ``candidates`` (safest first) and return the decision, its table and its cost."""
     start = time.perf_counter()
     samples, out, dropped = race(candidates, run, rounds=rounds, clock=clock, agree=agree, excluded=excluded)
+    ran = max((len(ts) for ts in samples.values()), default=0)
     medians = {name: statistics.median(ts) for name, ts in samples.items()}
     minima = {name: min(ts) for name, ts in samples.items()}
     chosen = choose([c for c in candidates if c not in out], medians, minima)
@@ -221,7 +239,7 @@ def decide(
         best_seconds=minima,
         excluded=out,
         dropped=dropped,
-        rounds=rounds,
+        rounds=ran,
         threads=threads,
         cost_seconds=time.perf_counter() - start,
         device=device,
