@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mixprec.scaling.scaler import ConsecutiveSkipsError, GradScaler
+from mixprec.scaling.scaler import GradScaler
 
 
 class NonFiniteGuard(GradScaler):
@@ -54,15 +54,12 @@ class NonFiniteGuard(GradScaler):
         skipped = bool(self._skipped_now)
         self.record.add(1.0, skipped, 1.0)
         optimizers, self._skipped_now, self._stepped = self._skipped_now, [], False
-        limit = self.max_consecutive_skips
-        if skipped and limit is not None and self.record.consecutive_skips >= limit:
-            names = [n for opt in optimizers for n in self.nonfinite_grad_names(opt)]
-            raise ConsecutiveSkipsError(
-                f"{self.record.consecutive_skips} optimizer steps in a row were skipped for non-finite gradients "
-                f"(no loss scaling in this precision). Non-finite gradients in: "
-                f"{', '.join(names[:20]) or 'none left (were they zeroed?)'}{' ...' if len(names) > 20 else ''}. "
-                "Check the inputs and the learning rate, or run `mixprec diagnose`."
-            )
+        self._raise_if_too_many_skips(
+            skipped,
+            optimizers,
+            "no loss scaling in this precision",
+            "Check the inputs and the learning rate, or run `mixprec diagnose`.",
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"nonfinite_guard": True, "record": self.record.state_dict()}

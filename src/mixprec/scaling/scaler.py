@@ -293,15 +293,27 @@ class GradScaler:
         optimizers = [s.optimizer for s in stepped]
         self._states = {}
         self._scaled_since_update = False
+        self._raise_if_too_many_skips(
+            skipped,
+            optimizers,
+            f"loss scale {self._scale_host:g}, floor {self.min_scale:g}",
+            "The forward pass likely overflows: check the inputs and learning rate, try precision='bf16', or "
+            "run `mixprec diagnose`.",
+        )
+
+    def _raise_if_too_many_skips(
+        self, skipped: bool, optimizers: list[torch.optim.Optimizer], state: str, advice: str
+    ) -> None:
+        """Raise :class:`ConsecutiveSkipsError`, naming the non-finite gradients, once ``max_consecutive_skips``
+        steps in a row were skipped (the scaler's and the non-finite guard's breaker)."""
         limit = self.max_consecutive_skips
         if skipped and limit is not None and self.record.consecutive_skips >= limit:
             names = [n for opt in optimizers for n in self.nonfinite_grad_names(opt)]
             raise ConsecutiveSkipsError(
                 f"{self.record.consecutive_skips} optimizer steps in a row were skipped for non-finite "
-                f"gradients (loss scale {self._scale_host:g}, floor {self.min_scale:g}). Non-finite "
-                f"gradients in: {', '.join(names[:20]) or 'none left (were they zeroed?)'}"
-                f"{' ...' if len(names) > 20 else ''}. The forward pass likely overflows: check the inputs "
-                "and learning rate, try precision='bf16', or run `mixprec diagnose`."
+                f"gradients ({state}). Non-finite gradients in: "
+                f"{', '.join(names[:20]) or 'none left (were they zeroed?)'}{' ...' if len(names) > 20 else ''}. "
+                f"{advice}"
             )
 
     def nonfinite_grad_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
