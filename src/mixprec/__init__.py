@@ -24,6 +24,8 @@ _EXPORTS: dict[str, str] = {
     "available_precisions": "mixprec.precision.registry",
     # mid level
     "Accelerator": "mixprec.accelerator.accelerator",
+    "ProjectConfiguration": "mixprec.accelerator.project",
+    "GradientAccumulationPlugin": "mixprec.accelerator.gradients",
     # high level
     "Trainer": "mixprec.trainer.trainer",
     "TrainingArguments": "mixprec.trainer.args",
@@ -60,6 +62,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.accelerator.accelerator import Accelerator
+    from mixprec.accelerator.gradients import GradientAccumulationPlugin
+    from mixprec.accelerator.project import ProjectConfiguration
     from mixprec.diagnostics.diagnose import diagnose
     from mixprec.diagnostics.report import Report
     from mixprec.models.gpt import GPT, GPTConfig

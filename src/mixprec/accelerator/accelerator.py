@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import gc
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -32,12 +34,16 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from mixprec.accelerator.checkpoints import StateCheckpoints
 from mixprec.accelerator.config import AcceleratorConfig
 from mixprec.accelerator.data import PreparedDataLoader, prepare_dataloader
 from mixprec.accelerator.distributed import LaunchEnv, make_strategy, select_device
-from mixprec.accelerator.gradients import GradientState
-from mixprec.accelerator.prepared import PreparedOptimizer, PreparedScheduler, is_prepared
-from mixprec.accelerator.state import Registry, RunState, load_state, save_state
+from mixprec.accelerator.gradients import GradientAccumulationPlugin, GradientState
+from mixprec.accelerator.prepared import PreparedOptimizer, PreparedScheduler, is_prepared, prepared_with, unwrap
+from mixprec.accelerator.process_state import AcceleratorState
+from mixprec.accelerator.project import ProjectConfiguration
+from mixprec.accelerator.saving import save_model
+from mixprec.accelerator.state import Registry, RunState
 from mixprec.precision.base import Precision
 from mixprec.precision.race import AutoDecision
 from mixprec.precision.registry import make_precision
@@ -60,6 +66,9 @@ class Accelerator:
     :class:`~mixprec.precision.base.PrecisionNotSupportedError` for a mode the device cannot run.
     ``watch``: a precision watch for the prepared model (``50``, ``"fallback"``, a ``PrecisionWatch``...; see
     :mod:`mixprec.watch.settings`), reachable as ``accelerator.watch``; off (None) by default.
+    ``project_dir`` / ``project_config``: where ``save_state()`` with no path writes (see
+    :class:`~mixprec.accelerator.project.ProjectConfiguration`). ``gradient_accumulation_plugin``: a
+    :class:`~mixprec.accelerator.gradients.GradientAccumulationPlugin`, instead of ``gradient_accumulation_steps``.
     """
 
     def __init__(
@@ -77,7 +86,16 @@ class Accelerator:
         verbose: bool = True,
         watch: Any = None,
         timeout: float | None = None,
+        project_dir: str | os.PathLike[str] | None = None,
+        project_config: ProjectConfiguration | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
     ) -> None:
+        if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"Accelerator(gradient_accumulation_steps={gradient_accumulation_steps!r}, "
+                "gradient_accumulation_plugin=...): pass only one of gradient_accumulation_steps and "
+                "gradient_accumulation_plugin (set num_steps in the plugin)"
+            )
         self.config = AcceleratorConfig(
             mixed_precision, gradient_accumulation_steps, distributed, device, cpu, scaler_kwargs,
             ddp_kwargs, fsdp_shard, non_blocking, verbose, timeout,
@@ -103,8 +121,15 @@ class Accelerator:
             is_main=self._strategy.is_main_process,
             announce=self._report,  # "auto", once decided, says what it measured
         )
-        self._gradients = GradientState(self._precision, self._strategy, self.config.gradient_accumulation_steps)
+        self._gradients = GradientState(
+            self._precision, self._strategy, self.config.gradient_accumulation_steps, gradient_accumulation_plugin
+        )
         self._registry = Registry()
+        project = project_config if project_config is not None else ProjectConfiguration(project_dir=project_dir)
+        if project_dir is not None and project.project_dir is None:
+            project.set_directories(project_dir)
+        self._checkpoints = StateCheckpoints(project)
+        self.state = AcceleratorState(self._strategy, self._precision)
         # The precision watch (mixprec.watch): None when off; attaches to the model in prepare_model.
         self.watch: PrecisionWatch | None = PrecisionWatch.build(watch, "Accelerator(watch=...)")
         self._report()
@@ -191,10 +216,40 @@ class Accelerator:
     def gradient_accumulation_steps(self) -> int:
         return self._gradients.accumulation_steps
 
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self._gradients.num_steps = steps
+
     @property
     def sync_gradients(self) -> bool:
         """True on a micro-batch that steps the optimizer (always, without accumulation)."""
         return self._gradients.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self._gradients.sync_gradients = bool(value)
+
+    @property
+    def gradient_state(self) -> GradientState:
+        """The accumulation state (``sync_gradients``, ``end_of_dataloader``, ``num_steps``...)."""
+        return self._gradients
+
+    @property
+    def project_configuration(self) -> ProjectConfiguration:
+        return self._checkpoints.project
+
+    @property
+    def project_dir(self) -> str | os.PathLike[str] | None:
+        return self._checkpoints.project.project_dir
+
+    @property
+    def logging_dir(self) -> str | os.PathLike[str] | None:
+        return self._checkpoints.project.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        """The number the next automatic checkpoint gets."""
+        return self._checkpoints.project.iteration
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -223,7 +278,8 @@ class Accelerator:
 
     def prepare(self, *objects: Any) -> Any:
         """Prepare models, optimizers, DataLoaders and LR schedulers, in any order; returned in that order
-        (a single object when one is passed). Models go first, so optimizers can follow their parameters."""
+        (a single object when one is passed; None passes through in its place). Models go first, so
+        optimizers can follow their parameters."""
         kinds = [_kind(obj, i) for i, obj in enumerate(objects)]
         result = list(objects)
         steps = (("model", self.prepare_model), ("optimizer", self.prepare_optimizer),
@@ -238,6 +294,9 @@ class Accelerator:
         """The same module, on the device, its forward under autocast (and DDP/FSDP2 when distributed)."""
         if is_prepared(model):
             if any(m is model for m in self._registry.models):
+                return model
+            if prepared_with(model) is self._precision:  # prepared here, then dropped by free_memory
+                self._registry.models.append(model)
                 return model
             raise ValueError(f"{type(model).__name__} was prepared by another Accelerator")
         _check_master_weights(model, self._precision)
@@ -281,11 +340,19 @@ class Accelerator:
         return prepared
 
     def register_for_checkpointing(self, *objects: Any) -> None:
-        """Include objects with ``state_dict()`` / ``load_state_dict()`` in ``save_state`` / ``load_state``."""
-        for obj in objects:
-            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise TypeError(f"register_for_checkpointing: {type(obj).__name__} has no state_dict/load_state_dict")
-            self._registry.custom.append(obj)
+        """Include objects with ``state_dict()`` / ``load_state_dict()`` in ``save_state`` / ``load_state``.
+        Raises ValueError listing every object that lacks them (by position), registering none."""
+        bad = [
+            f"- Item at index {i}, `{type(obj).__name__}`"
+            for i, obj in enumerate(objects)
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)))
+        ]
+        if bad:
+            raise ValueError(
+                "register_for_checkpointing: every object needs state_dict() and load_state_dict(); these lack "
+                "them:\n" + "\n".join(bad)
+            )
+        self._registry.custom.extend(objects)
 
     # -- the step ------------------------------------------------------------------------------------
 
@@ -315,26 +382,79 @@ class Accelerator:
         """Unscale first (once per step), then clamp every gradient to ``[-clip_value, clip_value]``."""
         self._gradients.clip_grad_value_(parameters, clip_value)
 
-    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The user's module (``prepare`` already returns it; this also unwraps DDP and torch.compile)."""
-        while True:
-            inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
-            if not isinstance(inner, torch.nn.Module) or not _is_wrapper(model):
-                return model
-            model = inner
+    def unwrap_model(
+        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> torch.nn.Module:
+        """The user's module (``prepare`` already returns it; this also unwraps DDP/DataParallel). With
+        ``keep_fp32_wrapper=False`` its forward loses the precision's autocast, in place, as in accelerate;
+        ``keep_torch_compile=False`` also unwraps ``torch.compile``."""
+        return unwrap(model, keep_fp32_wrapper, keep_torch_compile)
 
     # -- state ---------------------------------------------------------------------------------------
 
-    def save_state(self, output_dir: str | Path, *, extra_json: Mapping[str, Any] | None = None) -> Path:
+    def save_state(
+        self,
+        output_dir: str | Path | None = None,
+        safe_serialization: bool = True,
+        *,
+        extra_json: Mapping[str, Any] | None = None,
+    ) -> Path:
         """Save models, optimizers, schedulers, scaler, data positions and RNG states, atomically (see
-        :mod:`mixprec.accelerator.state`). ``extra_json={"name": obj}`` adds ``name.json`` to the folder.
-        Collective: call it on every process."""
-        return save_state(self._run_state(), output_dir, extra_json)
+        :mod:`mixprec.accelerator.state`); with no ``output_dir``, to the project's next automatic checkpoint
+        (:mod:`mixprec.accelerator.project`). ``safe_serialization=False`` writes the weights with torch.save.
+        ``extra_json={"name": obj}`` adds ``name.json`` to the folder. Collective: call it on every process."""
+        return self._checkpoints.save(
+            self._run_state(), output_dir, safe_serialization=safe_serialization, extra_json=extra_json
+        )
 
-    def load_state(self, input_dir: str | Path) -> dict[str, Any]:
-        """Restore a folder written by ``save_state`` into the prepared objects (call after ``prepare``).
-        Loads no pickled objects. Collective."""
-        return load_state(self._run_state(), input_dir)
+    def load_state(self, input_dir: str | Path | None = None) -> dict[str, Any]:
+        """Restore a folder written by ``save_state`` (either format; with no ``input_dir``, the project's newest
+        automatic checkpoint) into the prepared objects (call after ``prepare``). Loads no pickled objects.
+        Collective."""
+        return self._checkpoints.load(self._run_state(), input_dir)
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """``hook(models, weights, output_dir)`` before ``save_state`` writes (see
+        :mod:`mixprec.accelerator.checkpoints`); returns a handle with ``remove()``."""
+        return self._checkpoints.register_save_hook(hook)
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """``hook(models, input_dir)`` before ``load_state`` loads; returns a handle with ``remove()``."""
+        return self._checkpoints.register_load_hook(hook)
+
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        save_directory: str | os.PathLike[str],
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write ``model``'s full weights in the Hugging Face layout (``model.safetensors``, or shards and an
+        index; see :mod:`mixprec.accelerator.saving`), gathered through the distributed strategy (FSDP2
+        included) and written by the main process. Collective: call it on every process."""
+        save_model(self._strategy, self.unwrap_model(model), save_directory,
+                   max_shard_size=max_shard_size, safe_serialization=safe_serialization)  # fmt: skip
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor] | None:
+        """``model``'s full state dict on the main process (gathered under FSDP2: a collective), None on the
+        others. ``unwrap`` is accepted for accelerate's scripts: the keys are the user's module's either way."""
+        return self._strategy.model_state_dict(self.unwrap_model(model))
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Forget every prepared model, optimizer, scheduler and DataLoader, collect garbage and empty the
+        device's cache; returns ``[None] * len(objects)`` to assign back (``model, opt = free_memory(model,
+        opt)``), as accelerate. Objects registered for checkpointing are kept."""
+        self._registry.models.clear()
+        self._registry.optimizers.clear()
+        self._registry.schedulers.clear()
+        self._registry.dataloaders.clear()
+        self._gradients.forget_optimizers()
+        self._precision.forget_parameters()
+        gc.collect()
+        _empty_cache(self.device)
+        return [None for _ in objects]
+
+    clear = free_memory
 
     def _run_state(self) -> RunState:
         return RunState(self._registry, self._strategy, self._precision, self._gradients)
@@ -408,7 +528,16 @@ def _agree_from_main(strategy: Any, universe: list[str]) -> Callable[[list[str]]
     return agree
 
 
+def _empty_cache(device: torch.device) -> None:
+    backend = getattr(torch, device.type, None)
+    empty = getattr(backend, "empty_cache", None)
+    if device.type != "cpu" and callable(empty):
+        empty()
+
+
 def _kind(obj: Any, index: int) -> str:
+    if obj is None:
+        return "none"
     if isinstance(obj, torch.nn.Module):
         return "model"
     if isinstance(obj, torch.optim.Optimizer):
@@ -445,12 +574,6 @@ def _follow_replaced_parameters(optimizer: torch.optim.Optimizer, replaced: dict
         )
     for group in optimizer.param_groups:
         group["params"] = [replaced.get(id(p), p) for p in group["params"]]
-
-
-def _is_wrapper(model: torch.nn.Module) -> bool:
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-    return isinstance(model, (DataParallel, DistributedDataParallel)) or hasattr(model, "_orig_mod")
 
 
 def _map_tensors(data: Any, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> Any:

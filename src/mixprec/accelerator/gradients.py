@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,13 +28,48 @@ if TYPE_CHECKING:
     from mixprec.precision.base import Precision
 
 
-class GradientState:
-    """The accumulation counter and the per-step bookkeeping of one Accelerator."""
+@dataclass
+class GradientAccumulationPlugin:
+    """``Accelerator(gradient_accumulation_plugin=...)``: HF Accelerate's accumulation settings."""
 
-    def __init__(self, precision: Precision, strategy: DistributedStrategy, accumulation_steps: int) -> None:
+    num_steps: int = 1
+    """Micro-batches summed per optimizer step (what ``gradient_accumulation_steps`` sets)."""
+
+    adjust_scheduler: bool = True
+    """Accepted for accelerate's scripts: a prepared LR scheduler advances once per optimizer step either way
+    (mixprec's never counts the micro-batches that only accumulate)."""
+
+    sync_with_dataloader: bool = True
+    """The last batch of a prepared DataLoader ends the accumulation window (steps the optimizer)."""
+
+    sync_each_batch: bool = False
+    """Under DDP/FSDP2, all-reduce gradients on every micro-batch (less memory, more communication); the
+    optimizer still steps once per window."""
+
+    def __post_init__(self) -> None:
+        steps = self.num_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"GradientAccumulationPlugin(num_steps={steps!r}): num_steps must be an integer >= 1")
+
+
+class GradientState:
+    """The accumulation counter and the per-step bookkeeping of one Accelerator (``accelerator.gradient_state``:
+    ``sync_gradients``, ``end_of_dataloader``, ``num_steps``... as in HF Accelerate)."""
+
+    def __init__(
+        self,
+        precision: Precision,
+        strategy: DistributedStrategy,
+        accumulation_steps: int,
+        plugin: GradientAccumulationPlugin | None = None,
+    ) -> None:
+        plugin = plugin or GradientAccumulationPlugin(accumulation_steps)
         self.precision = precision  # owns the step: backward, unscale, optimizer step, the scaler
         self.strategy = strategy
-        self.accumulation_steps = accumulation_steps
+        self.accumulation_steps = plugin.num_steps
+        self.adjust_scheduler = plugin.adjust_scheduler
+        self.sync_with_dataloader = plugin.sync_with_dataloader
+        self.sync_each_batch = plugin.sync_each_batch
         self.micro_step = 0  # micro-batches since the last sync
         self.sync_gradients = True
         self.end_of_dataloader = False
@@ -43,6 +79,26 @@ class GradientState:
         self._warned_outside = False
         self._unscaled: set[int] = set()
         self._owners: dict[int, PreparedOptimizer] | None = None
+
+    @property
+    def num_steps(self) -> int:
+        """HF Accelerate's name for ``accumulation_steps``."""
+        return self.accumulation_steps
+
+    @num_steps.setter
+    def num_steps(self, steps: int) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"gradient_accumulation_steps = {steps!r}: must be an integer >= 1")
+        self.accumulation_steps = steps
+
+    @property
+    def plugin_kwargs(self) -> dict[str, Any]:
+        return {
+            "num_steps": self.accumulation_steps,
+            "adjust_scheduler": self.adjust_scheduler,
+            "sync_with_dataloader": self.sync_with_dataloader,
+            "sync_each_batch": self.sync_each_batch,
+        }
 
     # -- backward and accumulation -------------------------------------------------------------------
 
@@ -64,9 +120,10 @@ class GradientState:
     @contextlib.contextmanager
     def accumulate(self, models: Iterable[torch.nn.Module]) -> Iterator[None]:
         self.micro_step += 1
-        self.sync_gradients = self.micro_step >= self.accumulation_steps or self.end_of_dataloader
+        at_end = self.end_of_dataloader and self.sync_with_dataloader
+        self.sync_gradients = self.micro_step >= self.accumulation_steps or at_end
         with contextlib.ExitStack() as stack:
-            if not self.sync_gradients:
+            if not self.sync_gradients and not self.sync_each_batch:
                 for model in models:
                     stack.enter_context(self.strategy.no_sync(model))
             self._in_accumulate = True
@@ -129,6 +186,12 @@ class GradientState:
 
     def forget_owners(self) -> None:
         """Call when an optimizer's parameters change (add_param_group)."""
+        self._owners = None
+
+    def forget_optimizers(self) -> None:
+        """Drop every reference to prepared optimizers (``free_memory``)."""
+        self.optimizers.clear()
+        self._unscaled.clear()
         self._owners = None
 
     # -- step bookkeeping ----------------------------------------------------------------------------

@@ -270,3 +270,40 @@ class PreparedScheduler:
 
     def __repr__(self) -> str:
         return f"PreparedScheduler({self.scheduler!r})"
+
+
+def strip_forward(module: torch.nn.Module) -> None:
+    """``unwrap_model(keep_fp32_wrapper=False)``: the module runs its class's forward again (no autocast, no
+    fp32 outputs, no DDP sync through it), in place, as accelerate strips its own wrapper. It stays
+    registered with its Accelerator (``save_state`` still saves it); preparing it again does not re-patch it."""
+    hook = module.__dict__.pop("_mixprec_hook", None)
+    if hook is not None:
+        hook.remove()
+    module.__dict__.pop("forward", None)
+
+
+def prepared_with(module: torch.nn.Module) -> Precision | None:
+    """The precision object ``module`` was prepared with (None when not prepared): tells an Accelerator a
+    module it prepared before ``free_memory`` from one another Accelerator prepared."""
+    prepared = module.__dict__.get("_mixprec")
+    return None if prepared is None else prepared.precision
+
+
+def unwrap(module: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> torch.nn.Module:
+    """The user's module out of DDP / DataParallel (and ``torch.compile`` unless ``keep_torch_compile``, in
+    which case the compiled wrapper comes back around the unwrapped module, as in accelerate)."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    compiled = module if isinstance(getattr(module, "_orig_mod", None), torch.nn.Module) else None
+    if compiled is not None:
+        module = compiled._orig_mod
+    while isinstance(module, (DataParallel, DistributedDataParallel)) or isinstance(
+        getattr(module, "_orig_mod", None), torch.nn.Module
+    ):
+        module = getattr(module, "_orig_mod", None) or module.module
+    if not keep_fp32_wrapper:
+        strip_forward(module)
+    if keep_torch_compile and compiled is not None:
+        compiled._orig_mod = module
+        return compiled
+    return module

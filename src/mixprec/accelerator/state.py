@@ -3,7 +3,8 @@
 Layout (``_1``, ``_2``... for the second, third object of a kind, in the order they were prepared)::
 
     accelerator.json        format, precision, process count, data positions, accumulation counter
-    model.safetensors       the user's module's state_dict (full, also under FSDP)
+    model.safetensors       the user's module's state_dict (full, also under FSDP); ``pytorch_model.bin``
+                            instead with ``safe_serialization=False`` (torch.save, read back weights_only)
     optimizer.pt            optimizer state_dict          (torch.load(weights_only=True))
     scheduler.pt            LR scheduler state_dict       (weights_only)
     scaler.json             loss scaler state and its step record
@@ -105,8 +106,19 @@ def _grads_name(model_index: int, rank: int) -> str:
     return f"{_name('gradients', model_index, 'rank')}{rank}.safetensors"
 
 
-def save_state(run: RunState, output_dir: str | Path, extra_json: Mapping[str, Any] | None = None) -> Path:
-    """Write the folder atomically on every process; returns its path. Collective: call it on every process."""
+def save_state(
+    run: RunState,
+    output_dir: str | Path,
+    extra_json: Mapping[str, Any] | None = None,
+    *,
+    safe_serialization: bool = True,
+    pre_hook: Callable[[Path, list[Any]], None] | None = None,
+) -> Path:
+    """Write the folder atomically on every process; returns its path. Collective: call it on every process.
+
+    ``safe_serialization``: model weights as safetensors (default) or torch.save files. ``pre_hook(tmp,
+    model_states)``: called on the main process with the unfinished folder before anything is written, so
+    the files it adds are part of the atomic folder and of its manifest (``register_save_state_pre_hook``)."""
     target, reg, strategy = Path(output_dir), run.registry, run.strategy
     main = strategy.is_main_process
     for key in extra_json or {}:
@@ -135,7 +147,9 @@ def save_state(run: RunState, output_dir: str | Path, extra_json: Mapping[str, A
     hasher = BackgroundHasher() if main else None
     try:
         if main:
-            _write_shared(run, tmp, models, optimizers, extra_json or {}, hasher)
+            if pre_hook is not None:
+                pre_hook(tmp, models)
+            _write_shared(run, tmp, models, optimizers, extra_json or {}, hasher, safe_serialization)
         save_torch(rng_state(), tmp / f"rng_state_{strategy.process_index}.pt")
         for i, model in enumerate(reg.models if partial else []):  # local (unsynced) sums: one file per process
             grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
@@ -191,6 +205,7 @@ def _write_shared(
     optimizers: list[Any],
     extra_json: Mapping[str, Any],
     hasher: BackgroundHasher,
+    safe_serialization: bool = True,
 ) -> None:
     reg = run.registry
     # The big files are hashed in the background while the next ones are written (the small ones when the
@@ -200,7 +215,10 @@ def _write_shared(
     for i, state in enumerate(optimizers):
         hasher.add(save_torch(state, tmp / _name("optimizer", i, "pt")))
     for i, state in enumerate(models):
-        hasher.add(save_tensors(state, tmp / _name("model", i, "safetensors")))
+        if safe_serialization:
+            hasher.add(save_tensors(state, tmp / _name("model", i, "safetensors")))
+        else:  # accelerate's name for the pickle format; read back with weights_only, so still no code runs
+            hasher.add(save_torch(state, tmp / _name("pytorch_model", i, "bin")))
     for i, scheduler in enumerate(reg.schedulers):
         save_torch(scheduler.state_dict(), tmp / _name("scheduler", i, "pt"))
     for i, obj in enumerate(reg.custom):
@@ -287,7 +305,7 @@ def _read_everything(run: RunState, path: Path) -> _Loaded:
                 f"load_state({str(path)!r}): the state holds {saved[kind]} {kind}, this Accelerator prepared "
                 f"{now[kind]}; prepare the same objects (in the same order) before load_state"
             )
-    models = [load_tensors(path / _name("model", i, "safetensors")) for i in range(len(reg.models))]
+    models = [_load_model_file(path, i) for i in range(len(reg.models))]
     for i, (model, state) in enumerate(zip(reg.models, models)):
         check_model_fits(model, state, path / _name("model", i, "safetensors"))
     optimizers = [load_torch(path / _name("optimizer", i, "pt")) for i in range(len(reg.optimizers))]
@@ -305,6 +323,14 @@ def _read_everything(run: RunState, path: Path) -> _Loaded:
     if rng is None and int(meta["num_processes"]) > strategy.process_index:
         raise CheckpointError(f"{rng_file} is missing: the random generators could not be restored exactly")
     return _Loaded(path, meta, models, optimizers, schedulers, custom, scaler, grads, rng)
+
+
+def _load_model_file(path: Path, index: int) -> dict[str, torch.Tensor]:
+    """The model's weights from either format ``save_state(safe_serialization=...)`` writes."""
+    pickled = path / _name("pytorch_model", index, "bin")
+    if pickled.is_file() and not (path / _name("model", index, "safetensors")).is_file():
+        return load_torch(pickled)
+    return load_tensors(path / _name("model", index, "safetensors"))
 
 
 def _apply(run: RunState, loaded: _Loaded) -> None:

@@ -123,6 +123,11 @@ class AutoPrecision(Precision):
         for p in self.candidates:
             p.register_param_names(named)
 
+    def forget_parameters(self) -> None:
+        self._param_names.clear()
+        for p in self.candidates:
+            p.forget_parameters()
+
     def options(self) -> list[Precision]:
         return [self._chosen] if self._chosen is not None else list(self.candidates)
 

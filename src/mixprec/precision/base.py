@@ -107,6 +107,10 @@ class Precision:
         if self._scaler is not None:
             self._scaler.register_param_names(named)
 
+    def forget_parameters(self) -> None:
+        """Drop the registered parameters (``Accelerator.free_memory``; the scaler keeps only their names)."""
+        self._param_names.clear()
+
     # -- "auto" and the null object: a named mode is decided from the start ---------------------------
 
     @property

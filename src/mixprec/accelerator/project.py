@@ -1,0 +1,122 @@
+"""Where ``save_state()`` with no path writes: HF Accelerate's ``ProjectConfiguration`` and its automatic
+checkpoint naming (``{project_dir}/checkpoints/checkpoint_{iteration}``), with a limit on how many are kept.
+
+Differences from accelerate, both for crash safety: the oldest checkpoints are pruned *after* the new one is
+committed (accelerate deletes first, so a crash mid-save could leave fewer than ``total_limit``, or none), and
+``load_state`` restores the iteration counter recorded in the folder, so a resumed run's next save does not
+collide with the checkpoint it resumed from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from mixprec.checkpoint import load_json
+
+logger = logging.getLogger("mixprec.accelerator")
+
+CHECKPOINTS = "checkpoints"
+ITERATION_FILE = "project"  # save_state(extra_json=...) key: ``project.json`` holds {"iteration": n}
+_NUMBERED = re.compile(r"checkpoint_(\d+)")
+
+
+@dataclass
+class ProjectConfiguration:
+    """``Accelerator(project_config=...)``: HF Accelerate's fields and meaning."""
+
+    project_dir: str | os.PathLike[str] | None = None
+    """Folder for the run's files; automatic checkpoints go to its ``checkpoints/`` subfolder."""
+
+    logging_dir: str | os.PathLike[str] | None = None
+    """Folder for local loggers' files (default: ``project_dir``)."""
+
+    automatic_checkpoint_naming: bool = False
+    """``save_state()`` / ``load_state()`` with no path write / read ``checkpoints/checkpoint_{iteration}``."""
+
+    total_limit: int | None = None
+    """Keep at most this many automatic checkpoints (the oldest are deleted); None keeps all."""
+
+    iteration: int = 0
+    """The number the next automatic checkpoint gets; incremented by every ``save_state``."""
+
+    save_on_each_node: bool = False
+    """Accepted for accelerate's scripts; mixprec assumes one filesystem shared by the processes that save."""
+
+    def __post_init__(self) -> None:
+        self.set_directories(self.project_dir)
+        limit = self.total_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"ProjectConfiguration(total_limit={limit!r}): total_limit must be None or an int >= 1")
+        if isinstance(self.iteration, bool) or not isinstance(self.iteration, int) or self.iteration < 0:
+            raise ValueError(f"ProjectConfiguration(iteration={self.iteration!r}): iteration must be an int >= 0")
+
+    def set_directories(self, project_dir: str | os.PathLike[str] | None = None) -> None:
+        """Set ``project_dir``, and ``logging_dir`` to it when not given (as accelerate)."""
+        self.project_dir = project_dir
+        if self.logging_dir is None:
+            self.logging_dir = project_dir
+
+    # -- automatic naming ----------------------------------------------------------------------------
+
+    def _folder(self, call: str) -> Path:
+        if self.project_dir is None:
+            raise ValueError(
+                f"{call} with no path needs a project folder: pass Accelerator(project_dir=...) or "
+                "ProjectConfiguration(project_dir=...), or give the path"
+            )
+        return Path(self.project_dir) / CHECKPOINTS
+
+    def next_checkpoint(self) -> Path:
+        """Where ``save_state()`` writes next; refused if that folder exists (it would be replaced)."""
+        target = self._folder("save_state()") / f"checkpoint_{self.iteration}"
+        if target.exists():
+            raise ValueError(
+                f"save_state(): {target} already exists (iteration {self.iteration}); load it first, which sets "
+                "the iteration past it, or pass ProjectConfiguration(iteration=...) to start after it"
+            )
+        return target
+
+    def numbered(self) -> list[Path]:
+        """The automatic checkpoints that exist, oldest (lowest number) first."""
+        folder = self._folder("load_state()")
+        if not folder.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NUMBERED.fullmatch(p.name)) and p.is_dir()]
+        return [p for _, p in sorted(found)]
+
+    def latest_checkpoint(self) -> Path:
+        """The newest automatic checkpoint (what ``load_state()`` with no path loads)."""
+        found = self.numbered()
+        if not found:
+            raise FileNotFoundError(
+                f"load_state(): no checkpoint_<n> folder in {self._folder('load_state()')}; save_state() first, "
+                "or give the path"
+            )
+        return found[-1]
+
+    def prune(self) -> list[Path]:
+        """Delete the oldest automatic checkpoints beyond ``total_limit`` (main process, after a save has
+        committed: a crash before this line leaves one more, never one fewer). Returns what was deleted."""
+        if self.total_limit is None:
+            return []
+        found = self.numbered()
+        doomed = found[: max(0, len(found) - self.total_limit)]
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+        if doomed:
+            logger.info("save_state: deleted %d old checkpoint(s) (total_limit=%d)", len(doomed), self.total_limit)
+        return doomed
+
+    def restore_iteration(self, folder: Path) -> None:
+        """After loading ``folder``: the next save goes after the one loaded (and never back below the
+        current counter, so loading an older checkpoint mid-run does not aim at an existing folder)."""
+        file = folder / f"{ITERATION_FILE}.json"
+        if file.is_file():
+            saved = load_json(file).get("iteration")
+            if isinstance(saved, int):
+                self.iteration = max(self.iteration, saved + 1)
