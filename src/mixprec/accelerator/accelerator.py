@@ -39,6 +39,7 @@ from mixprec.accelerator.config import AcceleratorConfig
 from mixprec.accelerator.data import PreparedDataLoader, prepare_dataloader
 from mixprec.accelerator.distributed import LaunchEnv, make_strategy, select_device
 from mixprec.accelerator.gradients import GradientAccumulationPlugin, GradientState
+from mixprec.accelerator.model_checks import check_preparable
 from mixprec.accelerator.prepared import PreparedOptimizer, PreparedScheduler, is_prepared, prepared_with, unwrap
 from mixprec.accelerator.process_state import AcceleratorState
 from mixprec.accelerator.project import ProjectConfiguration
@@ -299,7 +300,7 @@ class Accelerator:
                 self._registry.models.append(model)
                 return model
             raise ValueError(f"{type(model).__name__} was prepared by another Accelerator")
-        _check_master_weights(model, self._precision)
+        check_preparable(model, self._precision)
         model = self._strategy.wrap_model(model, self._precision)
         self._precision.register_param_names(model.named_parameters())
         self._registry.models.append(model)
@@ -550,19 +551,6 @@ def _kind(obj: Any, index: int) -> str:
         return "scheduler"
     kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
     raise TypeError(f"prepare() got a {kind} (argument {index}); it accepts {_ACCEPTED}")
-
-
-def _check_master_weights(model: torch.nn.Module, precision: Precision) -> None:
-    if precision.compute_dtype == torch.float32 or precision.param_dtype != torch.float32:
-        return  # full precision: parameters in whatever dtype the user chose; pure modes convert them
-    for name, p in model.named_parameters():
-        if p.dtype in (torch.float16, torch.bfloat16):
-            raise ValueError(
-                f"prepare(): parameter {name!r} is {str(p.dtype).removeprefix('torch.')}, but "
-                f"mixed_precision={precision.name!r} keeps fp32 master weights and computes in "
-                f"{str(precision.compute_dtype).removeprefix('torch.')} under autocast: don't call "
-                "model.half() / model.to(torch.bfloat16) before prepare"
-            )
 
 
 def _follow_replaced_parameters(optimizer: torch.optim.Optimizer, replaced: dict[int, torch.nn.Parameter]) -> None:

@@ -12,6 +12,7 @@ hook that removes models: every prepared model is saved and loaded with the rest
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,9 @@ class StateCheckpoints:
 
     def __init__(self, project: ProjectConfiguration) -> None:
         self.project = project
-        self._save_hooks: dict[int, Callable[..., None]] = {}
-        self._load_hooks: dict[int, Callable[..., None]] = {}
+        # OrderedDict, not dict: torch's RemovableHandle keeps a weak reference to its hook table
+        self._save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self._load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
 
     def register_save_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         handle = RemovableHandle(self._save_hooks)
