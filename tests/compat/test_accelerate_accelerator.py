@@ -357,8 +357,9 @@ def test_prepare_model_8bit_cpu_offload_raises_valueerror_not_typeerror():
     model.hf_device_map = {"": "cpu"}
     with pytest.raises(ValueError, match="CPU or disk offload"):
         if IMPL == "accelerate":
-            with patch("accelerate.accelerator.is_bitsandbytes_multi_backend_available", return_value=False), patch(
-                "accelerate.accelerator.is_xpu_available", return_value=False
+            with (
+                patch("accelerate.accelerator.is_bitsandbytes_multi_backend_available", return_value=False),
+                patch("accelerate.accelerator.is_xpu_available", return_value=False),
             ):
                 accelerator.prepare_model(model)
         else:

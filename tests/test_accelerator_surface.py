@@ -1,0 +1,113 @@
+"""The accelerate-facing surface of the Accelerator: ``state``, ``gradient_state``, the accumulation plugin,
+``free_memory``, ``prepare(..., None)`` and ``unwrap_model``'s options."""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import weakref
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from mixprec import Accelerator, GradientAccumulationPlugin
+
+
+def test_state_describes_this_process_and_follows_the_precision() -> None:
+    acc = Accelerator(mixed_precision="bf16", cpu=True, verbose=False)
+    state = acc.state
+    assert (state.num_processes, state.process_index, state.local_process_index) == (1, 0, 0)
+    assert state.is_main_process and state.is_local_main_process and not state.use_distributed
+    assert state.device == torch.device("cpu") and state.distributed_type == "single"
+    assert state.mixed_precision == "bf16"
+    with pytest.raises(AttributeError, match="'AcceleratorState' object has no attribute 'nope'"):
+        state.nope  # noqa: B018
+
+
+def test_the_plugin_sets_accumulation_and_conflicts_with_the_steps_argument() -> None:
+    acc = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=3), verbose=False)
+    assert acc.gradient_accumulation_steps == acc.gradient_state.num_steps == 3
+    with pytest.raises(ValueError, match="gradient_accumulation_steps.*gradient_accumulation_plugin"):
+        Accelerator(gradient_accumulation_steps=2, gradient_accumulation_plugin=GradientAccumulationPlugin(2))
+    with pytest.raises(ValueError, match="num_steps"):
+        GradientAccumulationPlugin(num_steps=0)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        acc.gradient_accumulation_steps = 0
+
+
+def _sync_flags(plugin: GradientAccumulationPlugin) -> list[bool]:
+    acc = Accelerator(gradient_accumulation_plugin=plugin, verbose=False)
+    model = acc.prepare(torch.nn.Linear(2, 1))
+    loader = acc.prepare(DataLoader(TensorDataset(torch.randn(5, 2)), batch_size=1))
+    flags = []
+    for (x,) in loader:
+        with acc.accumulate(model):
+            acc.backward(model(x).sum())
+            flags.append(acc.sync_gradients)
+    return flags
+
+
+def test_sync_with_dataloader_decides_whether_the_last_batch_steps() -> None:
+    assert _sync_flags(GradientAccumulationPlugin(num_steps=2)) == [False, True, False, True, True]
+    assert _sync_flags(GradientAccumulationPlugin(num_steps=2, sync_with_dataloader=False)) == [
+        False, True, False, True, False]  # fmt: skip
+
+
+def test_sync_each_batch_skips_no_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    acc = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(2, sync_each_batch=True), verbose=False)
+    model = acc.prepare(torch.nn.Linear(2, 1))
+    calls = []
+    monkeypatch.setattr(acc._strategy, "no_sync", lambda m: calls.append(m))
+    with acc.accumulate(model):
+        assert not acc.sync_gradients
+    assert calls == []
+
+
+def test_free_memory_releases_the_prepared_objects_and_a_model_can_be_prepared_again() -> None:
+    acc = Accelerator(mixed_precision="fp16", cpu=True, verbose=False)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(torch.randn(2, 4)).sum())
+    opt.step()
+    assert acc.prepare_model(model) is model
+    kept = model
+    weight = weakref.ref(model.weight)
+    model, opt = acc.free_memory(model, opt)
+    assert (model, opt) == (None, None)
+    assert acc.prepare_model(kept) is kept  # prepared here before: registered again, not refused
+    acc.clear()
+    del kept
+    gc.collect()
+    assert weight() is None
+
+
+def test_prepare_passes_none_through_in_place() -> None:
+    acc = Accelerator(verbose=False)
+    model = torch.nn.Linear(2, 2)
+    out = acc.prepare(None, model, None)
+    assert out[0] is None and out[1] is model and out[2] is None
+
+
+def test_unwrap_without_the_fp32_wrapper_runs_the_bare_forward() -> None:
+    acc = Accelerator(mixed_precision="bf16", cpu=True, verbose=False)
+    model = acc.prepare(torch.nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    assert model(x).dtype == torch.float32  # autocast inside, fp32 outputs
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(x).dtype == torch.float32  # the wrapper converts the output back
+    bare = acc.unwrap_model(model, keep_fp32_wrapper=False)
+    assert bare is model and "forward" not in vars(bare)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert bare(x).dtype == torch.bfloat16  # no conversion any more: the module's own forward
+    pickle.loads(pickle.dumps(bare))(x)
+
+
+def test_unwrap_keeps_or_removes_torch_compile() -> None:
+    acc = Accelerator(verbose=False)
+    inner = torch.nn.Linear(2, 2)
+    compiled = torch.compile(torch.nn.DataParallel(inner))
+    assert acc.unwrap_model(compiled, keep_torch_compile=False) is inner
+    kept = acc.unwrap_model(compiled)
+    assert kept is compiled and kept._orig_mod is inner
