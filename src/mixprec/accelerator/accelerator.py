@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import gc
 import logging
 import os
 import sys
@@ -34,11 +33,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from mixprec.accelerator.checkpoints import StateCheckpoints
+from mixprec.accelerator.checkpoints import StateCheckpoints, check_checkpointable
 from mixprec.accelerator.config import AcceleratorConfig
 from mixprec.accelerator.data import PreparedDataLoader, prepare_dataloader
 from mixprec.accelerator.distributed import LaunchEnv, make_strategy, select_device
 from mixprec.accelerator.gradients import GradientAccumulationPlugin, GradientState
+from mixprec.accelerator.lifecycle import object_kind, release_prepared
 from mixprec.accelerator.model_checks import check_preparable
 from mixprec.accelerator.prepared import PreparedOptimizer, PreparedScheduler, is_prepared, prepared_with, unwrap
 from mixprec.accelerator.process_state import AcceleratorState
@@ -52,11 +52,6 @@ from mixprec.scaling.scaler import GradScaler
 from mixprec.watch.watch import PrecisionWatch
 
 logger = logging.getLogger("mixprec.accelerator")
-
-_ACCEPTED = (
-    "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader and LR schedulers "
-    "(torch.optim.lr_scheduler.LRScheduler)"
-)
 
 
 class Accelerator:
@@ -281,7 +276,7 @@ class Accelerator:
         """Prepare models, optimizers, DataLoaders and LR schedulers, in any order; returned in that order
         (a single object when one is passed; None passes through in its place). Models go first, so
         optimizers can follow their parameters."""
-        kinds = [_kind(obj, i) for i, obj in enumerate(objects)]
+        kinds = [object_kind(obj, i) for i, obj in enumerate(objects)]
         result = list(objects)
         steps = (("model", self.prepare_model), ("optimizer", self.prepare_optimizer),
                  ("scheduler", self.prepare_scheduler), ("dataloader", self.prepare_data_loader))  # fmt: skip
@@ -343,16 +338,7 @@ class Accelerator:
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include objects with ``state_dict()`` / ``load_state_dict()`` in ``save_state`` / ``load_state``.
         Raises ValueError listing every object that lacks them (by position), registering none."""
-        bad = [
-            f"- Item at index {i}, `{type(obj).__name__}`"
-            for i, obj in enumerate(objects)
-            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)))
-        ]
-        if bad:
-            raise ValueError(
-                "register_for_checkpointing: every object needs state_dict() and load_state_dict(); these lack "
-                "them:\n" + "\n".join(bad)
-            )
+        check_checkpointable(objects)
         self._registry.custom.extend(objects)
 
     # -- the step ------------------------------------------------------------------------------------
@@ -445,14 +431,7 @@ class Accelerator:
         """Forget every prepared model, optimizer, scheduler and DataLoader, collect garbage and empty the
         device's cache; returns ``[None] * len(objects)`` to assign back (``model, opt = free_memory(model,
         opt)``), as accelerate. Objects registered for checkpointing are kept."""
-        self._registry.models.clear()
-        self._registry.optimizers.clear()
-        self._registry.schedulers.clear()
-        self._registry.dataloaders.clear()
-        self._gradients.forget_optimizers()
-        self._precision.forget_parameters()
-        gc.collect()
-        _empty_cache(self.device)
+        release_prepared(self._registry, self._gradients, self._precision, self.device)
         return [None for _ in objects]
 
     clear = free_memory
@@ -527,30 +506,6 @@ def _agree_from_main(strategy: Any, universe: list[str]) -> Callable[[list[str]]
         return [name for name, keep in zip(universe, mask.tolist()) if keep]
 
     return agree
-
-
-def _empty_cache(device: torch.device) -> None:
-    backend = getattr(torch, device.type, None)
-    empty = getattr(backend, "empty_cache", None)
-    if device.type != "cpu" and callable(empty):
-        empty()
-
-
-def _kind(obj: Any, index: int) -> str:
-    if obj is None:
-        return "none"
-    if isinstance(obj, torch.nn.Module):
-        return "model"
-    if isinstance(obj, torch.optim.Optimizer):
-        return "optimizer"
-    if isinstance(obj, (DataLoader, PreparedDataLoader)):
-        return "dataloader"
-    if isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, PreparedScheduler)) or (
-        hasattr(obj, "optimizer") and callable(getattr(obj, "step", None)) and hasattr(obj, "state_dict")
-    ):
-        return "scheduler"
-    kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
-    raise TypeError(f"prepare() got a {kind} (argument {index}); it accepts {_ACCEPTED}")
 
 
 def _follow_replaced_parameters(optimizer: torch.optim.Optimizer, replaced: dict[int, torch.nn.Parameter]) -> None:

@@ -105,3 +105,18 @@ class StateCheckpoints:
         meta = load_state(run, path)
         self.project.restore_iteration(path)
         return meta
+
+
+def check_checkpointable(objects: tuple[Any, ...]) -> None:
+    """``register_for_checkpointing``: ValueError listing, by position, every object without
+    ``state_dict()`` / ``load_state_dict()`` (as accelerate words it), before any is registered."""
+    bad = [
+        f"- Item at index {i}, `{type(obj).__name__}`"
+        for i, obj in enumerate(objects)
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)))
+    ]
+    if bad:
+        raise ValueError(
+            "register_for_checkpointing: every object needs state_dict() and load_state_dict(); these lack them:\n"
+            + "\n".join(bad)
+        )
