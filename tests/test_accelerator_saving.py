@@ -86,3 +86,28 @@ def test_get_state_dict_returns_the_full_weights(tmp_path: Path) -> None:
     state = acc.get_state_dict(model)
     assert state.keys() == model.state_dict().keys()
     assert acc.get_state_dict(model, unwrap=False).keys() == state.keys()
+
+
+def test_weights_on_the_meta_device_are_refused_by_name(tmp_path: Path) -> None:
+    with torch.device("meta"):
+        model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="'weight'.*meta device"):
+        Accelerator(verbose=False).save_model(model, tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("safe", [True, False])
+def test_fsdp2_save_model_gathers_the_full_weights(tmp_path: Path, safe: bool) -> None:
+    acc = Accelerator(distributed="fsdp", verbose=False)
+    try:
+        model = _model()
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        model = acc.prepare(model)
+        acc.save_model(model, tmp_path, safe_serialization=safe, max_shard_size=300)
+        saved = _read_folder(tmp_path, safe)
+        assert saved.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(saved[key], value, rtol=0, atol=0)  # full tensors, not shards
+        assert acc.get_state_dict(model).keys() == expected.keys()
+    finally:
+        acc.end_training()

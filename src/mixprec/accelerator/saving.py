@@ -74,6 +74,12 @@ def write_model(
 ) -> list[Path]:
     """Write ``state`` in the HF layout into ``directory`` (see the module docstring); returns the files."""
     folder = Path(directory)
+    on_meta = [name for name, t in state.items() if t.device.type == "meta"]
+    if on_meta:  # offloaded (big-model dispatch) or never materialised: there are no values to write
+        raise ValueError(
+            f"save_model: {on_meta[0]!r} (and {len(on_meta) - 1} more) are on the meta device, so they hold no "
+            "values; load the weights into the model (off the meta device) before saving it"
+        )
     if folder.is_file():
         raise ValueError(f"save_model: {folder} is a file; give a folder")
     folder.mkdir(parents=True, exist_ok=True)
