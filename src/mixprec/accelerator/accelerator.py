@@ -430,7 +430,8 @@ class Accelerator:
     def free_memory(self, *objects: Any) -> list[None]:
         """Forget every prepared model, optimizer, scheduler and DataLoader, collect garbage and empty the
         device's cache; returns ``[None] * len(objects)`` to assign back (``model, opt = free_memory(model,
-        opt)``), as accelerate. Objects registered for checkpointing are kept."""
+        opt)``), as accelerate. Objects registered for checkpointing are kept (a precision watch among them
+        still holds the model it watches). A model prepared here before can be prepared again."""
         release_prepared(self._registry, self._gradients, self._precision, self.device)
         return [None for _ in objects]
 
