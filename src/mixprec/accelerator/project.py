@@ -4,7 +4,8 @@ checkpoint naming (``{project_dir}/checkpoints/checkpoint_{iteration}``), with a
 Differences from accelerate, both for crash safety: the oldest checkpoints are pruned *after* the new one is
 committed (accelerate deletes first, so a crash mid-save could leave fewer than ``total_limit``, or none), and
 ``load_state`` restores the iteration counter recorded in the folder, so a resumed run's next save does not
-collide with the checkpoint it resumed from.
+collide with the checkpoint it resumed from. And a path given to ``save_state(path)`` is honoured even with
+automatic naming on (accelerate ignores it and writes the next numbered folder); the counter advances either way.
 """
 
 from __future__ import annotations
