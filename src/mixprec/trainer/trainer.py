@@ -31,27 +31,20 @@ from mixprec.trainer import checkpointing as ckpt
 from mixprec.trainer import weights
 from mixprec.trainer.activation_checkpointing import enable_activation_checkpointing
 from mixprec.trainer.args import TrainingArguments
-from mixprec.trainer.callbacks import (
-    CallbackHandler,
-    TrainerCallback,
-    TrainerControl,
-    restore_callback_states,
-)
+from mixprec.trainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl, restore_callback_states
 from mixprec.trainer.context import RunContext
 from mixprec.trainer.data import (
     ColumnFilter,
     DataPosition,
-    ShardedStream,
     call_model,
-    check_dataset,
     default_collator,
     forward_arg_names,
     is_stream,
-    make_loader,
 )
 from mixprec.trainer.diagnosis import diagnose_at_start
 from mixprec.trainer.evaluation import EvalResult, evaluation_loop
 from mixprec.trainer.events import RunEvents
+from mixprec.trainer.loaders import TrainerLoaders, check_datasets
 from mixprec.trainer.logging import make_reporters
 from mixprec.trainer.loop import Plan, TrainingLoop
 from mixprec.trainer.meter import StepMeter
@@ -101,15 +94,7 @@ class Trainer:
             raise TypeError(f"Trainer(model=...): expected a torch.nn.Module, got {type(model).__name__}")
         self.args.validate()
         args = self.args
-        if train_dataset is not None:
-            check_dataset(train_dataset, "train_dataset")
-        if eval_dataset is not None:
-            check_dataset(eval_dataset, "eval_dataset")
-        if args.eval_strategy != "no" and eval_dataset is None:
-            raise ValueError(
-                f"TrainingArguments(eval_strategy={args.eval_strategy!r}) needs an eval_dataset: pass "
-                "Trainer(eval_dataset=...) or set eval_strategy='no'"
-            )
+        check_datasets(args, train_dataset, eval_dataset)
         # the reporters' packages are checked before joining any process group, so a missing one fails fast
         reporters = make_reporters(args.report_to, args.logging_dir) if self._is_main_launch() else []
         self._seed()
@@ -133,14 +118,13 @@ class Trainer:
         self.data_collator = ColumnFilter(data_collator or default_collator, keep)
         self.optimizer, self.lr_scheduler = optimizers
         self._label_names = list(args.label_names or ["labels"])
-        self._eval_loaders: dict[int, Any] = {}
         self._trained = False
         self.diagnosis: Any = None
         self.resume_command = "trainer.train(resume_from_checkpoint=True)"
         """How the user continues this run, for the stop and disk-full messages (the CLI sets its own)."""
         # Prepared first, before any eval loader: save_state records data positions in preparation order.
-        self._train_stream: Any = None
-        self._train_loader = self._prepare_train_loader() if train_dataset is not None else None
+        self._loaders = TrainerLoaders(self.accelerator, args, self.data_collator)
+        self._train_loader = self._loaders.train(train_dataset) if train_dataset is not None else None
 
         self.meter = StepMeter(self._current_lr, self._current_scale, args.logging_nan_inf_filter)
         self.events = RunEvents(args, self.accelerator, reporters, list(callbacks or []))
@@ -238,8 +222,8 @@ class Trainer:
         model = self.model_init()
         if self._model_prepared or self.optimizer is not None:
             self.accelerator = self._build_accelerator()
-            self._train_loader = self._prepare_train_loader() if self.train_dataset is not None else None
-            self._eval_loaders = {}
+            self._loaders = TrainerLoaders(self.accelerator, self.args, self.data_collator)
+            self._train_loader = self._loaders.train(self.train_dataset) if self.train_dataset is not None else None
         self.model = model.to(self.accelerator.device)
         self._model_prepared = False
         self.optimizer, self.lr_scheduler, self._created_scheduler = None, None, False
@@ -259,28 +243,6 @@ class Trainer:
 
     # -- data ----------------------------------------------------------------------------------------
 
-    def _stream_shard(self, dataset: Any, batch_size: int) -> Any:
-        """A stream read by this process only (each example by one process); map-style datasets as they are."""
-        if not is_stream(dataset):
-            return dataset
-        acc = self.accelerator
-        return ShardedStream(dataset, batch_size, acc.num_processes, acc.process_index)
-
-    def _prepare_train_loader(self) -> Any:
-        args = self.args
-        self._train_stream = self._stream_shard(self.train_dataset, args.per_device_train_batch_size)
-        loader = make_loader(
-            self._train_stream,
-            args.per_device_train_batch_size,
-            self.data_collator,
-            shuffle=args.train_sampling_strategy == "random",
-            seed=args.data_seed,
-            num_workers=args.dataloader_num_workers,
-            drop_last=args.dataloader_drop_last,
-            **args.loader_kwargs(),
-        )
-        return self.accelerator.prepare_data_loader(loader)
-
     def get_train_dataloader(self) -> Any:
         if self._train_loader is None:
             raise ValueError("Trainer: training needs a train_dataset; pass Trainer(train_dataset=...)")
@@ -290,19 +252,7 @@ class Trainer:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer.evaluate() needs an eval_dataset: pass Trainer(eval_dataset=...) or evaluate(ds)")
-        if id(dataset) not in self._eval_loaders:
-            check_dataset(dataset, "eval_dataset")
-            loader = make_loader(
-                self._stream_shard(dataset, self.args.per_device_eval_batch_size),
-                self.args.per_device_eval_batch_size,
-                self.data_collator,
-                shuffle=False,
-                seed=0,
-                num_workers=self.args.dataloader_num_workers,
-                **self.args.loader_kwargs(),
-            )
-            self._eval_loaders[id(dataset)] = (dataset, self.accelerator.prepare_data_loader(loader))
-        return self._eval_loaders[id(dataset)][1]
+        return self._loaders.evaluation(dataset)
 
     # -- training ------------------------------------------------------------------------------------
 
@@ -354,9 +304,7 @@ class Trainer:
             self.record_event("train_begin", 0, resumed_from=None, precision=acc.mixed_precision)
             if args.diagnose_at_start:
                 if self._model_prepared:
-                    raise RuntimeError(
-                        "diagnose_at_start measures the model before it is prepared: call train() first"
-                    )
+                    raise RuntimeError("diagnose_at_start measures the model before it is prepared: call train() first")
                 self.diagnosis = diagnose_at_start(acc, args, self.model, self.train_dataset, self.data_collator,
                                                    self.record_event)  # fmt: skip
         checkpointing, checkpointing_kwargs = args.checkpointing_requested()
@@ -374,8 +322,8 @@ class Trainer:
         start = DataPosition()
         if checkpoint is not None:
             start = ckpt.load_trainer_checkpoint(run, checkpoint)
-            if isinstance(self._train_stream, ShardedStream):  # a stream cannot seek: read past what was trained
-                self._train_stream.skip_batches(start.batches_consumed)
+            if self._loaders.train_stream is not None:  # a stream cannot seek: read past what was trained
+                self._loaders.train_stream.skip_batches(start.batches_consumed)
             if args.restore_callback_states_from_checkpoint:
                 saved = self.state.stateful_callbacks
                 self.control = restore_callback_states(handler, self.control, saved)
