@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 
 from mixprec.accelerator.config import AcceleratorConfig
 from mixprec.accelerator.data import PreparedDataLoader, prepare_dataloader
-from mixprec.accelerator.distributed import LaunchEnv, make_strategy, select_device
+from mixprec.accelerator.distributed import DistributedStrategy, LaunchEnv, make_strategy, select_device
 from mixprec.accelerator.gradients import GradientState
 from mixprec.accelerator.prepared import PreparedOptimizer, PreparedScheduler, is_prepared
 from mixprec.accelerator.state import Registry, RunState, load_state, save_state
@@ -161,6 +161,13 @@ class Accelerator:
     @property
     def device(self) -> torch.device:
         return self._strategy.device
+
+    @property
+    def strategy(self) -> DistributedStrategy:
+        """How the processes share the work (one process, DDP or FSDP2). Its ``model_state_dict(model)``
+        gathers a prepared model's full weights onto the main process (a collective under FSDP2) and
+        ``load_model_state_dict(model, read)`` loads full weights back into every process's part."""
+        return self._strategy
 
     @property
     def distributed_type(self) -> str:
