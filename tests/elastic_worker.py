@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mixprec import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from mixprec import Trainer, TrainerCallback, TrainingArguments, TrainingInterrupted  # noqa: E402
 from trainer_utils import make_examples, make_model  # noqa: E402
 
 SAVE_STEPS = 3
@@ -89,6 +89,8 @@ def main() -> None:
     trainer.add_callback(fault)
     try:
         result = trainer.train()
+    except TrainingInterrupted as stop:  # stopped by the launcher's SIGTERM, after saving a checkpoint
+        sys.exit(stop.exit_status)
     except Exception as err:
         (out / f"error_rank{rank}.txt").write_text(f"{time.time()!r}\n{type(err).__name__}: {err}")
         raise

@@ -50,6 +50,7 @@ from mixprec.trainer.loop import Plan, TrainingLoop
 from mixprec.trainer.meter import StepMeter
 from mixprec.trainer.optim import build_optimizer, build_scheduler
 from mixprec.trainer.seeding import enable_full_determinism, set_seed
+from mixprec.trainer.signals import TrainingInterrupted
 from mixprec.trainer.state import PredictionOutput, TrainerState, TrainOutput
 from mixprec.trainer.summary import finish_run
 
@@ -271,8 +272,9 @@ class Trainer:
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
         """Train for ``max_steps`` or ``num_train_epochs``; resume from a checkpoint (``True``: the newest
         one in output_dir whose manifest verifies; newer damaged ones are skipped with a warning). On
-        SIGTERM: saves a checkpoint at the next step boundary and exits the process with status 143
-        (128 + SIGTERM), so schedulers see a job that did not finish. Under ``torchrun --max-restarts=N``,
+        SIGTERM: saves a checkpoint at the next step boundary, then raises
+        :class:`~mixprec.trainer.signals.TrainingInterrupted` (its ``exit_status`` is 143, 128 + SIGTERM, which
+        ``mixprec train`` exits with, so schedulers see a job that did not finish). Under ``torchrun --max-restarts=N``,
         a restarted worker group resumes by itself (``None`` then means the newest complete checkpoint if
         any; ``False`` always starts fresh). A peer that dies or stays silent past ``ddp_timeout`` ends the
         run with :class:`~mixprec.accelerator.peers.PeerLostError` naming its rank. output_dir is locked while training:
@@ -341,9 +343,11 @@ class Trainer:
             weights.load_best_model(acc, model, args, self.state)
         output = finish_run(run, steps_before)
         if interrupted is not None:
-            acc.print(f"mixprec: stopped by signal {interrupted} at step {self.state.global_step}; resume with "
-                      f"{self.resume_command}", file=sys.stderr)  # fmt: skip
-            raise SystemExit(128 + interrupted)
+            last = ckpt.latest_checkpoint(args.output_dir)
+            stop = TrainingInterrupted(interrupted, self.state.global_step, str(last) if last else None,
+                                       self.resume_command)  # fmt: skip
+            acc.print(f"mixprec: {stop}", file=sys.stderr)
+            raise stop
         return output
 
     def log(self, logs: dict[str, Any]) -> None:
