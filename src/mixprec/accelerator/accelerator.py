@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader
 
 from mixprec.accelerator.config import AcceleratorConfig
@@ -461,12 +462,11 @@ def _is_wrapper(model: torch.nn.Module) -> bool:
 
 
 def _map_tensors(data: Any, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> Any:
-    if isinstance(data, torch.Tensor):
-        return fn(data.to(device))  # nccl collectives need device tensors (a no-op on the CPU)
-    if isinstance(data, Mapping):
-        return type(data)({k: _map_tensors(v, fn, device) for k, v in data.items()})
-    if isinstance(data, (list, tuple)):
-        return type(data)(_map_tensors(v, fn, device) for v in data)
-    if isinstance(data, (int, float, bool)):
-        return fn(torch.tensor(data, device=device))
-    raise TypeError(f"gather/reduce take tensors (or dicts/lists of them), got {type(data).__name__}")
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x.to(device))  # nccl collectives need device tensors (a no-op on the CPU)
+        if isinstance(x, (int, float, bool)):
+            return fn(torch.tensor(x, device=device))
+        raise TypeError(f"gather/reduce take tensors (or dicts/lists of them), got {type(x).__name__}")
+
+    return pytree.tree_map(leaf, data)
