@@ -437,3 +437,19 @@ def test_sigterm_saves_then_raises_training_interrupted_not_system_exit(tmp_path
     assert trainer.state.global_step == 2
     resumed = Trainer(make_model(), args, train_dataset=make_examples(24))
     assert resumed.train(resume_from_checkpoint=True).global_step == 6
+
+
+def test_a_log_override_sees_the_training_logs_and_the_summary(tmp_path):
+    seen = []
+
+    class Recording(Trainer):
+        def log(self, logs):  # HF users override log to add or route metrics
+            seen.append(dict(logs))
+            super().log(logs)
+
+    args = quiet_args(tmp_path, max_steps=3, per_device_train_batch_size=4, logging_steps=1)
+    trainer = Recording(make_model(), args, train_dataset=make_examples(12))
+    trainer.train()
+    history = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert [e["loss"] for e in seen if "loss" in e] == history and len(history) == 3
+    assert "train_runtime" in seen[-1]

@@ -2,8 +2,8 @@
 
 The Trainer builds a :class:`RunContext` once the model, optimizer and scheduler are prepared, and passes it
 down; the helpers take it (or only the pieces they use), never the Trainer, so control flows one way:
-Trainer -> loop -> checkpointing/summary. The two functions in it that come from the Trainer,
-``compute_loss`` and ``evaluate``, are HF's override points: a subclass's override runs, as in HF.
+Trainer -> loop -> checkpointing/summary. The three functions in it that come from the Trainer,
+``compute_loss``, ``evaluate`` and ``log``, are HF's override points: a subclass's override runs, as in HF.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ class RunContext:
     """The loss of one batch (``Trainer.compute_loss``, an override included)."""
     evaluate: Callable[[], dict[str, float]]
     """Evaluate on the evaluation set and log the metrics (``Trainer.evaluate``)."""
+    log: Callable[[dict[str, Any]], None]
+    """Log an entry: log_history and every logger (``Trainer.log``)."""
     resume_command: str = "trainer.train(resume_from_checkpoint=True)"
     """How the user continues this run, for the stop and disk-full messages."""
     diagnosis: Any = None

@@ -284,7 +284,7 @@ class TrainingLoop:
         if scaler.is_enabled():
             logs["loss_scale"] = scaler.get_scale()
             logs["skipped_steps"] = scaler.record.skipped_steps
-        ctx.events.log(logs)
+        ctx.log(logs)
 
 
 def track_best(args: TrainingArguments, state: TrainerState, metrics: dict[str, float]) -> bool:

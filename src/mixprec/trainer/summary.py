@@ -129,7 +129,7 @@ def finish_run(run: RunContext, steps_before: int) -> TrainOutput:
         device=acc.device,
     )
     # HF's last log entry, which scripts read from log_history[-1]
-    events.log({k: summary[k] for k in ("train_runtime", "train_samples_per_second", "train_steps_per_second",
+    run.log({k: summary[k] for k in ("train_runtime", "train_samples_per_second", "train_steps_per_second",
                                         "train_loss")})  # fmt: skip
     if acc.is_main_process:
         write_summary(summary, args.output_dir)

@@ -319,7 +319,7 @@ class Trainer:
         handler = self.callback_handler
         handler.optimizer, handler.lr_scheduler, handler.train_dataloader = self.optimizer, self.lr_scheduler, loader
         run = RunContext(acc, args, self.events, self.meter, model, self.optimizer, self.lr_scheduler, loader,
-                         compute_loss=self.compute_loss, evaluate=self.evaluate,
+                         compute_loss=self.compute_loss, evaluate=self.evaluate, log=self.log,
                          resume_command=self.resume_command, diagnosis=self.diagnosis)  # fmt: skip
         start = DataPosition()
         if checkpoint is not None:
