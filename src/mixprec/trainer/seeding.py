@@ -16,6 +16,12 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def seed_run(seed: int, full_determinism: bool = False) -> None:
+    """What the Trainer does before building a model or training: ``set_seed``, or with
+    ``full_determinism`` also deterministic kernels."""
+    (enable_full_determinism if full_determinism else set_seed)(seed)
+
+
 def enable_full_determinism(seed: int) -> None:
     """``full_determinism=True``: seeded RNGs and deterministic kernels only (HF's enable_full_determinism);
     an op without a deterministic kernel then raises instead of running."""

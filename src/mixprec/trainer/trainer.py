@@ -49,7 +49,7 @@ from mixprec.trainer.logging import make_reporters
 from mixprec.trainer.loop import Plan, TrainingLoop
 from mixprec.trainer.meter import StepMeter
 from mixprec.trainer.optim import build_optimizer, build_scheduler
-from mixprec.trainer.seeding import enable_full_determinism, set_seed
+from mixprec.trainer.seeding import enable_full_determinism, seed_run, set_seed
 from mixprec.trainer.signals import TrainingInterrupted
 from mixprec.trainer.state import PredictionOutput, TrainerState, TrainOutput
 from mixprec.trainer.summary import finish_run
@@ -87,7 +87,7 @@ class Trainer:
                 "leave optimizers out, or subclass Trainer and override create_optimizer_and_scheduler"
             )
         if model is None and model_init is not None:
-            self._seed()
+            seed_run(self.args.seed, self.args.full_determinism)
             model = model_init()
         if model is None:
             raise ValueError("Trainer(model=None): pass the torch.nn.Module to train (or model_init=...)")
@@ -98,7 +98,7 @@ class Trainer:
         check_datasets(args, train_dataset, eval_dataset)
         # the reporters' packages are checked before joining any process group, so a missing one fails fast
         reporters = make_reporters(args.report_to, args.logging_dir) if self._is_main_launch() else []
-        self._seed()
+        seed_run(self.args.seed, self.args.full_determinism)
         self.accelerator = self._build_accelerator()
         self.model = model.to(self.accelerator.device)  # prepared (forward patched) when first used
         self._model_prepared = False
@@ -138,6 +138,10 @@ class Trainer:
     @property
     def state(self) -> TrainerState:
         return self.events.state
+
+    @state.setter
+    def state(self, value: TrainerState) -> None:
+        self.events.state = value
 
     @property
     def control(self) -> TrainerControl:
@@ -194,12 +198,6 @@ class Trainer:
 
     # -- construction helpers ------------------------------------------------------------------------
 
-    def _seed(self) -> None:
-        if self.args.full_determinism:
-            enable_full_determinism(self.args.seed)
-        else:
-            set_seed(self.args.seed)
-
     def _is_main_launch(self) -> bool:
         return int(os.environ.get("RANK", "0")) == 0
 
@@ -219,7 +217,7 @@ class Trainer:
     def _new_model_from_init(self) -> None:
         """model_init at train(), as HF: a fresh model, optimizer and scheduler. The Accelerator is rebuilt
         when it already prepared the old model or its optimizer, so its saved state holds this model only."""
-        self._seed()
+        seed_run(self.args.seed, self.args.full_determinism)
         model = self.model_init()
         if self._model_prepared or self.optimizer is not None:
             self.accelerator = self._build_accelerator()
