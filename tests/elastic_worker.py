@@ -62,8 +62,12 @@ class Fault(TrainerCallback):
             (self.out / "hung_at").write_text(repr(time.time()))
             # stuck as a deadlocked process is; the launcher's SIGTERM ends it (a real deadlock: its SIGKILL)
             signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
-            while True:
+            # torchrun starts workers in their own session, so killing the "node"'s process group leaves this
+            # one orphaned: stop hanging once the launcher is gone, or the test leaks a sleeping process
+            launcher = os.getppid()
+            while os.getppid() == launcher:
                 time.sleep(0.1)
+            os._exit(137)
 
 
 def main() -> None:
