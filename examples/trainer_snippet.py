@@ -11,8 +11,9 @@ the end of every epoch:
 
 ./results then holds metrics.jsonl (every log entry, each skipped step with the layers whose gradients were
 non-finite, each loss-scale change), loss_curves.png, loss_scale.png, train_summary.json and checkpoint-N
-folders. A SIGTERM saves a checkpoint at the next step and exits; ``trainer.train(resume_from_checkpoint=True)``
-continues from the latest complete checkpoint exactly where the run stopped.
+folders. A SIGTERM saves a checkpoint at the next step, then ``train()`` raises ``mixprec.TrainingInterrupted``;
+``trainer.train(resume_from_checkpoint=True)`` continues from the latest complete checkpoint exactly where the
+run stopped.
 """
 
 from __future__ import annotations

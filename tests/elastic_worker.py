@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mixprec import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from mixprec import Trainer, TrainerCallback, TrainingArguments, TrainingInterrupted  # noqa: E402
 from trainer_utils import make_examples, make_model  # noqa: E402
 
 SAVE_STEPS = 3
@@ -62,8 +62,12 @@ class Fault(TrainerCallback):
             (self.out / "hung_at").write_text(repr(time.time()))
             # stuck as a deadlocked process is; the launcher's SIGTERM ends it (a real deadlock: its SIGKILL)
             signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
-            while True:
+            # torchrun starts workers in their own session, so killing the "node"'s process group leaves this
+            # one orphaned: stop hanging once the launcher is gone, or the test leaks a sleeping process
+            launcher = os.getppid()
+            while os.getppid() == launcher:
                 time.sleep(0.1)
+            os._exit(137)
 
 
 def main() -> None:
@@ -89,6 +93,8 @@ def main() -> None:
     trainer.add_callback(fault)
     try:
         result = trainer.train()
+    except TrainingInterrupted as stop:  # stopped by the launcher's SIGTERM, after saving a checkpoint
+        sys.exit(stop.exit_status)
     except Exception as err:
         (out / f"error_rank{rank}.txt").write_text(f"{time.time()!r}\n{type(err).__name__}: {err}")
         raise

@@ -394,3 +394,62 @@ def test_evaluate_honours_a_compute_loss_override(tmp_path):
     assert SquaredErrorTrainer.calls == 1
     trainer.train()
     assert SquaredErrorTrainer.calls == 3
+
+
+# -- SIGTERM ---------------------------------------------------------------------------------------------
+
+
+class SigtermAfterStep(TrainerCallback):
+    """Sends this process SIGTERM at the end of step ``step``, as a scheduler preempting the job would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            import os
+            import signal
+
+            # only while train() handles SIGTERM: the default action would end the test process
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_saves_then_raises_training_interrupted_not_system_exit(tmp_path):
+    import signal
+
+    from mixprec import TrainingInterrupted
+
+    args = quiet_args(tmp_path, max_steps=6, per_device_train_batch_size=4, logging_steps=1)
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = Trainer(make_model(), args, train_dataset=make_examples(24), callbacks=[SigtermAfterStep(2)])
+    try:
+        trainer.train()
+    except SystemExit as exit_:  # a library never ends its caller's process
+        pytest.fail(f"train() raised SystemExit({exit_.code}) on SIGTERM")
+    except TrainingInterrupted as stop:
+        assert (stop.signum, stop.exit_status, stop.step) == (signal.SIGTERM, 143, 2)
+        assert stop.checkpoint == str(tmp_path / "out" / "checkpoint-2") and is_complete(stop.checkpoint)
+        assert "trainer.train(resume_from_checkpoint=True)" in str(stop)
+    else:
+        pytest.fail("train() returned as if the run had finished")
+    assert signal.getsignal(signal.SIGTERM) == before  # the previous handler is back
+    assert trainer.state.global_step == 2
+    resumed = Trainer(make_model(), args, train_dataset=make_examples(24))
+    assert resumed.train(resume_from_checkpoint=True).global_step == 6
+
+
+def test_a_log_override_sees_the_training_logs_and_the_summary(tmp_path):
+    seen = []
+
+    class Recording(Trainer):
+        def log(self, logs):  # HF users override log to add or route metrics
+            seen.append(dict(logs))
+            super().log(logs)
+
+    args = quiet_args(tmp_path, max_steps=3, per_device_train_batch_size=4, logging_steps=1)
+    trainer = Recording(make_model(), args, train_dataset=make_examples(12))
+    trainer.train()
+    history = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert [e["loss"] for e in seen if "loss" in e] == history and len(history) == 3
+    assert "train_runtime" in seen[-1]

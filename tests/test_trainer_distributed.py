@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 pytestmark = [
@@ -18,6 +19,7 @@ pytestmark = [
 ]
 
 SCRIPT = Path(__file__).with_name("trainer_torchrun_script.py")
+FSDP_SCRIPT = Path(__file__).with_name("trainer_fsdp_script.py")
 
 
 def _free_port() -> int:
@@ -72,3 +74,50 @@ def test_evaluation_counts_every_example_once_and_agrees_across_processes(run):
     assert results(ranks[0]) == results(ranks[1]) and len(results(ranks[0])) == 2
     # 7 validation examples split 4 + 3 and gathered: each exactly once
     assert [e["eval_examples"] for e in ranks[0]["evals"]] == [7.0, 7.0]
+
+
+# -- FSDP2: the weights that leave the run are the full model's --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory) -> Path:
+    """trainer_fsdp_script.py under torchrun (FSDP2, 2 processes) and alone (1 process), side by side."""
+    out = tmp_path_factory.mktemp("trainer-fsdp")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env["OMP_NUM_THREADS"] = "1"
+    two = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           str(FSDP_SCRIPT), str(out / "fsdp")]  # fmt: skip
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in (two, [sys.executable, str(FSDP_SCRIPT), str(out / "single")])]  # fmt: skip
+    for proc in procs:
+        text, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{proc.args}:\n{text[-3000:]}"
+    return out
+
+
+def test_save_model_under_fsdp2_writes_the_full_weights_of_the_one_process_run(fsdp_runs):
+    from mixprec.checkpoint import load_tensors
+
+    ranks = [json.loads((fsdp_runs / "fsdp" / f"rank{i}.json").read_text()) for i in range(2)]
+    assert [r["distributed"] for r in ranks] == ["fsdp", "fsdp"]
+    assert [r["local_rows"] for r in ranks] == [8, 8]  # each process held half of the 16-row embedding
+    sharded = load_tensors(fsdp_runs / "fsdp" / "saved" / "model.safetensors")
+    alone = load_tensors(fsdp_runs / "single" / "saved" / "model.safetensors")
+    assert sharded.keys() == alone.keys()  # the user's module's names, no wrapper prefixes
+    for name, tensor in alone.items():
+        assert sharded[name].shape == tensor.shape, name
+        # fp32; only the order of the gradient reduction differs
+        torch.testing.assert_close(sharded[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_load_best_model_at_end_under_fsdp2_loads_the_best_checkpoint(fsdp_runs):
+    from mixprec.checkpoint import load_tensors
+
+    run = fsdp_runs / "fsdp" / "run"
+    ranks = [json.loads((fsdp_runs / "fsdp" / f"rank{i}.json").read_text()) for i in range(2)]
+    assert [r["best_model_checkpoint"] for r in ranks] == [str(run / "checkpoint-2")] * 2
+    saved = load_tensors(fsdp_runs / "fsdp" / "saved" / "model.safetensors")
+    best = load_tensors(run / "checkpoint-2" / "model.safetensors")
+    last = load_tensors(run / "checkpoint-3" / "model.safetensors")
+    assert all(torch.equal(saved[name], best[name]) for name in best)  # the best step's weights, every shard
+    assert not all(torch.equal(saved[name], last[name]) for name in last)  # not the last step's

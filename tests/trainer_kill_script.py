@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mixprec import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from mixprec import Trainer, TrainerCallback, TrainingArguments, TrainingInterrupted  # noqa: E402
 from mixprec.checkpoint import save_tensors  # noqa: E402
 from trainer_utils import make_examples, make_model  # noqa: E402
 
@@ -91,7 +91,10 @@ def main() -> None:
     if mode == "save-victim":
         hang_in_second_save(out)
     trainer = build_trainer(out, precision, callbacks)
-    trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
+    try:
+        trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
+    except TrainingInterrupted as stop:  # what a script does to end as the signal would (status 143)
+        sys.exit(stop.exit_status)
     save_tensors(trainer.model.state_dict(), out / "final.safetensors")
 
 

@@ -49,7 +49,7 @@ def main() -> None:
         "num_processes": trainer.accelerator.num_processes,
         "global_step": result.global_step,
         "params": {k: v.tolist() for k, v in trainer.model.state_dict().items()},
-        "writes_logs": trainer._jsonl is not None,
+        "writes_logs": trainer.events.metrics is not None,
         "evals": [e for e in trainer.state.log_history if "eval_loss" in e],
     }
     (out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "ExportableState": "mixprec.trainer.callbacks",
     "TrainerState": "mixprec.trainer.state",
     "EvalPrediction": "mixprec.trainer.state",
+    "TrainingInterrupted": "mixprec.trainer.signals",
     # tools
     "diagnose": "mixprec.diagnostics.diagnose",
     "PrecisionWatch": "mixprec.watch.watch",
@@ -73,6 +74,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.scaling.scaler import ConsecutiveSkipsError, GradScaler, LossScaler
     from mixprec.trainer.args import TrainingArguments
     from mixprec.trainer.callbacks import EarlyStoppingCallback, ExportableState, TrainerCallback, TrainerControl
+    from mixprec.trainer.signals import TrainingInterrupted
     from mixprec.trainer.state import EvalPrediction, TrainerState
     from mixprec.trainer.trainer import Trainer
     from mixprec.watch.settings import WatchConfig

@@ -31,12 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader
 
 from mixprec.accelerator.checkpoints import StateCheckpoints, check_checkpointable
 from mixprec.accelerator.config import AcceleratorConfig
 from mixprec.accelerator.data import PreparedDataLoader, prepare_dataloader
-from mixprec.accelerator.distributed import LaunchEnv, make_strategy, select_device
+from mixprec.accelerator.distributed import DistributedStrategy, LaunchEnv, make_strategy, select_device
 from mixprec.accelerator.gradients import GradientAccumulationPlugin, GradientState
 from mixprec.accelerator.lifecycle import object_kind, release_prepared
 from mixprec.accelerator.model_checks import check_preparable
@@ -182,6 +183,13 @@ class Accelerator:
     @property
     def device(self) -> torch.device:
         return self._strategy.device
+
+    @property
+    def strategy(self) -> DistributedStrategy:
+        """How the processes share the work (one process, DDP or FSDP2). Its ``model_state_dict(model)``
+        gathers a prepared model's full weights onto the main process (a collective under FSDP2) and
+        ``load_model_state_dict(model, read)`` loads full weights back into every process's part."""
+        return self._strategy
 
     @property
     def distributed_type(self) -> str:
@@ -521,12 +529,11 @@ def _follow_replaced_parameters(optimizer: torch.optim.Optimizer, replaced: dict
 
 
 def _map_tensors(data: Any, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> Any:
-    if isinstance(data, torch.Tensor):
-        return fn(data.to(device))  # nccl collectives need device tensors (a no-op on the CPU)
-    if isinstance(data, Mapping):
-        return type(data)({k: _map_tensors(v, fn, device) for k, v in data.items()})
-    if isinstance(data, (list, tuple)):
-        return type(data)(_map_tensors(v, fn, device) for v in data)
-    if isinstance(data, (int, float, bool)):
-        return fn(torch.tensor(data, device=device))
-    raise TypeError(f"gather/reduce take tensors (or dicts/lists of them), got {type(data).__name__}")
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x.to(device))  # nccl collectives need device tensors (a no-op on the CPU)
+        if isinstance(x, (int, float, bool)):
+            return fn(torch.tensor(x, device=device))
+        raise TypeError(f"gather/reduce take tensors (or dicts/lists of them), got {type(x).__name__}")
+
+    return pytree.tree_map(leaf, data)

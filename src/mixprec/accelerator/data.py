@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from mixprec.accelerator.sharding import ShardedBatchSampler, epoch_seed
@@ -32,24 +33,25 @@ if TYPE_CHECKING:
 
 
 def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
-    """Move tensors in nested dicts, lists, tuples and namedtuples (and objects with ``.to``) to ``device``.
-    Asynchronous for pinned host memory with ``non_blocking=True``; no host sync."""
-    if isinstance(data, torch.Tensor):
-        return data.to(device, non_blocking=non_blocking)
-    if isinstance(data, Mapping):
-        moved = {k: send_to_device(v, device, non_blocking) for k, v in data.items()}
-        try:
-            return type(data)(moved)
-        except TypeError:  # a Mapping type that cannot be built from a dict
-            return moved
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(send_to_device(v, device, non_blocking) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(send_to_device(v, device, non_blocking) for v in data)
-    to = getattr(data, "to", None)
-    if callable(to):
-        return to(device)
-    return data
+    """Move tensors in nested dicts, lists, tuples and namedtuples (any container torch's pytree knows, HF
+    ModelOutput included), and other objects with ``.to``, to ``device``. Asynchronous for pinned host
+    memory with ``non_blocking=True``; no host sync."""
+
+    def move(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.to(device, non_blocking=non_blocking)
+        to = getattr(leaf, "to", None)  # an HF BatchEncoding, say
+        if callable(to):
+            return to(device)
+        if isinstance(leaf, Mapping):  # a Mapping type torch's pytree does not know
+            moved = {k: send_to_device(v, device, non_blocking) for k, v in leaf.items()}
+            try:
+                return type(leaf)(moved)
+            except TypeError:  # one that cannot be built from a dict
+                return moved
+        return leaf
+
+    return pytree.tree_map(move, data)
 
 
 class PreparedDataLoader:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from mixprec.accelerator.peers import PeerLostError, explain, is_collective_failure, launcher_store, timeout_delta
 from mixprec.accelerator.prepared import patch_forward
+from mixprec.precision.base import default_device
 
 if TYPE_CHECKING:
     from mixprec.precision.base import Precision
@@ -67,8 +68,9 @@ def select_device(device: torch.device | str | None, cpu: bool, env: LaunchEnv) 
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"Accelerator(cpu=True, device={str(device)!r}): the two conflict; pass one of them")
         return torch.device("cpu")
-    if device is None:
-        return torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device is None:  # the one default-device rule, and this process's GPU under a launcher
+        dev = default_device()
+        return torch.device("cuda", env.local_rank) if dev.type == "cuda" else dev
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():

@@ -144,6 +144,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     Every other attribute (``param_groups``, ``state``, ``state_dict()``...) is the optimizer's own. It is
     an ``Optimizer`` subclass (whose ``__init__`` is not run) so that LR schedulers accept it.
+
+    Public attributes: ``optimizer``, the optimizer this one steps (the precision's conversion of the
+    user's, e.g. one keeping fp32 master weights), and ``source``, the one the user passed to ``prepare``.
     """
 
     def __init__(  # noqa: D107

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
+
+from torch.utils import _pytree as pytree
 
 from mixprec.bench.result import BenchResult
 
@@ -97,13 +100,8 @@ def to_json(result: BenchResult) -> str:
 
 
 def _finite(obj: Any) -> Any:
-    if isinstance(obj, float) and obj != obj or obj in (float("inf"), float("-inf")):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
+    """Non-finite floats as None (JSON null)."""
+    return pytree.tree_map(lambda x: None if isinstance(x, float) and not math.isfinite(x) else x, obj)
 
 
 def write_chart(result: BenchResult, path: str | Path) -> Path:

@@ -32,7 +32,7 @@ from mixprec.bench.peak import PeakFlops, measure_peak_flops
 from mixprec.bench.result import BenchResult, PrecisionResult
 from mixprec.bench.timing import make_timer, summarize, synchronize
 from mixprec.bench.workload import Batch, Workload
-from mixprec.precision.base import Precision, PrecisionNotSupportedError
+from mixprec.precision.base import Precision, PrecisionNotSupportedError, default_device
 from mixprec.precision.registry import canonical_name, make_precision, resolve_precision
 from mixprec.scaling.scaler import GradScaler
 
@@ -191,7 +191,7 @@ def run_bench(
     inside one (CUDA events).
     """
     cfg = config or BenchConfig()
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device) if device is not None else default_device()
     say = log or (lambda _msg: None)
     started = time.perf_counter()
     batches = [{k: v.to(dev) for k, v in b.items()} for b in workload.batches]

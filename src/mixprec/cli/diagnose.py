@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from mixprec.cli._common import add_data_model_args, load_model_and_data, positive_int
+from mixprec.precision.base import default_device
 
 # Sized for the one-minute budget on 2 CPU cores: without native fp16 on the CPU, each fp16 pass of the
 # non-finite search costs ~10x an fp32 pass, so one batch is searched; the fp32 histograms use every batch.
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.diagnostics import diagnose  # heavy: only when this subcommand runs
 
     model, train, _val, info = load_model_and_data(args)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device()
     model.to(device)
     generator = torch.Generator().manual_seed(args.seed)
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, generator=generator)

@@ -2,7 +2,7 @@
 the way a batch scheduler expects.
 
 torchrun, sent SIGTERM (a preemption, ``scancel``), forwards it to its workers, waits for them (the
-Trainer's workers save a checkpoint at the next step boundary and exit 143), then dies with a Python
+Trainer's workers save a checkpoint at the next step boundary and ``mixprec train``'s exit 143), then dies with a Python
 traceback (``SignalException``) and status 1, so the scheduler cannot tell a preemption from a crash. This
 runs the same launcher and turns that ending into one line and status 128 + the signal (143 for SIGTERM);
 a failed worker group ends with one line per failed rank and status 1, instead of torch's traceback.

@@ -38,6 +38,7 @@ from mixprec.data import decode, encode, unigram_entropy
 from mixprec.models import GPT
 from mixprec.trainer.checkpointing import restarted_by_launcher
 from mixprec.trainer.optimizers import OPTIMIZER_NAMES
+from mixprec.trainer.signals import TrainingInterrupted
 
 # -- defaults, measured on the project's 2-core AMD EPYC (AVX2) machine, where "auto" picks fp32 ------------
 # 300 steps of 16 x 128 bytes (614K bytes: a fifth of the training split, so no chunk is seen twice) bring the
@@ -287,7 +288,12 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     )
     trainer.resume_command = f"mixprec train --resume {run_dir}"
     resume = str(resume_from) if resume_from else (True if args.resume is not None else None)
-    output = trainer.train(resume_from_checkpoint=resume)
+    try:
+        output = trainer.train(resume_from_checkpoint=resume)
+    except TrainingInterrupted as stop:
+        # the Trainer saved a checkpoint and printed how to resume; exit as the signal would have (143 for
+        # SIGTERM), which batch schedulers read as a stopped job, not a finished one
+        raise SystemExit(stop.exit_status) from None
     summary = dict(output.metrics)
 
     history = trainer.state.log_history

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 ROOT_NAME = "<model>"
@@ -29,21 +30,19 @@ def display_name(qualified: str) -> str:
 
 def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
     """Every floating-point tensor in a module's output: nested tuples, lists, mappings (HF ``ModelOutput``
-    included) and dataclasses. Integer tensors (token ids, argmax) carry no magnitude worth measuring."""
-    if _depth > 8:  # outputs are shallow; this only guards against self-referencing containers
+    included; torch's pytree) and dataclasses. Integer tensors (token ids, argmax) carry no magnitude worth
+    measuring."""
+    if _depth > 8:  # outputs are shallow; this only guards against self-referencing dataclasses
         return
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point():
-            yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from iter_tensors(v, _depth + 1)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from iter_tensors(v, _depth + 1)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, f.name, None), _depth + 1)
+    for leaf in pytree.tree_leaves(obj):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.is_floating_point():
+                yield leaf
+        elif isinstance(leaf, Mapping):  # a Mapping type torch's pytree does not know
+            yield from iter_tensors(list(leaf.values()), _depth + 1)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):  # one torch's pytree does not know
+            for f in dataclasses.fields(leaf):
+                yield from iter_tensors(getattr(leaf, f.name, None), _depth + 1)
 
 
 OutputFn = Callable[[str, torch.Tensor], bool | None]

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch.utils import _pytree as pytree
 
 if TYPE_CHECKING:
     from mixprec.scaling.scaler import GradScaler
@@ -235,21 +236,21 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _to_fp32(data: Any) -> Any:
-    """Recursively cast fp16/bf16 tensors to fp32, keeping container types (dicts, HF ModelOutput,
-    dataclasses, namedtuples). Integer tensors and fp32 tensors pass through untouched."""
-    if isinstance(data, torch.Tensor):
-        return data.float() if data.dtype in _LOW_PRECISION else data
-    if isinstance(data, Mapping):
-        if hasattr(data, "to_tuple"):  # HF ModelOutput: an OrderedDict + dataclass; set keys in place
-            for key in list(data.keys()):
-                data[key] = _to_fp32(data[key])
-            return data
-        return type(data)({k: _to_fp32(v) for k, v in data.items()})
-    if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        changes = {f.name: _to_fp32(getattr(data, f.name)) for f in dataclasses.fields(data) if f.init}
-        return dataclasses.replace(data, **changes)
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(_to_fp32(v) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(_to_fp32(v) for v in data)
-    return data
+    """Cast fp16/bf16 tensors to fp32, keeping container types (dicts, HF ModelOutput, namedtuples: torch's
+    pytree; dataclasses it does not know, by their fields). Integer tensors and fp32 tensors pass through."""
+
+    def cast(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.float() if leaf.dtype in _LOW_PRECISION else leaf
+        if isinstance(leaf, Mapping) and hasattr(leaf, "to_tuple"):  # an HF-style ModelOutput pytree lacks
+            for key in list(leaf.keys()):  # an OrderedDict and a dataclass at once: set its keys in place
+                leaf[key] = _to_fp32(leaf[key])
+            return leaf
+        if isinstance(leaf, Mapping):  # a Mapping type torch's pytree does not know
+            return type(leaf)({k: _to_fp32(v) for k, v in leaf.items()})
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):  # a model's own output dataclass
+            changes = {f.name: _to_fp32(getattr(leaf, f.name)) for f in dataclasses.fields(leaf) if f.init}
+            return dataclasses.replace(leaf, **changes)
+        return leaf
+
+    return pytree.tree_map(cast, data)

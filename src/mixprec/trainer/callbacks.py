@@ -72,13 +72,16 @@ class TrainerControl(ExportableState):
     should_evaluate: bool = False
     should_log: bool = False
 
-    def _new_training(self) -> None:
+    def new_training(self) -> None:
+        """Called by the training loop when a run begins."""
         self.should_training_stop = False
 
-    def _new_epoch(self) -> None:
+    def new_epoch(self) -> None:
+        """Called by the training loop at each epoch's start: ``should_epoch_stop`` resets."""
         self.should_epoch_stop = False
 
-    def _new_step(self) -> None:
+    def new_step(self) -> None:
+        """Called by the training loop at each optimizer step's start: the step switches reset."""
         self.should_save = False
         self.should_evaluate = False
         self.should_log = False

@@ -29,7 +29,6 @@ written before manifests existed is accepted, with a warning, when its required 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -42,13 +41,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec.accelerator.state_checks import folder_problem
-from mixprec.checkpoint import CheckpointError, DiskFullError, FolderLock, load_json, load_tensors, lock_folder, recover
+from mixprec.checkpoint import CheckpointError, DiskFullError, FolderLock, load_json, lock_folder, recover
 from mixprec.checkpoint.manifest import read_manifest
 from mixprec.trainer.data import DataPosition
 from mixprec.trainer.state import TrainerState
+from mixprec.trainer.weights import model_config_file
 
 if TYPE_CHECKING:
-    from mixprec.trainer.trainer import Trainer
+    from mixprec.trainer.context import RunContext
 
 logger = logging.getLogger("mixprec.trainer")
 
@@ -306,17 +306,17 @@ def lock_output_dir(accelerator: Any, output_dir: str) -> FolderLock | contextli
     return held if held is not None else contextlib.nullcontext()
 
 
-def save_trainer_checkpoint(trainer: Trainer, position: DataPosition) -> Path:
+def save_trainer_checkpoint(run: RunContext, position: DataPosition) -> Path:
     """checkpoint-<global_step> with the trainer's state; then prune, then ``on_save``. Collective."""
-    args, state, acc = trainer.args, trainer.state, trainer.accelerator
+    args, state, acc = run.args, run.state, run.accelerator
     path = Path(args.output_dir) / f"{PREFIX}{state.global_step}"
     if state.best_global_step == state.global_step:
         state.best_model_checkpoint = str(path)
     files = {
         STATE_NAME: state.to_dict(),
-        EXTRA_NAME: {"data_position": position.to_dict(), "meter": trainer.meter.state_dict()},
+        EXTRA_NAME: {"data_position": position.to_dict(), "meter": run.meter.state_dict()},
         ARGS_NAME: args.to_dict(),
-        **model_config_file(acc.unwrap_model(trainer.model)),
+        **model_config_file(acc.unwrap_model(run.model)),
     }
     try:
         save_checkpoint(args.output_dir, state.global_step, acc, files)
@@ -327,43 +327,34 @@ def save_trainer_checkpoint(trainer: Trainer, position: DataPosition) -> Path:
             err.errno,
             f"disk full: {path.name} could not be saved (no space left while writing "
             f"{Path(err.filename or '?').name}); {intact}. Free space on {args.output_dir}, then resume with "
-            f"{trainer.resume_command}",
+            f"{run.resume_command}",
             err.filename,
         ) from None
     if acc.is_main_process:  # only now that the new one is complete
         prune_checkpoints(args.output_dir, args.save_total_limit, keep=state.best_model_checkpoint)
     acc.wait_for_everyone()
-    trainer.event("on_save", checkpoint=str(path))
+    run.events.fire("on_save", checkpoint=str(path))
     return path
 
 
-def model_config_file(model: Any) -> dict[str, Any]:
-    """``{"config": ...}`` (written as config.json) for a model with an HF-style config, so
-    ``from_pretrained("checkpoint-N")`` finds one next to model.safetensors; {} otherwise."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_json_string"):
-        return {}
-    return {"config": json.loads(config.to_json_string())}
-
-
-def load_trainer_checkpoint(trainer: Trainer, path: Path) -> DataPosition:
+def load_trainer_checkpoint(run: RunContext, path: Path) -> DataPosition:
     """Restore model, optimizer, scheduler, scaler, data position and RNG states (the Accelerator's
-    load_state), then the trainer's state, loss window and log; return where the data stands. Nothing is
-    unpickled: a tampered file raises (UnsafeCheckpointError) before training starts. The trainer's own
-    files are read and parsed first, so a damaged one fails before the Accelerator loads anything."""
+    load_state), then the trainer's state (in place), loss window and log; return where the data stands.
+    Nothing is unpickled: a tampered file raises (UnsafeCheckpointError) before training starts. The
+    trainer's own files are read and parsed first, so a damaged one fails before the Accelerator loads
+    anything."""
     saved, extra = read_trainer_files(path)
-    loaded_state = TrainerState(**{k: v for k, v in saved.items() if k in TrainerState.__dataclass_fields__})
+    loaded = TrainerState(**{k: v for k, v in saved.items() if k in TrainerState.__dataclass_fields__})
     position = DataPosition.from_dict(extra["data_position"])
-    trainer.accelerator.load_state(path)
-    fresh = trainer.state
-    trainer.state = loaded_state
-    trainer.state.is_local_process_zero = fresh.is_local_process_zero
-    trainer.state.is_world_process_zero = fresh.is_world_process_zero
-    trainer.meter.load_state_dict(extra.get("meter", {}), trainer.accelerator.device)
-    if trainer._jsonl is not None:
-        trainer._jsonl.truncate_after(trainer.state.global_step)
-    logger.info("resumed from %s at step %d", path, trainer.state.global_step)
-    _check_loader_agrees(trainer._train_loader, position, path)
+    run.accelerator.load_state(path)
+    state = run.state
+    for name in TrainerState.__dataclass_fields__:  # which process this is stays as it was
+        if name not in ("is_local_process_zero", "is_world_process_zero"):
+            setattr(state, name, getattr(loaded, name))
+    run.meter.load_state_dict(extra.get("meter", {}), run.accelerator.device)
+    run.events.forget_records_after(state.global_step)
+    logger.info("resumed from %s at step %d", path, state.global_step)
+    _check_loader_agrees(run.train_loader, position, path)
     return position
 
 
@@ -382,14 +373,3 @@ def _check_loader_agrees(loader: Any, position: DataPosition, path: Path) -> Non
             f"and the data loader's (epoch {state['epoch']}, {state['batches']} batches) disagree; the "
             "checkpoint was written by an incompatible version"
         )
-
-
-def load_best_model(trainer: Trainer) -> None:
-    """``load_best_model_at_end``: the best checkpoint's weights into the model (one process or DDP)."""
-    best = trainer.state.best_model_checkpoint
-    if best is None or not Path(best).is_dir():
-        return
-    weights = load_tensors(Path(best) / "model.safetensors", device=trainer.accelerator.device)
-    trainer.accelerator.unwrap_model(trainer.model).load_state_dict(weights)
-    logger.info("loaded the best model (%s = %s) from %s", trainer.args.evaluation.metric_key(),
-                trainer.state.best_metric, best)  # fmt: skip

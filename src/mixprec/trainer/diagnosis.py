@@ -12,37 +12,45 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from mixprec.trainer.data import make_loader
 
 if TYPE_CHECKING:
-    from mixprec.trainer.trainer import Trainer
+    import torch
+
+    from mixprec.accelerator.accelerator import Accelerator
+    from mixprec.trainer.args import TrainingArguments
 
 logger = logging.getLogger("mixprec.trainer")
 
 
-def diagnose_at_start(trainer: Trainer) -> Any:
-    """Diagnose, apply the recommended initial loss scale (fp16), log; return the Report. Costs a few
-    forward/backward passes and host syncs, once."""
+def diagnose_at_start(
+    accelerator: Accelerator,
+    args: TrainingArguments,
+    model: torch.nn.Module,
+    dataset: Any,
+    collator: Any,
+    record: Callable[..., None],
+) -> Any:
+    """Diagnose ``model`` (not yet prepared) on the first batches of ``dataset``, apply the recommended
+    initial loss scale (fp16), ``record`` the report (metrics.jsonl) and log it; return the Report. Costs a
+    few forward/backward passes and host syncs, once."""
     try:
         from mixprec.diagnostics.diagnose import diagnose
     except ImportError as err:
         raise ValueError(
             f"TrainingArguments(diagnose_at_start=True): mixprec.diagnostics is unavailable ({err})"
         ) from err
-    if trainer._model_prepared:
-        raise RuntimeError("diagnose_at_start measures the model before it is prepared: call train() first")
-    args, acc = trainer.args, trainer.accelerator
-    loader = make_loader(
-        trainer.train_dataset, args.per_device_train_batch_size, trainer.data_collator, shuffle=False, seed=0
-    )
+    acc = accelerator
+    loader = make_loader(dataset, args.per_device_train_batch_size, collator, shuffle=False, seed=0)
     target = acc.mixed_precision if acc.mixed_precision in ("fp16", "bf16") else "fp16"
     optimizer = "sgd" if args.optim == "sgd" else "adam"
-    report = diagnose(trainer.model, loader, precision_target=target, lr=args.learning_rate, optimizer=optimizer)
+    report = diagnose(model, loader, precision_target=target, lr=args.learning_rate, optimizer=optimizer)
     scale = float(acc.reduce(float(report.recommended_init_scale), reduction="max").item())
     applied = acc.set_initial_loss_scale(scale)  # clamped to [min_loss_scale, max_scale]; auto's fp16 too
-    trainer.record_event("diagnosis", 0, applied_init_scale=applied, report=report.to_dict())
+    record("diagnosis", 0, applied_init_scale=applied, report=report.to_dict())
     acc.print(
         f"mixprec diagnose: recommends {report.recommended_precision} with initial loss scale "
         f"{report.recommended_init_scale:g}; running {acc.mixed_precision}"

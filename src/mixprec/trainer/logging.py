@@ -18,21 +18,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torch.utils import _pytree as pytree
+
 from mixprec.trainer.callbacks import TrainerCallback
 
 METRICS_FILE = "metrics.jsonl"
 
 
 def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # "inf"/"nan": strict JSON has no literal for them
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if hasattr(value, "item") and callable(value.item):
-        return _jsonable(value.item())
-    return value
+    def leaf(x: Any) -> Any:
+        if hasattr(x, "item") and callable(x.item):  # a 0-dim tensor or numpy scalar
+            x = x.item()
+        if isinstance(x, float) and not math.isfinite(x):
+            return str(x)  # "inf"/"nan": strict JSON has no literal for them
+        return x
+
+    return pytree.tree_map(leaf, value)
 
 
 class JsonlLogger(TrainerCallback):

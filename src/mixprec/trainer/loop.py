@@ -15,19 +15,22 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mixprec.scaling.scaler import ConsecutiveSkipsError
-from mixprec.trainer.checkpointing import latest_checkpoint
-from mixprec.trainer.data import DataPosition, count_samples, count_tokens
+from mixprec.trainer import checkpointing as ckpt  # by module: tests wrap save_trainer_checkpoint
+from mixprec.trainer.callbacks import export_callback_states
+from mixprec.trainer.data import DataPosition, count_samples, count_tokens, is_stream
 from mixprec.trainer.signals import GracefulStop
 
 if TYPE_CHECKING:
     from mixprec.trainer.args import TrainingArguments
-    from mixprec.trainer.trainer import Trainer
+    from mixprec.trainer.context import RunContext
+    from mixprec.trainer.state import TrainerState
 
 logger = logging.getLogger("mixprec.trainer")
 
@@ -54,6 +57,28 @@ class Plan:
             num_epochs = math.ceil(args.num_train_epochs)
         return cls(batches_per_epoch, steps_per_epoch, max_steps, num_epochs)
 
+    @classmethod
+    def for_dataset(cls, dataset: Any, loader: Any, args: TrainingArguments) -> Plan:
+        """The run's length. A stream has no length: max_steps is required (as in HF), and an exhausted stream
+        is read again from its start, as the next epoch, until max_steps."""
+        if not is_stream(dataset):
+            return cls.make(len(loader), args)
+        if args.max_steps <= 0:
+            raise ValueError(
+                "TrainingArguments(max_steps=-1): train_dataset is a stream with no length, so the number of "
+                "steps cannot come from num_train_epochs; set max_steps > 0"
+            )
+        steps = args.max_steps
+        return cls(steps * args.gradient_accumulation_steps, steps, steps, sys.maxsize)
+
+    def apply_to(self, state: TrainerState, args: TrainingArguments) -> None:
+        """This run's plan into the state, also over a loaded one (a resume may train longer than the run it
+        continues)."""
+        state.max_steps = self.max_steps
+        state.num_train_epochs = self.num_epochs
+        state.train_batch_size = args.per_device_train_batch_size
+        state.logging_steps, state.eval_steps, state.save_steps = args.steps_for(self.max_steps)
+
 
 def fp16_overflow(report: Any) -> dict[str, str]:
     """The candidates a diagnosis rules out for "auto": fp16 where it saw a non-finite value under fp16."""
@@ -64,11 +89,11 @@ def fp16_overflow(report: Any) -> dict[str, str]:
 
 
 class TrainingLoop:
-    """One ``Trainer.train()`` run from ``start`` to the plan's end (or a stop)."""
+    """One ``Trainer.train()`` run from ``start`` to the plan's end (or a stop): the steps, and the logging,
+    evaluation and checkpoints the callbacks' control asks for between them."""
 
-    def __init__(self, trainer: Trainer, loader: Any, plan: Plan, start: DataPosition) -> None:
-        self.t = trainer
-        self.loader = loader
+    def __init__(self, run: RunContext, plan: Plan, start: DataPosition) -> None:
+        self.run_ctx = run
         self.plan = plan
         self.position = start
         self.interrupted: int | None = None  # the signal that stopped the run
@@ -80,73 +105,73 @@ class TrainingLoop:
     # -- the loop ------------------------------------------------------------------------------------
 
     def run(self) -> None:
-        t, plan = self.t, self.plan
-        acc = t.accelerator
+        ctx, plan = self.run_ctx, self.plan
+        acc, events = ctx.accelerator, ctx.events
         reduce_max = None
         if acc.num_processes > 1:
             reduce_max = lambda flag: bool(acc.reduce(int(flag), reduction="max").item())  # noqa: E731
-        t.event("on_train_begin")
-        t.meter.start()
+        events.fire("on_train_begin")
+        ctx.meter.start()
         if not acc.precision_pending:  # a named precision, or "auto" kept from the checkpoint
             self._start_scaling()
         with GracefulStop() as stop:
             for epoch in range(self.position.epoch, plan.num_epochs):
                 micro = self.position.batches_consumed if epoch == self.position.epoch else 0
-                t.control._new_epoch()
-                t.event("on_epoch_begin")
+                ctx.control.new_epoch()
+                events.fire("on_epoch_begin")
                 # Resumed from a checkpoint taken at an epoch's last step, before that epoch's end (its
                 # evaluation, its save): nothing is left to read (the loader resumes at the next epoch), but
                 # the epoch's end still has to happen, as it did in the uninterrupted run.
-                batches = self.loader if micro < plan.batches_per_epoch else ()
+                batches = ctx.train_loader if micro < plan.batches_per_epoch else ()
                 for batch in batches:
                     micro += 1
                     stepped = self._micro_batch(batch)
                     if not stepped:
-                        t.event("on_substep_end")
+                        events.fire("on_substep_end")
                         continue
-                    t.state.global_step += 1
-                    t.state.epoch = epoch + micro / plan.batches_per_epoch
+                    ctx.state.global_step += 1
+                    ctx.state.epoch = epoch + micro / plan.batches_per_epoch
                     self.position = DataPosition(epoch, micro)
-                    t.event("on_step_end", meter=t.meter)
+                    events.fire("on_step_end", meter=ctx.meter)
                     # a signal during the last step changes nothing: the run ends as a complete one
-                    if stop.agreed(reduce_max) and t.state.global_step < plan.max_steps:
+                    if stop.agreed(reduce_max) and ctx.state.global_step < plan.max_steps:
                         self._stop_for_signal(stop.received)
-                    t.maybe_log_save_evaluate(self._grad_norm, self.position)
-                    if t.control.should_epoch_stop or t.control.should_training_stop:
+                    self._log_save_evaluate()
+                    if ctx.control.should_epoch_stop or ctx.control.should_training_stop:
                         break
                 if self.interrupted is not None:
                     return
                 if micro >= plan.batches_per_epoch:  # the epoch ran to its end
                     self.position = DataPosition(epoch + 1, 0)
-                    t.state.epoch = float(epoch + 1)
-                t.event("on_epoch_end")
-                t.maybe_log_save_evaluate(self._grad_norm, self.position)
-                if t.control.should_training_stop:
+                    ctx.state.epoch = float(epoch + 1)
+                events.fire("on_epoch_end")
+                self._log_save_evaluate()
+                if ctx.control.should_training_stop:
                     return
 
     def _stop_for_signal(self, signum: int | None) -> None:
         self.interrupted = signum or 15
-        control = self.t.control
+        control = self.run_ctx.control
         control.should_save = True
         control.should_training_stop = True
         logger.warning(
-            "signal %s received: saving a checkpoint at step %d and stopping", signum, self.t.state.global_step
+            "signal %s received: saving a checkpoint at step %d and stopping", signum, self.run_ctx.state.global_step
         )
 
     def _micro_batch(self, batch: Any) -> bool:
         """Forward, backward and (on the last micro-batch of a step) the optimizer step. Returns whether the
         optimizer stepped."""
-        t, acc = self.t, self.t.accelerator
+        ctx, acc = self.run_ctx, self.run_ctx.accelerator
         if self._micro_in_step == 0:
-            t.control._new_step()
-            t.event("on_step_begin")
+            ctx.control.new_step()
+            ctx.events.fire("on_step_begin")
         self._micro_in_step += 1
         if acc.precision_pending:
             self._settle_precision(batch)
-        with acc.accumulate(t.model):
-            loss = t.compute_loss(t.model, batch)
+        with acc.accumulate(ctx.model):
+            loss = ctx.compute_loss(ctx.model, batch)
             acc.backward(loss)
-            t.meter.add(loss, count_samples(batch), count_tokens(batch))
+            ctx.meter.add(loss, count_samples(batch), count_tokens(batch))
             if not acc.sync_gradients:
                 return False
             self._optimizer_step()
@@ -156,50 +181,51 @@ class TrainingLoop:
     def _settle_precision(self, batch: Any) -> None:
         """precision="auto": race the candidate modes on this first batch through the Trainer's own
         ``compute_loss`` (nothing of it reaches training), log the measurement, then train in the winner."""
-        t, acc = self.t, self.t.accelerator
-        excluded = fp16_overflow(t.diagnosis)
-        decision = acc.settle_precision(lambda: t.compute_loss(t.model, batch), batch, excluded=excluded)
+        ctx, acc = self.run_ctx, self.run_ctx.accelerator
+        excluded = fp16_overflow(ctx.diagnosis)
+        decision = acc.settle_precision(lambda: ctx.compute_loss(ctx.model, batch), batch, excluded=excluded)
         if decision is not None:
-            t.record_event("auto_precision", t.state.global_step, **decision.to_dict())
+            ctx.events.record("auto_precision", ctx.state.global_step, **decision.to_dict())
             logger.info("%s", decision.explain())
         self._start_scaling()
 
     def _start_scaling(self) -> None:
         """Read the (decided) precision's scaler: whether it scales, and the scale to log changes from."""
-        scaler = self.t.accelerator.scaler
+        scaler = self.run_ctx.accelerator.scaler
         self._scaling = scaler.is_enabled()
         self._last_scale = scaler.get_scale() if self._scaling else None
         if self._scaling:
-            self.t.record_event("loss_scale", self.t.state.global_step, scale=self._last_scale)
+            self.run_ctx.events.record("loss_scale", self.run_ctx.state.global_step, scale=self._last_scale)
 
     def _optimizer_step(self) -> None:
-        t, acc, args = self.t, self.t.accelerator, self.t.args
+        ctx = self.run_ctx
+        acc, args, events = ctx.accelerator, ctx.args, ctx.events
         if args.max_grad_norm:
-            self._grad_norm = acc.clip_grad_norm_(t.model.parameters(), args.max_grad_norm)
-        t.event("on_pre_optimizer_step")
+            self._grad_norm = acc.clip_grad_norm_(ctx.model.parameters(), args.max_grad_norm)
+        events.fire("on_pre_optimizer_step")
         scale_used = self._last_scale
         try:
-            t.optimizer.step()
+            ctx.optimizer.step()
         except ConsecutiveSkipsError as err:
             raise self._skips_error(err) from err
         skipped = acc.optimizer_step_was_skipped
         if skipped:
             self._record_skip(scale_used)
-        t.event("on_optimizer_step", skipped=skipped)
-        t.lr_scheduler.step()  # the prepared scheduler holds still after a skipped step
-        t.optimizer.zero_grad()
+        events.fire("on_optimizer_step", skipped=skipped)
+        ctx.lr_scheduler.step()  # the prepared scheduler holds still after a skipped step
+        ctx.optimizer.zero_grad()
         if self._scaling:
             scale = acc.scaler.get_scale()  # a host mirror: no sync
             if scale != self._last_scale:
                 self._last_scale = scale
-                t.record_event("loss_scale", t.state.global_step + 1, scale=scale)
+                events.record("loss_scale", ctx.state.global_step + 1, scale=scale)
 
     def _record_skip(self, scale_used: float | None) -> None:
         """Log which parameters held non-finite gradients. One host sync, on skipped steps only, before
         zero_grad clears the evidence."""
-        t = self.t
-        names = t.accelerator.scaler.nonfinite_grad_names(t.optimizer.optimizer)
-        step = t.state.global_step + 1
+        ctx = self.run_ctx
+        names = ctx.accelerator.scaler.nonfinite_grad_names(ctx.optimizer)  # reads its param_groups only
+        step = ctx.state.global_step + 1
         shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
         logger.warning(
             "step %d: optimizer step skipped (loss scale %g): non-finite gradients in %s",
@@ -207,20 +233,73 @@ class TrainingLoop:
             scale_used or 0.0,
             shown or "no parameter (a gradient hook or another process?)",
         )
-        t.record_event("skipped_step", step, loss_scale=scale_used, nonfinite_grads=names)
+        ctx.events.record("skipped_step", step, loss_scale=scale_used, nonfinite_grads=names)
 
     def _skips_error(self, err: ConsecutiveSkipsError) -> ConsecutiveSkipsError:
-        t = self.t
-        last = latest_checkpoint(t.args.output_dir)
+        ctx = self.run_ctx
+        last = ckpt.latest_checkpoint(ctx.args.output_dir)
         message = (
-            f"Trainer stopped at step {t.state.global_step + 1} (epoch {t.state.epoch or 0.0:.2f}, precision "
-            f"{t.accelerator.mixed_precision}): {err} Nothing was saved from this state; the last complete "
+            f"Trainer stopped at step {ctx.state.global_step + 1} (epoch {ctx.state.epoch or 0.0:.2f}, precision "
+            f"{ctx.accelerator.mixed_precision}): {err} Nothing was saved from this state; the last complete "
             f"checkpoint is {last if last else 'none'}."
         )
-        watch = getattr(t.accelerator, "watch", None)
+        watch = getattr(ctx.accelerator, "watch", None)
         if watch is not None and watch.skip_counts:  # the precision watch traced earlier skips to modules
             traced = ", ".join(f"{name} ({n} skips)" for name, n in watch.skip_counts.most_common(3))
             message += f" The precision watch traced the skipped steps to: {traced}."
-        t.record_event("stopped", t.state.global_step + 1, reason=message)
-        t.close_progress()
+        ctx.events.record("stopped", ctx.state.global_step + 1, reason=message)
+        ctx.events.close_progress()
         return ConsecutiveSkipsError(message)
+
+    # -- between steps: what the callbacks' control asks for -----------------------------------------
+
+    def _log_save_evaluate(self) -> None:
+        ctx = self.run_ctx
+        control = ctx.control
+        if control.should_log:
+            control.should_log = False
+            self._log_training()
+        if control.should_evaluate:
+            control.should_evaluate = False
+            metrics = ctx.evaluate()
+            new_best = track_best(ctx.args, ctx.state, metrics)
+            if ctx.args.save_strategy == "best":  # HF: save exactly when an evaluation finds a new best
+                ctx.control.should_save = new_best
+        control = ctx.control  # an event during the evaluation may have replaced it
+        if control.should_save:
+            control.should_save = False
+            ctx.state.stateful_callbacks = export_callback_states(ctx.events.handler.callbacks, control)
+            ckpt.save_trainer_checkpoint(ctx, self.position)
+
+    def _log_training(self) -> None:
+        ctx = self.run_ctx
+        loss = ctx.meter.take_window()  # a host sync, on logging steps only
+        if loss is None:
+            return
+        logs: dict[str, Any] = {"loss": loss}
+        if self._grad_norm is not None:
+            logs["grad_norm"] = float(self._grad_norm)
+        logs["learning_rate"] = float(ctx.lr_scheduler.get_last_lr()[0])
+        scaler = ctx.accelerator.scaler
+        if scaler.is_enabled():
+            logs["loss_scale"] = scaler.get_scale()
+            logs["skipped_steps"] = scaler.record.skipped_steps
+        ctx.log(logs)
+
+
+def track_best(args: TrainingArguments, state: TrainerState, metrics: dict[str, float]) -> bool:
+    """Record a new best metric in ``state``; returns whether ``metrics`` is one."""
+    ev = args.evaluation
+    if not (ev.load_best_model_at_end or ev.metric_for_best_model):
+        return False
+    key = ev.metric_key()
+    if key not in metrics:
+        raise KeyError(
+            f"TrainingArguments(metric_for_best_model={ev.metric_for_best_model!r}): the evaluation returned "
+            f"no {key!r} (it returned {', '.join(sorted(metrics))})"
+        )
+    if ev.is_better(metrics[key], state.best_metric):
+        state.best_metric = float(metrics[key])
+        state.best_global_step = state.global_step
+        return True
+    return False

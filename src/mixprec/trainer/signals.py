@@ -1,9 +1,20 @@
-"""SIGTERM (a preempted job): finish the step in flight, save a checkpoint, return from ``train()``.
+"""SIGTERM (a preempted job): finish the step in flight, save a checkpoint, raise :class:`TrainingInterrupted`.
 
 The handler only sets a flag; the loop reads it at each step boundary, so a checkpoint is never taken in
 the middle of a step. Under several processes the flag is agreed on with one tiny all-reduce per step (a
 MAX over processes), so every process stops at the same step even when the signal reaches them at
 different moments; with one process it costs nothing. The previous handler is restored when training ends.
+
+``train()`` then raises :class:`TrainingInterrupted`; it never ends the process itself (a library must not
+end its caller's process). Code after ``train()`` expects a finished run, so the stop is an exception
+rather than a normal return; HF's Trainer has no handler (the signal's default action kills the process).
+``mixprec train`` turns it into exit status 128 + the signal (143 for SIGTERM), which is what batch
+schedulers read as "stopped, not finished"; a script does the same with::
+
+    try:
+        trainer.train()
+    except TrainingInterrupted as stop:
+        sys.exit(stop.exit_status)
 """
 
 from __future__ import annotations
@@ -12,6 +23,21 @@ import signal
 import threading
 from types import FrameType
 from typing import Any
+
+
+class TrainingInterrupted(Exception):
+    """``Trainer.train()`` was stopped by ``signum`` (15: SIGTERM) at ``step``, after saving ``checkpoint``
+    (None if no step had completed yet). ``resume_command`` says how to continue the run."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None, resume_command: str) -> None:
+        self.signum, self.step, self.checkpoint, self.resume_command = signum, step, checkpoint, resume_command
+        super().__init__(f"stopped by signal {signum} at step {step}; resume with {resume_command}")
+
+    @property
+    def exit_status(self) -> int:
+        """The process exit status that reports this stop: 128 + the signal (143 for SIGTERM), as a shell
+        reports a process the signal ended."""
+        return 128 + self.signum
 
 
 class GracefulStop:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+from torch.utils import _pytree as pytree
 
 STATE_FILE = "trainer_state.json"
 
@@ -68,13 +69,8 @@ class TrainerState:
 
 
 def _finite(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
+    """Non-finite floats as None: strict JSON has no literal for them."""
+    return pytree.tree_map(lambda x: None if isinstance(x, float) and not math.isfinite(x) else x, obj)
 
 
 class EvalPrediction:

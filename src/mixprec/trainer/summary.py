@@ -18,7 +18,7 @@ import torch
 from mixprec.trainer.state import TrainOutput
 
 if TYPE_CHECKING:
-    from mixprec.trainer.trainer import Trainer
+    from mixprec.trainer.context import RunContext
 
 SUMMARY_FILE = "train_summary.json"
 
@@ -103,25 +103,25 @@ def write_summary(summary: dict[str, Any], output_dir: str | Path) -> Path:
     return path
 
 
-def finish_run(trainer: Trainer, steps_before: int) -> TrainOutput:
+def finish_run(run: RunContext, steps_before: int) -> TrainOutput:
     """Close the bar, summarise (samples and tokens summed over processes: one collective), write the
     summary and the plots (main process), fire ``on_train_end``."""
-    acc, args, state = trainer.accelerator, trainer.args, trainer.state
-    trainer.close_progress()  # before the summary and plots, which take a moment
+    acc, args, state, events, meter = run.accelerator, run.args, run.state, run.events, run.meter
+    events.close_progress()  # before the summary and plots, which take a moment
     # on the device, which the collective's backend needs (nccl reduces CUDA tensors only)
-    counts = torch.tensor([trainer.meter.samples, trainer.meter.tokens], dtype=torch.float64, device=acc.device)
+    counts = torch.tensor([meter.samples, meter.tokens], dtype=torch.float64, device=acc.device)
     samples, tokens = acc.reduce(counts).tolist()
     summary = build_summary(
         precision=acc.precision.describe(),
         auto=acc.auto_decision.to_dict() if acc.auto_decision is not None else None,
         global_step=state.global_step,
         steps_this_run=state.global_step - steps_before,
-        skipped_steps=trainer.skipped_steps,
+        skipped_steps=acc.scaler.record.skipped_steps,
         final_scale=acc.scaler.get_scale() if acc.scaler.is_enabled() else None,
-        runtime=trainer.meter.elapsed(),
+        runtime=meter.elapsed(),
         samples=int(samples),
         tokens=int(tokens),
-        train_loss=trainer.meter.mean_loss(),
+        train_loss=meter.mean_loss(),
         epoch=state.epoch,
         best_metric=state.best_metric,
         best_model_checkpoint=state.best_model_checkpoint,
@@ -129,14 +129,14 @@ def finish_run(trainer: Trainer, steps_before: int) -> TrainOutput:
         device=acc.device,
     )
     # HF's last log entry, which scripts read from log_history[-1]
-    trainer.log({k: summary[k] for k in ("train_runtime", "train_samples_per_second", "train_steps_per_second",
-                                          "train_loss")})  # fmt: skip
+    run.log({k: summary[k] for k in ("train_runtime", "train_samples_per_second", "train_steps_per_second",
+                                        "train_loss")})  # fmt: skip
     if acc.is_main_process:
         write_summary(summary, args.output_dir)
-        if args.save_plots and trainer._jsonl is not None:
+        if args.save_plots and events.metrics_path is not None:
             from mixprec.trainer.plots import plot_run
 
-            plot_run(trainer._jsonl.path, args.output_dir)
+            plot_run(events.metrics_path, args.output_dir)
         print(format_summary(summary), file=sys.stderr, flush=True)
-    trainer.event("on_train_end", summary=summary)
+    events.fire("on_train_end", summary=summary)
     return TrainOutput(state.global_step, summary["train_loss"], summary)

@@ -18,69 +18,45 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from mixprec.accelerator.accelerator import Accelerator
 from mixprec.accelerator.prepared import is_prepared, release
-from mixprec.checkpoint import save_json, save_tensors
 from mixprec.models.outputs import extract_loss  # one loss rule, shared with the diagnosis
 from mixprec.trainer import checkpointing as ckpt
+from mixprec.trainer import weights
 from mixprec.trainer.activation_checkpointing import enable_activation_checkpointing
 from mixprec.trainer.args import TrainingArguments
-from mixprec.trainer.callbacks import (
-    CallbackHandler,
-    DefaultFlowCallback,
-    TrainerCallback,
-    TrainerControl,
-    export_callback_states,
-    restore_callback_states,
-)
+from mixprec.trainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl, restore_callback_states
+from mixprec.trainer.context import RunContext
 from mixprec.trainer.data import (
     ColumnFilter,
     DataPosition,
-    ShardedStream,
     call_model,
-    check_dataset,
     default_collator,
     forward_arg_names,
     is_stream,
-    make_loader,
 )
 from mixprec.trainer.diagnosis import diagnose_at_start
 from mixprec.trainer.evaluation import EvalResult, evaluation_loop
-from mixprec.trainer.logging import JsonlLogger, make_reporters
+from mixprec.trainer.events import RunEvents
+from mixprec.trainer.loaders import TrainerLoaders, check_datasets
+from mixprec.trainer.logging import make_reporters
 from mixprec.trainer.loop import Plan, TrainingLoop
 from mixprec.trainer.meter import StepMeter
 from mixprec.trainer.optim import build_optimizer, build_scheduler
-from mixprec.trainer.progress import ProgressCallback
+from mixprec.trainer.seeding import enable_full_determinism, seed_run, set_seed
+from mixprec.trainer.signals import TrainingInterrupted
 from mixprec.trainer.state import PredictionOutput, TrainerState, TrainOutput
 from mixprec.trainer.summary import finish_run
-from mixprec.trainer.watching import WatchCallback
+
+__all__ = ["Trainer", "enable_full_determinism", "set_seed"]
 
 logger = logging.getLogger("mixprec.trainer")
-
-
-def set_seed(seed: int) -> None:
-    """Seed python, numpy and torch (every device), as HF's ``set_seed``."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def enable_full_determinism(seed: int) -> None:
-    """``full_determinism=True``: seeded RNGs and deterministic kernels only (HF's enable_full_determinism);
-    an op without a deterministic kernel then raises instead of running."""
-    set_seed(seed)
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs a fixed workspace
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
 
 
 class Trainer:
@@ -111,7 +87,7 @@ class Trainer:
                 "leave optimizers out, or subclass Trainer and override create_optimizer_and_scheduler"
             )
         if model is None and model_init is not None:
-            self._seed()
+            seed_run(self.args.seed, self.args.full_determinism)
             model = model_init()
         if model is None:
             raise ValueError("Trainer(model=None): pass the torch.nn.Module to train (or model_init=...)")
@@ -119,18 +95,10 @@ class Trainer:
             raise TypeError(f"Trainer(model=...): expected a torch.nn.Module, got {type(model).__name__}")
         self.args.validate()
         args = self.args
-        if train_dataset is not None:
-            check_dataset(train_dataset, "train_dataset")
-        if eval_dataset is not None:
-            check_dataset(eval_dataset, "eval_dataset")
-        if args.eval_strategy != "no" and eval_dataset is None:
-            raise ValueError(
-                f"TrainingArguments(eval_strategy={args.eval_strategy!r}) needs an eval_dataset: pass "
-                "Trainer(eval_dataset=...) or set eval_strategy='no'"
-            )
+        check_datasets(args, train_dataset, eval_dataset)
         # the reporters' packages are checked before joining any process group, so a missing one fails fast
         reporters = make_reporters(args.report_to, args.logging_dir) if self._is_main_launch() else []
-        self._seed()
+        seed_run(self.args.seed, self.args.full_determinism)
         self.accelerator = self._build_accelerator()
         self.model = model.to(self.accelerator.device)  # prepared (forward patched) when first used
         self._model_prepared = False
@@ -151,42 +119,41 @@ class Trainer:
         self.data_collator = ColumnFilter(data_collator or default_collator, keep)
         self.optimizer, self.lr_scheduler = optimizers
         self._label_names = list(args.label_names or ["labels"])
-        self._eval_loaders: dict[int, Any] = {}
         self._trained = False
         self.diagnosis: Any = None
         self.resume_command = "trainer.train(resume_from_checkpoint=True)"
         """How the user continues this run, for the stop and disk-full messages (the CLI sets its own)."""
         # Prepared first, before any eval loader: save_state records data positions in preparation order.
-        self._train_stream: Any = None
-        self._train_loader = self._prepare_train_loader() if train_dataset is not None else None
+        self._loaders = TrainerLoaders(self.accelerator, args, self.data_collator)
+        self._train_loader = self._loaders.train(train_dataset) if train_dataset is not None else None
 
-        self.state = TrainerState(
-            is_local_process_zero=self.accelerator.is_local_main_process,
-            is_world_process_zero=self.accelerator.is_main_process,
-        )
-        self.control = TrainerControl()
         self.meter = StepMeter(self._current_lr, self._current_scale, args.logging_nan_inf_filter)
-        self.callback_handler = CallbackHandler([DefaultFlowCallback])
-        self._jsonl: JsonlLogger | None = None
-        self._progress: ProgressCallback | None = None
-        if self.accelerator.is_main_process:
-            self._jsonl = JsonlLogger(args.output_dir)
-            self.callback_handler.add_callback(self._jsonl)
-            for reporter in reporters:
-                self.callback_handler.add_callback(reporter)
-            if not args.disable_tqdm:
-                self._progress = ProgressCallback()
-                self.callback_handler.add_callback(self._progress)
-        if self.accelerator.watch is not None:
-            self.callback_handler.add_callback(
-                WatchCallback(self.accelerator.watch, self.log, self.record_event, self.accelerator.is_main_process)
-            )
-        for cb in callbacks or []:
-            self.callback_handler.add_callback(cb)
+        self.events = RunEvents(args, self.accelerator, reporters, list(callbacks or []))
+        """Callbacks, log_history, metrics.jsonl and the progress bar; owns ``state`` and ``control``."""
         self.callback_handler.model = self.model
         self.event("on_init_end")
 
     # -- callbacks -----------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> TrainerState:
+        return self.events.state
+
+    @state.setter
+    def state(self, value: TrainerState) -> None:
+        self.events.state = value
+
+    @property
+    def control(self) -> TrainerControl:
+        return self.events.control
+
+    @control.setter
+    def control(self, value: TrainerControl) -> None:
+        self.events.control = value
+
+    @property
+    def callback_handler(self) -> CallbackHandler:
+        return self.events.handler
 
     def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         self.callback_handler.add_callback(callback)
@@ -199,17 +166,11 @@ class Trainer:
 
     def event(self, name: str, **kwargs: Any) -> TrainerControl:
         """Run callback event ``name``; a callback may replace ``self.control``."""
-        self.control = self.callback_handler.call_event(name, self.args, self.state, self.control, **kwargs)
-        return self.control
+        return self.events.fire(name, **kwargs)
 
     def record_event(self, name: str, step: int, **fields: Any) -> None:
         """A metrics.jsonl record outside log_history (skipped steps, loss-scale changes); main process only."""
-        if self._jsonl is not None:
-            self._jsonl.write({"event": name, "step": step, **fields})
-
-    def close_progress(self) -> None:
-        if self._progress is not None:
-            self._progress.on_train_end(self.args, self.state, self.control)
+        self.events.record(name, step, **fields)
 
     @property
     def skipped_steps(self) -> int:
@@ -237,12 +198,6 @@ class Trainer:
 
     # -- construction helpers ------------------------------------------------------------------------
 
-    def _seed(self) -> None:
-        if self.args.full_determinism:
-            enable_full_determinism(self.args.seed)
-        else:
-            set_seed(self.args.seed)
-
     def _is_main_launch(self) -> bool:
         return int(os.environ.get("RANK", "0")) == 0
 
@@ -262,12 +217,12 @@ class Trainer:
     def _new_model_from_init(self) -> None:
         """model_init at train(), as HF: a fresh model, optimizer and scheduler. The Accelerator is rebuilt
         when it already prepared the old model or its optimizer, so its saved state holds this model only."""
-        self._seed()
+        seed_run(self.args.seed, self.args.full_determinism)
         model = self.model_init()
         if self._model_prepared or self.optimizer is not None:
             self.accelerator = self._build_accelerator()
-            self._train_loader = self._prepare_train_loader() if self.train_dataset is not None else None
-            self._eval_loaders = {}
+            self._loaders = TrainerLoaders(self.accelerator, self.args, self.data_collator)
+            self._train_loader = self._loaders.train(self.train_dataset) if self.train_dataset is not None else None
         self.model = model.to(self.accelerator.device)
         self._model_prepared = False
         self.optimizer, self.lr_scheduler, self._created_scheduler = None, None, False
@@ -287,28 +242,6 @@ class Trainer:
 
     # -- data ----------------------------------------------------------------------------------------
 
-    def _stream_shard(self, dataset: Any, batch_size: int) -> Any:
-        """A stream read by this process only (each example by one process); map-style datasets as they are."""
-        if not is_stream(dataset):
-            return dataset
-        acc = self.accelerator
-        return ShardedStream(dataset, batch_size, acc.num_processes, acc.process_index)
-
-    def _prepare_train_loader(self) -> Any:
-        args = self.args
-        self._train_stream = self._stream_shard(self.train_dataset, args.per_device_train_batch_size)
-        loader = make_loader(
-            self._train_stream,
-            args.per_device_train_batch_size,
-            self.data_collator,
-            shuffle=args.train_sampling_strategy == "random",
-            seed=args.data_seed,
-            num_workers=args.dataloader_num_workers,
-            drop_last=args.dataloader_drop_last,
-            **args.loader_kwargs(),
-        )
-        return self.accelerator.prepare_data_loader(loader)
-
     def get_train_dataloader(self) -> Any:
         if self._train_loader is None:
             raise ValueError("Trainer: training needs a train_dataset; pass Trainer(train_dataset=...)")
@@ -318,19 +251,7 @@ class Trainer:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer.evaluate() needs an eval_dataset: pass Trainer(eval_dataset=...) or evaluate(ds)")
-        if id(dataset) not in self._eval_loaders:
-            check_dataset(dataset, "eval_dataset")
-            loader = make_loader(
-                self._stream_shard(dataset, self.args.per_device_eval_batch_size),
-                self.args.per_device_eval_batch_size,
-                self.data_collator,
-                shuffle=False,
-                seed=0,
-                num_workers=self.args.dataloader_num_workers,
-                **self.args.loader_kwargs(),
-            )
-            self._eval_loaders[id(dataset)] = (dataset, self.accelerator.prepare_data_loader(loader))
-        return self._eval_loaders[id(dataset)][1]
+        return self._loaders.evaluation(dataset)
 
     # -- training ------------------------------------------------------------------------------------
 
@@ -349,8 +270,9 @@ class Trainer:
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
         """Train for ``max_steps`` or ``num_train_epochs``; resume from a checkpoint (``True``: the newest
         one in output_dir whose manifest verifies; newer damaged ones are skipped with a warning). On
-        SIGTERM: saves a checkpoint at the next step boundary and exits the process with status 143
-        (128 + SIGTERM), so schedulers see a job that did not finish. Under ``torchrun --max-restarts=N``,
+        SIGTERM: saves a checkpoint at the next step boundary, then raises
+        :class:`~mixprec.trainer.signals.TrainingInterrupted` (its ``exit_status`` is 143, 128 + SIGTERM, which
+        ``mixprec train`` exits with, so schedulers see a job that did not finish). Under ``torchrun --max-restarts=N``,
         a restarted worker group resumes by itself (``None`` then means the newest complete checkpoint if
         any; ``False`` always starts fresh). A peer that dies or stays silent past ``ddp_timeout`` ends the
         run with :class:`~mixprec.accelerator.peers.PeerLostError` naming its rank. output_dir is locked while training:
@@ -359,7 +281,7 @@ class Trainer:
             try:
                 return self._train(resume_from_checkpoint)
             except BaseException as err:
-                self.close_progress()  # end the bar's line, so that the error is printed on its own
+                self.events.close_progress()  # end the bar's line, so that the error is printed on its own
                 explained = self.accelerator.explain_failure(err)
                 if explained is not err:  # a peer died or went silent: one line naming it, not gloo's trace
                     raise explained from None
@@ -368,25 +290,23 @@ class Trainer:
     def _train(self, resume_from_checkpoint: bool | str | None) -> TrainOutput:
         args = self.args
         args.validate()
-        again = self._trained
-        if again:  # a later train(): a fresh state and control, as HF; the model continues as it is
-            self.state = TrainerState(
-                is_local_process_zero=self.accelerator.is_local_main_process,
-                is_world_process_zero=self.accelerator.is_main_process,
-            )
-            self.control = TrainerControl()
+        if self._trained:  # a later train(): a fresh state and control, as HF; the model continues as it is
+            self.events.new_run(self.accelerator)
         if self.model_init is not None:
             self._new_model_from_init()
         acc = self.accelerator
         loader = self.get_train_dataloader()
-        if again and hasattr(loader, "set_epoch"):
+        if self._trained and hasattr(loader, "set_epoch"):
             loader.set_epoch(0)  # the data from its start, as HF, and in step with the fresh state's position
         checkpoint = ckpt.agree_on_resume(acc, resume_from_checkpoint, args.output_dir)
-        plan = self._plan(loader)
+        plan = Plan.for_dataset(self.train_dataset, loader, args)
         if checkpoint is None:
             self.record_event("train_begin", 0, resumed_from=None, precision=acc.mixed_precision)
             if args.diagnose_at_start:
-                self.diagnosis = diagnose_at_start(self)
+                if self._model_prepared:
+                    raise RuntimeError("diagnose_at_start measures the model before it is prepared: call train() first")
+                self.diagnosis = diagnose_at_start(acc, args, self.model, self.train_dataset, self.data_collator,
+                                                   self.record_event)  # fmt: skip
         checkpointing, checkpointing_kwargs = args.checkpointing_requested()
         if checkpointing:
             enable_activation_checkpointing(acc.unwrap_model(self.model), checkpointing_kwargs)
@@ -394,104 +314,43 @@ class Trainer:
         self.create_optimizer_and_scheduler(plan.max_steps)
         self._trained = True
         self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
-        self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
-        self.callback_handler.train_dataloader = loader
+        handler = self.callback_handler
+        handler.optimizer, handler.lr_scheduler, handler.train_dataloader = self.optimizer, self.lr_scheduler, loader
+        run = RunContext(acc, args, self.events, self.meter, model, self.optimizer, self.lr_scheduler, loader,
+                         compute_loss=self.compute_loss, evaluate=self.evaluate, log=self.log,
+                         resume_command=self.resume_command, diagnosis=self.diagnosis)  # fmt: skip
         start = DataPosition()
         if checkpoint is not None:
-            start = ckpt.load_trainer_checkpoint(self, checkpoint)
-            if isinstance(self._train_stream, ShardedStream):  # a stream cannot seek: read past what was trained
-                self._train_stream.skip_batches(start.batches_consumed)
+            start = ckpt.load_trainer_checkpoint(run, checkpoint)
+            if self._loaders.train_stream is not None:  # a stream cannot seek: read past what was trained
+                self._loaders.train_stream.skip_batches(start.batches_consumed)
             if args.restore_callback_states_from_checkpoint:
                 saved = self.state.stateful_callbacks
-                self.control = restore_callback_states(self.callback_handler, self.control, saved)
+                self.control = restore_callback_states(handler, self.control, saved)
             step = self.state.global_step
             self.record_event("train_begin", step, resumed_from=step, precision=acc.mixed_precision)
-        # this run's plan, also over a loaded state (a resume may train longer than the run it continues)
-        self.state.max_steps = plan.max_steps
-        self.state.num_train_epochs = plan.num_epochs
-        self.state.train_batch_size = args.per_device_train_batch_size
-        self.state.logging_steps, self.state.eval_steps, self.state.save_steps = args.steps_for(plan.max_steps)
+        plan.apply_to(self.state, args)
         model.train()
         if args.eval_on_start and checkpoint is None:
             self.evaluate()
-        loop = TrainingLoop(self, loader, plan, start)
+        loop = TrainingLoop(run, plan, start)
         steps_before = self.state.global_step
         loop.run()
         interrupted = loop.interrupted
         if interrupted is None and args.load_best_model_at_end:
-            ckpt.load_best_model(self)
-        output = finish_run(self, steps_before)
+            weights.load_best_model(acc, model, args, self.state)
+        output = finish_run(run, steps_before)
         if interrupted is not None:
-            acc.print(f"mixprec: stopped by signal {interrupted} at step {self.state.global_step}; resume with "
-                      f"{self.resume_command}", file=sys.stderr)  # fmt: skip
-            raise SystemExit(128 + interrupted)
+            last = ckpt.latest_checkpoint(args.output_dir)
+            stop = TrainingInterrupted(interrupted, self.state.global_step, str(last) if last else None,
+                                       self.resume_command)  # fmt: skip
+            acc.print(f"mixprec: {stop}", file=sys.stderr)
+            raise stop
         return output
-
-    def _plan(self, loader: Any) -> Plan:
-        """The run's length. A stream has no length: max_steps is required (as in HF), and an exhausted stream
-        is read again from its start, as the next epoch, until max_steps."""
-        if not is_stream(self.train_dataset):
-            return Plan.make(len(loader), self.args)
-        if self.args.max_steps <= 0:
-            raise ValueError(
-                "TrainingArguments(max_steps=-1): train_dataset is a stream with no length, so the number of "
-                "steps cannot come from num_train_epochs; set max_steps > 0"
-            )
-        steps = self.args.max_steps
-        return Plan(steps * self.args.gradient_accumulation_steps, steps, steps, sys.maxsize)
-
-    def maybe_log_save_evaluate(self, grad_norm: torch.Tensor | None, position: DataPosition) -> None:
-        control = self.control
-        if control.should_log:
-            control.should_log = False
-            self._log_training(grad_norm)
-        if control.should_evaluate:
-            control.should_evaluate = False
-            metrics = self.evaluate()
-            new_best = self._track_best(metrics)
-            if self.args.save_strategy == "best":  # HF: save exactly when an evaluation finds a new best
-                control.should_save = new_best
-        if control.should_save:
-            control.should_save = False
-            self.state.stateful_callbacks = export_callback_states(self.callback_handler.callbacks, control)
-            ckpt.save_trainer_checkpoint(self, position)
-
-    def _log_training(self, grad_norm: torch.Tensor | None) -> None:
-        loss = self.meter.take_window()  # a host sync, on logging steps only
-        if loss is None:
-            return
-        logs: dict[str, Any] = {"loss": loss}
-        if grad_norm is not None:
-            logs["grad_norm"] = float(grad_norm)
-        logs["learning_rate"] = self._current_lr()
-        if self.accelerator.scaler.is_enabled():
-            logs["loss_scale"] = self._current_scale()
-            logs["skipped_steps"] = self.skipped_steps
-        self.log(logs)
 
     def log(self, logs: dict[str, Any]) -> None:
         """Append ``logs`` (with epoch and step) to ``state.log_history`` and send it to the loggers."""
-        if self.state.epoch is not None:
-            logs = {**logs, "epoch": self.state.epoch}
-        self.state.log_history.append({**logs, "step": self.state.global_step})
-        self.event("on_log", logs=logs)
-
-    def _track_best(self, metrics: dict[str, float]) -> bool:
-        """Record a new best metric; returns whether ``metrics`` is one."""
-        ev = self.args.evaluation
-        if not (ev.load_best_model_at_end or ev.metric_for_best_model):
-            return False
-        key = ev.metric_key()
-        if key not in metrics:
-            raise KeyError(
-                f"TrainingArguments(metric_for_best_model={ev.metric_for_best_model!r}): the evaluation returned "
-                f"no {key!r} (it returned {', '.join(sorted(metrics))})"
-            )
-        if ev.is_better(metrics[key], self.state.best_metric):
-            self.state.best_metric = float(metrics[key])
-            self.state.best_global_step = self.state.global_step
-            return True
-        return False
+        self.events.log(logs)
 
     # -- evaluation and prediction -------------------------------------------------------------------
 
@@ -535,15 +394,4 @@ class Trainer:
         """Write the (unwrapped) model's weights as safetensors (HF models via ``save_pretrained``), with the
         tokenizer/processor when one was given. Main process only."""
         out = Path(output_dir or self.args.output_dir)
-        model = self.accelerator.unwrap_model(self.model)
-        if self.accelerator.is_main_process:
-            out.mkdir(parents=True, exist_ok=True)
-            if hasattr(model, "save_pretrained"):
-                model.save_pretrained(str(out))
-            else:
-                save_tensors(model.state_dict(), out / "model.safetensors")
-            if hasattr(self.processing_class, "save_pretrained"):
-                self.processing_class.save_pretrained(str(out))
-            save_json(self.args.to_dict(), out / "training_args.json")
-        self.accelerator.wait_for_everyone()
-        return out
+        return weights.save_model(self.accelerator, self.model, out, self.args, self.processing_class)

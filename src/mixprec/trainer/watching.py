@@ -24,7 +24,7 @@ from mixprec.watch import PrecisionWatch
 class WatchCallback(TrainerCallback):
     """Wires a :class:`~mixprec.watch.PrecisionWatch` to the Trainer's step events and logs.
 
-    ``log`` is ``Trainer.log`` (log_history, metrics.jsonl, TensorBoard), ``record`` is ``Trainer.record_event``
+    ``log`` is ``RunEvents.log`` (log_history, metrics.jsonl, TensorBoard), ``record`` is ``RunEvents.record``
     (metrics.jsonl events, main process only); the watch's records wait for ``on_step_end``, where the
     state's global_step is the step they describe.
     """

@@ -1,0 +1,78 @@
+"""The Trainer's prepared DataLoaders: the training one, and one per evaluation dataset (kept, so a dataset
+evaluated again reuses its loader and the Accelerator's saved state lists each loader once)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mixprec.trainer.data import ShardedStream, check_dataset, is_stream, make_loader
+
+if TYPE_CHECKING:
+    from mixprec.accelerator.accelerator import Accelerator
+    from mixprec.trainer.args import TrainingArguments
+
+
+def check_datasets(args: TrainingArguments, train_dataset: Any, eval_dataset: Any) -> None:
+    """Refuse, naming the argument, datasets the Trainer cannot read, and an evaluation with nothing to read."""
+    if train_dataset is not None:
+        check_dataset(train_dataset, "train_dataset")
+    if eval_dataset is not None:
+        check_dataset(eval_dataset, "eval_dataset")
+    if args.eval_strategy != "no" and eval_dataset is None:
+        raise ValueError(
+            f"TrainingArguments(eval_strategy={args.eval_strategy!r}) needs an eval_dataset: pass "
+            "Trainer(eval_dataset=...) or set eval_strategy='no'"
+        )
+
+
+class TrainerLoaders:
+    """Builds and keeps the prepared loaders of one Accelerator. A stream (an IterableDataset) is sharded:
+    each of its examples is read by one process only."""
+
+    def __init__(self, accelerator: Accelerator, args: TrainingArguments, collator: Any) -> None:
+        self.accelerator, self.args, self.collator = accelerator, args, collator
+        self.train_stream: ShardedStream | None = None
+        """The training stream this process reads, when the training data is a stream (it cannot seek: a
+        resume skips what was trained)."""
+        self._eval: dict[int, tuple[Any, Any]] = {}
+
+    def _shard(self, dataset: Any, batch_size: int) -> Any:
+        if not is_stream(dataset):
+            return dataset
+        acc = self.accelerator
+        return ShardedStream(dataset, batch_size, acc.num_processes, acc.process_index)
+
+    def train(self, dataset: Any) -> Any:
+        """The prepared training loader. Prepare it before any evaluation loader: save_state records data
+        positions in preparation order."""
+        args = self.args
+        data = self._shard(dataset, args.per_device_train_batch_size)
+        self.train_stream = data if isinstance(data, ShardedStream) else None
+        loader = make_loader(
+            data,
+            args.per_device_train_batch_size,
+            self.collator,
+            shuffle=args.train_sampling_strategy == "random",
+            seed=args.data_seed,
+            num_workers=args.dataloader_num_workers,
+            drop_last=args.dataloader_drop_last,
+            **args.loader_kwargs(),
+        )
+        return self.accelerator.prepare_data_loader(loader)
+
+    def evaluation(self, dataset: Any) -> Any:
+        """The prepared loader of ``dataset``, made at its first use."""
+        if id(dataset) not in self._eval:
+            check_dataset(dataset, "eval_dataset")
+            loader = make_loader(
+                self._shard(dataset, self.args.per_device_eval_batch_size),
+                self.args.per_device_eval_batch_size,
+                self.collator,
+                shuffle=False,
+                seed=0,
+                num_workers=self.args.dataloader_num_workers,
+                **self.args.loader_kwargs(),
+            )
+            # the dataset is kept with its loader, so its id is not reused by another object while cached
+            self._eval[id(dataset)] = (dataset, self.accelerator.prepare_data_loader(loader))
+        return self._eval[id(dataset)][1]
