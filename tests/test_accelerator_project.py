@@ -114,3 +114,12 @@ def test_a_hook_that_takes_weights_out_is_refused_and_nothing_is_saved(tmp_path:
     with pytest.raises(ValueError, match="removed entries from `weights`"):
         acc.save_state(tmp_path / "a")
     assert not (tmp_path / "a").exists()
+
+
+def test_map_location_takes_accelerates_values_and_refuses_others(tmp_path: Path) -> None:
+    acc, model = _prepared(tmp_path)
+    acc.save_state()
+    for where in ("cpu", "on_device"):
+        acc.load_state(map_location=where)
+    with pytest.raises(TypeError, match="unsupported optimizer map location"):
+        acc.load_state(map_location="invalid")

@@ -58,7 +58,7 @@ def test_sync_each_batch_skips_no_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     acc = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(2, sync_each_batch=True), verbose=False)
     model = acc.prepare(torch.nn.Linear(2, 1))
     calls = []
-    monkeypatch.setattr(acc._strategy, "no_sync", lambda m: calls.append(m))
+    monkeypatch.setattr(acc.strategy, "no_sync", lambda m: calls.append(m))
     with acc.accumulate(model):
         assert not acc.sync_gradients
     assert calls == []

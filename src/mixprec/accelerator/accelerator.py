@@ -402,11 +402,12 @@ class Accelerator:
             self._run_state(), output_dir, safe_serialization=safe_serialization, extra_json=extra_json
         )
 
-    def load_state(self, input_dir: str | Path | None = None) -> dict[str, Any]:
+    def load_state(self, input_dir: str | Path | None = None, *, map_location: str | None = None) -> dict[str, Any]:
         """Restore a folder written by ``save_state`` (either format; with no ``input_dir``, the project's newest
         automatic checkpoint) into the prepared objects (call after ``prepare``). Loads no pickled objects.
-        Collective."""
-        return self._checkpoints.load(self._run_state(), input_dir)
+        ``map_location`` ("cpu" or "on_device", accelerate's values) is accepted: the state always lands on
+        the devices of the parameters it belongs to. Collective."""
+        return self._checkpoints.load(self._run_state(), input_dir, map_location=map_location)
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
         """``hook(models, weights, output_dir)`` before ``save_state`` writes (see

@@ -84,7 +84,12 @@ class StateCheckpoints:
 
         return call_hooks
 
-    def load(self, run: RunState, input_dir: str | Path | None) -> dict[str, Any]:
+    def load(self, run: RunState, input_dir: str | Path | None, *, map_location: str | None = None) -> dict[str, Any]:
+        if map_location not in (None, "cpu", "on_device"):
+            raise TypeError(
+                f"load_state(map_location={map_location!r}): unsupported optimizer map location; use 'cpu' or "
+                "'on_device' (either way the state is loaded onto its parameters' devices)"
+            )
         if input_dir is None:
             if not self.project.automatic_checkpoint_naming:
                 raise ValueError(
