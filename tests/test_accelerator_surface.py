@@ -111,3 +111,25 @@ def test_unwrap_keeps_or_removes_torch_compile() -> None:
     assert acc.unwrap_model(compiled, keep_torch_compile=False) is inner
     kept = acc.unwrap_model(compiled)
     assert kept is compiled and kept._orig_mod is inner
+
+
+def test_what_accelerate_launch_sets_is_honoured_unless_the_code_says_otherwise(monkeypatch) -> None:
+    # `accelerate launch --mixed_precision fp16 --gradient_accumulation_steps 4 --cpu` hands these over: a script
+    # moved from HF Accelerate by its import must not silently train in fp32
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    acc = Accelerator(verbose=False)
+    assert acc.mixed_precision == "fp16" and acc.precision.name == "fp16"
+    assert acc.gradient_accumulation_steps == 4 and acc.device == torch.device("cpu")
+    explicit = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=2, verbose=False)
+    assert explicit.mixed_precision == "bf16" and explicit.gradient_accumulation_steps == 2
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "four")
+    with pytest.raises(ValueError, match="ACCELERATE_GRADIENT_ACCUMULATION_STEPS='four'"):
+        Accelerator(verbose=False)
+
+
+def test_without_the_launcher_the_default_is_full_precision(monkeypatch) -> None:
+    for name in ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_TORCH_DEVICE", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(name, raising=False)
+    assert Accelerator(verbose=False).precision.name == "fp32"

@@ -167,7 +167,6 @@ def test_free_memory_dereferences_prepared_components():
     assert weight() is None
 
 
-@accelerate_internal("the launcher's ACCELERATE_TORCH_DEVICE environment variable")
 def test_env_var_device(monkeypatch):
     monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cpu:64")
     monkeypatch.setattr(torch.cpu, "set_device", lambda *a, **k: None, raising=False)

@@ -58,9 +58,9 @@ logger = logging.getLogger("mixprec.accelerator")
 class Accelerator:
     """Mixed precision, loss scaling, gradient accumulation and distribution for a hand-written loop.
 
-    Args: see :class:`~mixprec.accelerator.config.AcceleratorConfig` (``mixed_precision="no"`` by default,
-    as HF Accelerate). Raises ValueError for an unknown precision name (listing the valid ones) and
-    :class:`~mixprec.precision.base.PrecisionNotSupportedError` for a mode the device cannot run.
+    Args: see :class:`~mixprec.accelerator.config.AcceleratorConfig` (``mixed_precision=None``: what
+    ``accelerate launch`` set, else "no", as HF Accelerate). Raises ValueError for an unknown precision name
+    (listing the valid ones) and :class:`~mixprec.precision.base.PrecisionNotSupportedError` for a mode the device cannot run.
     ``watch``: a precision watch for the prepared model (``50``, ``"fallback"``, a ``PrecisionWatch``...; see
     :mod:`mixprec.watch.settings`), reachable as ``accelerator.watch``; off (None) by default.
     ``project_dir`` / ``project_config``: where ``save_state()`` with no path writes (see
@@ -70,7 +70,7 @@ class Accelerator:
 
     def __init__(
         self,
-        mixed_precision: str | None = "no",
+        mixed_precision: str | None = None,
         gradient_accumulation_steps: int = 1,
         distributed: str | None = None,
         device: torch.device | str | None = None,

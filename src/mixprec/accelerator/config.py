@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from mixprec.accelerator import launch_env
 from mixprec.accelerator.distributed import KINDS
 from mixprec.accelerator.peers import timeout_delta
 
@@ -17,8 +18,9 @@ class AcceleratorConfig:
     """Keyword arguments of :class:`~mixprec.accelerator.accelerator.Accelerator` (HF Accelerate's names
     where they overlap)."""
 
-    mixed_precision: str = "no"
-    """Precision name, parsed by the precision registry: "no"/"fp32", "fp16", "bf16", "auto" (or an alias)."""
+    mixed_precision: str | None = None
+    """Precision name, parsed by the precision registry: "no"/"fp32", "fp16", "bf16", "auto" (or an alias).
+    None: what ``accelerate launch --mixed_precision`` set (``ACCELERATE_MIXED_PRECISION``), else "no"."""
 
     gradient_accumulation_steps: int = 1
     """Micro-batches summed per optimizer step (inside ``accumulate``); ``backward`` divides the loss by it."""
@@ -27,10 +29,11 @@ class AcceleratorConfig:
     """None: DDP when launched with several processes, else one process. "ddp" or "fsdp" (FSDP2) to choose."""
 
     device: torch.device | str | None = None
-    """Device to train on; default ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
+    """Device to train on; default the one ``accelerate launch`` assigned (``ACCELERATE_TORCH_DEVICE``), else
+    ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
 
     cpu: bool = False
-    """Train on the CPU even when CUDA is available."""
+    """Train on the CPU even when CUDA is available (also set by ``accelerate launch --cpu``)."""
 
     scaler_kwargs: Mapping[str, Any] | None = None
     """Keyword arguments for the fp16 loss scaler (``mixprec.GradScaler``: init_scale, growth_interval...)."""
@@ -53,8 +56,14 @@ class AcceleratorConfig:
     process group."""
 
     def __post_init__(self) -> None:
+        # Arguments left at their defaults take what `accelerate launch` set, as HF's Accelerator does.
         if self.mixed_precision is None:
-            self.mixed_precision = "no"
+            self.mixed_precision = launch_env.launcher_mixed_precision()
+        if self.device is None and not self.cpu:
+            self.device = launch_env.launcher_device()
+        self.cpu = self.cpu or launch_env.launcher_cpu()
+        if self.gradient_accumulation_steps == 1:
+            self.gradient_accumulation_steps = launch_env.launcher_accumulation(1)
         steps = self.gradient_accumulation_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(
