@@ -60,7 +60,8 @@ class Accelerator:
 
     Args: see :class:`~mixprec.accelerator.config.AcceleratorConfig` (``mixed_precision=None``: what
     ``accelerate launch`` set, else "no", as HF Accelerate). Raises ValueError for an unknown precision name
-    (listing the valid ones) and :class:`~mixprec.precision.base.PrecisionNotSupportedError` for a mode the device cannot run.
+    (listing the valid ones) and :class:`~mixprec.precision.base.PrecisionNotSupportedError` for a mode the
+    device cannot run.
     ``watch``: a precision watch for the prepared model (``50``, ``"fallback"``, a ``PrecisionWatch``...; see
     :mod:`mixprec.watch.settings`), reachable as ``accelerator.watch``; off (None) by default.
     ``project_dir`` / ``project_config``: where ``save_state()`` with no path writes (see

@@ -40,4 +40,6 @@ def launcher_accumulation(default: int, environ: Mapping[str, str] = os.environ)
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"{ACCUMULATION}={raw!r}: the launcher's gradient accumulation steps must be an integer") from None
+        raise ValueError(
+            f"{ACCUMULATION}={raw!r}: the launcher's gradient accumulation steps must be an integer"
+        ) from None
