@@ -7,9 +7,10 @@ A Trainer run (DDP over gloo, fp16 with its scaler, dropout: a resume that resto
 change the result) of MAX_STEPS steps, a checkpoint every SAVE_STEPS. What goes wrong is set by the
 environment:
 
-  ELASTIC_KILL=RANK:STEP   that rank SIGKILLs itself when STEP steps are done, once (OUT/killed marks it)
-  ELASTIC_HANG=RANK:STEP   that rank stops answering there (sleeps; only a signal ends it); RANK "any": this
-                           process, whatever its rank (a launcher of its own, as a "node" of a 2-node run)
+  ELASTIC_KILL=RANK:STEP   that rank SIGKILLs itself when STEP steps are done, once (OUT/killed marks it);
+                           RANK "any": this process, whatever its rank
+  ELASTIC_HANG=RANK:STEP   that rank stops answering there (sleeps until a signal or OUT/release ends it);
+                           RANK "any": this process, whatever its rank (a launcher of its own, as a "node")
   ELASTIC_TIMEOUT=S        TrainingArguments(ddp_timeout=S)
   ELASTIC_STEPS=N          MAX_STEPS (default 12)
 
@@ -55,7 +56,12 @@ class Fault(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         marker = self.out / "killed"
-        if self.kill == (self.rank, state.global_step) and not marker.exists():
+        if (
+            self.kill is not None
+            and self.kill[0] in (-1, self.rank)
+            and self.kill[1] == state.global_step
+            and not marker.exists()
+        ):
             marker.touch()
             os.kill(os.getpid(), signal.SIGKILL)
         if self.hang is not None and self.hang[0] in (-1, self.rank) and self.hang[1] == state.global_step:
@@ -63,9 +69,10 @@ class Fault(TrainerCallback):
             # stuck as a deadlocked process is; the launcher's SIGTERM ends it (a real deadlock: its SIGKILL)
             signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
             # torchrun starts workers in their own session, so killing the "node"'s process group leaves this
-            # one orphaned: stop hanging once the launcher is gone, or the test leaks a sleeping process
-            launcher = os.getppid()
-            while os.getppid() == launcher:
+            # one orphaned. It must stay silent (its sockets open, as on a node that lost power) until the
+            # test is done with the survivor, which touches OUT/release; a cap keeps it from leaking.
+            release, cap = self.out / "release", time.monotonic() + 300
+            while not release.exists() and time.monotonic() < cap:
                 time.sleep(0.1)
             os._exit(137)
 
@@ -102,6 +109,7 @@ def main() -> None:
         "global_step": result.global_step,
         "first_step": fault.first_step,
         "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "world_size": trainer.accelerator.num_processes,
         "params": {k: v.tolist() for k, v in trainer.model.state_dict().items()},
     }
     (out / f"final_rank{rank}.json").write_text(json.dumps(report))

@@ -22,10 +22,12 @@ import torch.distributed as dist
 
 from mixprec import Accelerator, Trainer, TrainerCallback, TrainingArguments
 from mixprec.accelerator.peers import PeerLostError, explain, is_collective_failure, silent_ranks
+from mixprec.accelerator.restarts import restarted_by_launcher
 from mixprec.trainer import checkpointing as ckpt
 from trainer_utils import assert_bit_identical, make_examples, make_model
 
 WORKER = Path(__file__).with_name("elastic_worker.py")
+ACCELERATOR_WORKER = Path(__file__).with_name("elastic_accelerator_worker.py")
 ROOT = Path(__file__).parent.parent
 
 
@@ -41,26 +43,35 @@ def _env(extra: dict[str, str] | None) -> dict[str, str]:
     return base
 
 
-def torchrun(out: Path, *flags: str, env: dict[str, str] | None = None, timeout: int = 180) -> int:
+def torchrun(
+    out: Path, *flags: str, env: dict[str, str] | None = None, timeout: int = 180, worker: Path = WORKER
+) -> int:
     """Launch the worker under torchrun on the loopback address; the launcher's exit status."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}", *flags, str(WORKER), str(out),
+        f"--master_port={_free_port()}", *flags, str(worker), str(out),
     ]  # fmt: skip
     with open(out / "launcher.log", "w") as log:
         return subprocess.run(cmd, env=_env(env), stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
 
 
-def two_nodes(out: Path, node_env: tuple[dict[str, str], dict[str, str]] = ({}, {})) -> list[subprocess.Popen]:
+def two_nodes(
+    out: Path,
+    node_env: tuple[dict[str, str], dict[str, str]] = ({}, {}),
+    *flags: str,
+    launcher: str = "torch.distributed.run",
+) -> list[subprocess.Popen]:
     """Two launchers of one process each, meeting at a c10d rendezvous on 127.0.0.1: a 2-node job in
     miniature. Each launcher gets a session of its own, so a "node" can be killed whole."""
     out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     procs = []
+    nnodes = [f for f in flags if f.startswith("--nnodes")] or ["--nnodes=2"]
+    flags = tuple(f for f in flags if not f.startswith("--nnodes"))
     for node, extra in enumerate(node_env):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+            sys.executable, "-m", launcher, *nnodes, "--nproc_per_node=1", *flags,
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes",
             "--local-addr=127.0.0.1", str(WORKER), str(out),
         ]  # fmt: skip
@@ -164,7 +175,7 @@ def test_a_restart_with_no_checkpoint_starts_afresh_and_false_always_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    assert ckpt.restarted_by_launcher()
+    assert restarted_by_launcher()
     trainer = _trainer(tmp_path / "empty")
     assert trainer.train().global_step == 6  # nothing to resume from: a fresh start, not an error
     steps = Steps()
@@ -195,6 +206,41 @@ def test_a_run_that_loses_a_process_restarts_resumes_and_ends_as_the_uninterrupt
         report = final(tmp_path, rank)
         assert report["restart"] == 1 and report["first_step"] == 3  # restarted, resumed from checkpoint-3
         assert_bit_identical(as_tensors(report), as_tensors(final(reference, rank)))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_accelerator_restart_pattern_resumes_and_ends_as_the_uninterrupted_loop(tmp_path: Path) -> None:
+    for name, flags, env in (("ref", (), {}), ("run", ("--max-restarts=1",), {"ELASTIC_KILL": "1:5"})):
+        rc = torchrun(tmp_path / name, *flags, env=env, worker=ACCELERATOR_WORKER)
+        assert rc == 0, (tmp_path / name / "launcher.log").read_text()[-3000:]
+    assert (tmp_path / "run" / "killed").exists()  # the fault happened
+    for rank in (0, 1):
+        reference, report = final(tmp_path / "ref", rank), final(tmp_path / "run", rank)
+        assert reference["resumed_from"] is None and reference["first_step"] == 0  # a first start loads nothing
+        assert report["resumed_from"] == "checkpoint_0" and report["first_step"] == 3  # saved after step 3
+        assert_bit_identical(as_tensors(report), as_tensors(reference))
+
+
+def test_resume_after_restart_needs_automatic_naming_and_loads_nothing_on_a_first_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mixprec import ProjectConfiguration
+
+    with pytest.raises(ValueError, match="automatic_checkpoint_naming=True"):
+        Accelerator(cpu=True).resume_after_restart()
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    accelerator = Accelerator(cpu=True, project_config=config)
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    assert accelerator.resume_after_restart() is None  # not restarted
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert accelerator.resume_after_restart() is None  # restarted before any checkpoint: a fresh start
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    accelerator.save_state()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert accelerator.resume_after_restart() == tmp_path / "checkpoints" / "checkpoint_0"
+    assert_bit_identical(dict(model.state_dict()), saved)
 
 
 @pytest.mark.distributed
@@ -248,6 +294,58 @@ def test_two_nodes_on_the_loopback_train_as_one_launcher_of_two_processes(tmp_pa
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_two_nodes_that_lose_a_worker_restart_together_and_end_as_the_uninterrupted_run(
+    tmp_path: Path, reference: Path
+) -> None:
+    # node 1's worker is SIGKILLed after step 5; both launchers restart their workers, which resume from
+    # checkpoint-3. Only node 1's launcher counts a restart: node 0's may not (its count stays 0), and the
+    # workers decide together to resume (mixprec.accelerator.restarts)
+    procs = two_nodes(tmp_path, ({}, {"ELASTIC_KILL": "any:5"}), "--max-restarts=2", launcher="mixprec.cli.torchrun")
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    logs = [(tmp_path / f"node{i}.log").read_text()[-3000:] for i in (0, 1)]
+    assert codes == [0, 0], logs
+    assert (tmp_path / "killed").exists()  # the fault happened
+    for rank in (0, 1):
+        report = final(tmp_path, rank)
+        assert report["first_step"] == 3 and report["world_size"] == 2, report  # resumed from checkpoint-3
+        assert_bit_identical(as_tensors(report), as_tensors(final(reference, rank)))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_checkpoint(tmp_path: Path) -> None:
+    # --nnodes=1:2: node 1 goes silent at step 4 and is then killed whole; the survivor's collective times
+    # out, its launcher restarts it, the rendezvous closes with one node, and the run resumes from
+    # checkpoint-3 at world size 1 and finishes
+    flags = ("--nnodes=1:2", "--max-restarts=1", "--rdzv-conf=last_call_timeout=1")
+    env = ({"ELASTIC_TIMEOUT": "10"}, {"ELASTIC_HANG": "any:4", "ELASTIC_TIMEOUT": "10"})
+    procs = two_nodes(tmp_path, env, *flags, launcher="mixprec.cli.torchrun")
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "hung_at").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "hung_at").exists(), (tmp_path / "node1.log").read_text()[-2000:]
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        survivor = procs[0].wait(timeout=240)
+    finally:
+        (tmp_path / "release").touch()
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    assert survivor == 0, (tmp_path / "node0.log").read_text()[-3000:]
+    (error,) = tmp_path.glob("error_rank*.txt")  # the first round ended naming the silent rank
+    assert "did not answer" in error.read_text()
+    report = final(tmp_path, 0)
+    assert report["world_size"] == 1 and report["first_step"] == 3 and report["global_step"] == 12, report
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_a_lost_node_stops_the_other_cleanly_with_the_checkpoint_intact(tmp_path: Path) -> None:
     # node 1's process stops answering at step 4 (after checkpoint-3); then the whole node is killed
     procs = two_nodes(tmp_path, ({"ELASTIC_TIMEOUT": "10"}, {"ELASTIC_HANG": "any:4", "ELASTIC_TIMEOUT": "10"}))
@@ -259,6 +357,7 @@ def test_a_lost_node_stops_the_other_cleanly_with_the_checkpoint_intact(tmp_path
         os.killpg(procs[1].pid, signal.SIGKILL)  # the node: its launcher and its worker
         survivor = procs[0].wait(timeout=120)
     finally:
+        (tmp_path / "release").touch()  # the hung worker, orphaned by the node's kill, may end now
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)

@@ -44,6 +44,7 @@ from mixprec.accelerator.model_checks import check_preparable
 from mixprec.accelerator.prepared import PreparedOptimizer, PreparedScheduler, is_prepared, prepared_with, unwrap
 from mixprec.accelerator.process_state import AcceleratorState
 from mixprec.accelerator.project import ProjectConfiguration
+from mixprec.accelerator.restarts import agree_on_number, restarted_anywhere
 from mixprec.accelerator.saving import save_model
 from mixprec.accelerator.state import Registry, RunState
 from mixprec.precision.base import Precision
@@ -409,6 +410,23 @@ class Accelerator:
         ``map_location`` ("cpu" or "on_device", accelerate's values) is accepted: the state always lands on
         the devices of the parameters it belongs to. Collective."""
         return self._checkpoints.load(self._run_state(), input_dir, map_location=map_location)
+
+    def resume_after_restart(self) -> Path | None:
+        """The elastic pattern in one line: when ``torchrun --max-restarts=N`` restarted this worker group (a
+        process died; on any node), load the project's newest automatic checkpoint and return its folder;
+        otherwise (a first start, or no checkpoint yet) load nothing and return None. The main process chooses
+        the folder for all. Needs ``ProjectConfiguration(automatic_checkpoint_naming=True)``. Collective."""
+        number = self._checkpoints.latest_number()  # every process checks the configuration; the main one's count
+        if not restarted_anywhere(self):
+            return None
+        number = agree_on_number(self, number)
+        if number < 0:
+            logger.warning("restarted by the launcher, but no checkpoint was saved yet: starting afresh")
+            return None
+        folder = self._checkpoints.numbered(number)
+        self.load_state(folder)
+        logger.warning("restarted by the launcher: resumed from %s", folder)
+        return folder
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
         """``hook(models, weights, output_dir)`` before ``save_state`` writes (see

@@ -33,12 +33,19 @@ SUMMARIES: dict[str, str] = {
     "bench": "time fp32, fp16, bf16 and auto on the same model: step time, tokens/s, memory, loss, MFU",
 }
 
+# `mixprec torchrun ARGS` is torch's launcher with torch's own parser (mixprec.cli.torchrun): its arguments
+# are passed through untouched, so it is dispatched before argparse sees them
+TORCHRUN = "torchrun"
+TORCHRUN_SUMMARY = "torch's torchrun (same arguments): exit 143 on SIGTERM, restarts safe on several nodes"
+
 EPILOG = """\
 examples:
   mixprec train                         train the built-in GPT on the embedded corpus (precision auto)
   mixprec train --precision fp16 --max-steps 200
   mixprec diagnose                      how much of the gradients fp16 would flush to zero
   mixprec bench --steps 5               fp32, fp16, bf16 and auto side by side
+  mixprec torchrun --nproc_per_node=2 --max-restarts=3 -m mixprec.cli.main train --output-dir runs/x
+                                        torch's torchrun, ending with 143 on SIGTERM (see its docstring)
   mixprec <command> --help              flags and examples for one command
 """
 
@@ -62,6 +69,7 @@ def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentPars
             importlib.import_module(module).register(subparsers)
         else:
             subparsers.add_parser(name, help=SUMMARIES[name], add_help=False)
+    subparsers.add_parser(TORCHRUN, help=TORCHRUN_SUMMARY, add_help=False)  # main() hands it its arguments
     return parser
 
 
@@ -72,6 +80,10 @@ def _command_in(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [TORCHRUN]:
+        from mixprec.cli.torchrun import main as torchrun_main
+
+        return torchrun_main(argv[1:])
     parser = build_parser(_command_in(argv))
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Subset
 
 from mixprec.accelerator.distributed import LaunchEnv
+from mixprec.accelerator.restarts import restarted_by_launcher, restarts_allowed_on_several_nodes
 from mixprec.cli import _rundir, report
 from mixprec.cli._common import (
     DataModelInfo,
@@ -36,7 +37,6 @@ from mixprec.cli._epochs import EpochCallback, EpochChunks, evenly_spaced
 from mixprec.cli.main import CliError
 from mixprec.data import decode, encode, unigram_entropy
 from mixprec.models import GPT
-from mixprec.trainer.checkpointing import restarted_by_launcher
 from mixprec.trainer.optimizers import OPTIMIZER_NAMES
 from mixprec.trainer.signals import TrainingInterrupted
 
@@ -255,8 +255,9 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
             raise CliError("on several nodes, pass --output-dir: a folder every node sees (a shared filesystem)")
         run_dir = Path(args.output_dir) if args.output_dir is not None else _rundir.new_run_dir()
         # torchrun --max-restarts: the restarted workers rerun this command line into the run their
-        # predecessors began; the Trainer resumes it from its newest complete checkpoint (if any)
-        if not restarted_by_launcher():
+        # predecessors began; the Trainer resumes it from its newest complete checkpoint (if any). On several
+        # nodes a node's workers can be restarted with their own count still 0: the Trainer decides for all.
+        if not (restarted_by_launcher() or restarts_allowed_on_several_nodes()):
             _rundir.check_new_run_dir(run_dir)
 
     model, train_chunks, val_chunks, info = load_model_and_data(args)

@@ -33,13 +33,13 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec.accelerator.restarts import agree_on_number, restarted_anywhere
 from mixprec.accelerator.state_checks import folder_problem
 from mixprec.checkpoint import CheckpointError, DiskFullError, FolderLock, load_json, lock_folder, recover
 from mixprec.checkpoint.manifest import read_manifest
@@ -196,14 +196,6 @@ def resolve_resume(
     return path
 
 
-def restarted_by_launcher(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether torchelastic restarted this worker group after a failure (``torchrun --max-restarts=N``)."""
-    try:
-        return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    except ValueError:
-        return False
-
-
 def agree_on_resume(
     accelerator: Any, resume_from_checkpoint: bool | str | os.PathLike[str] | None, output_dir: str
 ) -> Path | None:
@@ -211,10 +203,10 @@ def agree_on_resume(
     (one tiny all-reduce), so processes never disagree because one of them saw a save land a moment later,
     or a folder the others cannot read. Collective.
 
-    ``resume_from_checkpoint=None`` in a worker group that torchelastic restarted (TORCHELASTIC_RESTART_COUNT
-    > 0) means the newest complete checkpoint if there is one, else a fresh start: the automatic resume of
-    ``torchrun --max-restarts=N``. Pass ``False`` to always start fresh."""
-    elastic = resume_from_checkpoint is None and restarted_by_launcher()
+    ``resume_from_checkpoint=None`` in a worker group that torchelastic restarted (on any node: see
+    :mod:`mixprec.accelerator.restarts`) means the newest complete checkpoint if there is one, else a fresh
+    start: the automatic resume of ``torchrun --max-restarts=N``. Pass ``False`` to always start fresh."""
+    elastic = resume_from_checkpoint is None and restarted_anywhere(accelerator)
     code, error = -1, None  # -1: start fresh; -2: the main process failed; N >= 0: checkpoint-N (or the path)
     if accelerator.is_main_process:
         try:
@@ -231,8 +223,7 @@ def agree_on_resume(
             chosen = found
         except Exception as err:
             code, error = -2, err
-    if accelerator.num_processes > 1:
-        code = int(accelerator.reduce(torch.tensor(code if accelerator.is_main_process else 0), "sum").item())
+    code = agree_on_number(accelerator, code)
     if error is not None:
         raise error
     if code == -2:
