@@ -107,3 +107,13 @@ def test_top_level_help_lists_every_subcommand_without_importing_torch():
     assert proc.stdout.splitlines()[-1] == "torch imported: False"
     for name in ("train", "diagnose", "bench"):
         assert f"    {name} " in proc.stdout
+
+
+def test_mixprec_torchrun_hands_its_arguments_to_torchs_launcher_untouched(monkeypatch) -> None:
+    import mixprec.cli.torchrun as launcher
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(launcher, "main", lambda argv: seen.append(list(argv)) or 0)
+    argv = ["torchrun", "--nproc_per_node=2", "--max-restarts=3", "-m", "mixprec.cli.main", "train", "--help"]
+    assert main(argv) == 0
+    assert seen == [argv[1:]]  # nothing parsed by mixprec's own parser (train's --help included)
