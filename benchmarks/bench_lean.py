@@ -3,6 +3,7 @@
     python -m benchmarks.bench_lean                        # ~6 min on the 2-core dev box (1 thread)
     python -m benchmarks.bench_lean --rounds 3 --json lean.json
     python -m benchmarks.bench_lean --only memory          # or: speed, fp8
+    python -m benchmarks.bench_lean --only parity          # ~15 min: bf16-pure's loss against bf16 autocast
 
 Part 1, the lean modes (``MODES``: a mode name -> a builder; add a row by adding an entry). Each builds the
 same initial model (GPT, 8 layers x 512, 25.4M parameters, bytes as tokens) through the library's own path:
@@ -23,6 +24,10 @@ Part 2, fp8 (emulated: MIXPREC_FP8_EMULATE=1, a CPU has no fp8 matmuls): the def
 ("small" preset, 0.8M parameters) trained for ``--fp8-steps`` steps on the embedded corpus under bf16, fp8
 and fp8-rowwise from the same initial weights and batches; the mean training loss of the last 10 steps and a
 held-out loss, as ratios to bf16's. This measures numerics only: emulated fp8 is slower than bf16.
+
+Part 3, parity (only with ``--only parity``): the 25M GPT trained ``--parity-steps`` steps under bf16 autocast
+(fp32 master weights and AdamW states), bf16-pure (stochastic rounding) and bf16-pure-kahan from the same
+initial weights and batches; the held-out loss at four evenly spaced points, as ratios to bf16 autocast's.
 """
 
 from __future__ import annotations
@@ -177,15 +182,16 @@ def lean_modes(a: argparse.Namespace) -> dict[str, Any]:
 # -- part 2 ---------------------------------------------------------------------------------------------
 
 
-def fp8_losses(a: argparse.Namespace) -> dict[str, Any]:
-    os.environ["MIXPREC_FP8_EMULATE"] = "1"  # test-only emulation: a CPU has no fp8 matmuls
-    config = GPT_PRESETS["small"]
+def train_losses(config: GPTConfig, names: tuple[str, ...], steps: int, evals: int = 1) -> dict[str, Any]:
+    """Train ``config`` under each precision in ``names`` from the same initial weights on the same batches;
+    per mode the first and the mean of the last 10 training losses, and the held-out loss (8 batches of the
+    validation split) at ``evals`` evenly spaced points, the last one after the final step."""
     torch.manual_seed(0)
     initial = GPT(config).state_dict()
-    train, held_out = batches(a.fp8_steps, SEQ, seed=1), batches(8, SEQ, seed=2, split="val")
+    train, held_out = batches(steps, SEQ, seed=1), batches(8, SEQ, seed=2, split="val")
+    at = {round(steps * (i + 1) / evals) for i in range(evals)}
     out: dict[str, Any] = {}
-    for name in ("bf16", "fp8", "fp8-rowwise"):
-        build = library_mode(name)
+    for name in names:
         t = time.perf_counter()
 
         def fresh() -> torch.nn.Module:
@@ -193,33 +199,47 @@ def fp8_losses(a: argparse.Namespace) -> dict[str, Any]:
             model.load_state_dict(initial)
             return model.train()
 
-        mode = build(fresh)
-        losses = []
-        for b in train:
+        mode = library_mode(name)(fresh)
+        losses, held = [], {}
+        for step, b in enumerate(train, 1):
             with mode.precision.autocast():
                 loss = mode.model(b, labels=b).loss
             mode.precision.backward(loss)
             mode.precision.optimizer_step(mode.optimizer)
             mode.optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
-        mode.model.eval()
-        with torch.no_grad(), mode.precision.autocast():
-            held = statistics.mean(mode.model(b, labels=b).loss.item() for b in held_out)
+            if step in at:
+                mode.model.eval()
+                with torch.no_grad(), mode.precision.autocast():
+                    held[step] = statistics.mean(mode.model(b, labels=b).loss.item() for b in held_out)
+                mode.model.train()
         out[name] = {
             "train_last10": statistics.mean(losses[-10:]),
             "first": losses[0],
-            "held_out": held,
+            "held_out": held[steps],
+            "held_out_at": held,
             "seconds": time.perf_counter() - t,
             "reason": mode.precision.describe()["reason"],
         }
-        print(f"  {name}: {out[name]['train_last10']:.4f} (held out {held:.4f})", flush=True)
+        curve = ", ".join(f"{k}: {v:.4f}" for k, v in held.items())
+        print(f"  {name}: train {out[name]['train_last10']:.4f}; held out {curve}", flush=True)
     return out
+
+
+def fp8_losses(a: argparse.Namespace) -> dict[str, Any]:
+    os.environ["MIXPREC_FP8_EMULATE"] = "1"  # test-only emulation: a CPU has no fp8 matmuls
+    return train_losses(GPT_PRESETS["small"], ("bf16", "fp8", "fp8-rowwise"), a.fp8_steps)
+
+
+def parity_losses(a: argparse.Namespace) -> dict[str, Any]:
+    """bf16-pure (both compensations) against bf16 autocast with fp32 master weights, on the 25M GPT."""
+    return train_losses(GPT_25M, ("bf16", "bf16-pure", "bf16-pure-kahan"), a.parity_steps, evals=4)
 
 
 # -- report ---------------------------------------------------------------------------------------------
 
 
-def report(lean: dict[str, Any] | None, fp8: dict[str, Any] | None) -> str:
+def report(lean: dict[str, Any] | None, fp8: dict[str, Any] | None, parity: dict[str, Any] | None = None) -> str:
     lines = []
     if lean:
         lines += [
@@ -245,19 +265,26 @@ def report(lean: dict[str, Any] | None, fp8: dict[str, Any] | None) -> str:
             else:
                 step = opt = ratio = "-"
             lines.append(f"| {name} | {bpp} | {peak} | {step} | {opt} | {ratio} |")
-    if fp8:
-        ref = fp8["bf16"]
+    for title, table in (("small GPT, emulated fp8", fp8), (f"GPT {GPT_25M.n_layer}x{GPT_25M.n_embd}", parity)):
+        if not table:
+            continue
+        ref = table["bf16"]
         lines += [
             "",
-            "| small GPT, emulated fp8 | first loss | train loss (last 10) | vs bf16 | held-out loss | vs bf16 |",
+            f"| {title} | first loss | train loss (last 10) | vs bf16 | held-out loss | vs bf16 |",
             "|---|---|---|---|---|---|",
         ]
-        for name, r in fp8.items():
+        for name, r in table.items():
             lines.append(
                 f"| {name} | {r['first']:.4f} | {r['train_last10']:.4f} "
                 f"| {r['train_last10'] / ref['train_last10']:.4f} "
                 f"| {r['held_out']:.4f} | {r['held_out'] / ref['held_out']:.4f} |"
             )
+        if len(ref["held_out_at"]) > 1:
+            base = ref["held_out_at"]
+            worst = max(abs(r["held_out_at"][k] / base[k] - 1) for r in table.values() for k in base)
+            lines.append(f"largest held-out gap to bf16 at any evaluation: {worst * 100:.2f}%")
+    if fp8:
         lines.append(f"fp8 reason: {fp8['fp8']['reason']}")
     return "\n".join(lines)
 
@@ -268,7 +295,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps per mode (default 2)")
     parser.add_argument("--fp8-steps", type=int, default=150, help="training steps per mode in part 2")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a shared box)")
-    parser.add_argument("--only", choices=("memory", "speed", "fp8"), default=None)
+    parser.add_argument("--parity-steps", type=int, default=300, help="training steps per mode in part 3")
+    parser.add_argument("--only", choices=("memory", "speed", "fp8", "parity"), default=None)
     parser.add_argument(
         "--modes",
         nargs="+",
@@ -280,12 +308,13 @@ def main() -> None:
     a = parser.parse_args()
     torch.set_num_threads(a.threads)
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {a.threads} thread(s)")
-    lean = lean_modes(a) if a.only != "fp8" else None
+    lean = lean_modes(a) if a.only in (None, "memory", "speed") else None
     fp8 = fp8_losses(a) if a.only in (None, "fp8") else None
-    print(report(lean, fp8))
+    parity = parity_losses(a) if a.only == "parity" else None  # ~15 min: asked for by name
+    print(report(lean, fp8, parity))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"lean": lean, "fp8": fp8}, f, indent=2, default=str)
+            json.dump({"lean": lean, "fp8": fp8, "parity": parity}, f, indent=2, default=str)
 
 
 if __name__ == "__main__":
