@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from mixprec.optim.kahan import kahan_update_
+
 ROUNDINGS = ("stochastic", "kahan", "nearest")
 _HIGH_MASK = -65536  # 0xFFFF0000 as int32: keeps sign, exponent and the 7 mantissa bits bf16 holds
 
@@ -170,13 +172,8 @@ def _update(p: torch.Tensor, state: dict[str, Any], h: _Hyper, scratch: _Scratch
             bits.add_(scratch.random_bits(end - start)).bitwise_and_(_HIGH_MASK)
             target.copy_(w)  # exact: the low 16 bits are zero
         elif h.rounding == "kahan":
-            comp = comp_all[start:end]
-            update = m.div_(denom).mul_(-h.step_size)  # m is a temporary now
-            update.sub_(comp.float())  # the update plus what earlier roundings lost (y)
-            new = v.copy_(w).add_(update)  # w + y, in fp32
-            rounded = new.to(p.dtype)  # rounded to nearest
-            comp.copy_(new.copy_(rounded).sub_(w).sub_(update))  # (t - w) - y: this rounding's error, negated
-            target.copy_(rounded)
+            update = m.div_(denom).mul_(-h.step_size)  # m and v are temporaries now
+            kahan_update_(target, w, update, comp_all[start:end], work=v)
         else:
             target.copy_(w.addcdiv_(m, denom, value=-h.step_size))
     if not contiguous:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from mixprec.optim.kahan import kahan_update_
+
 
 class AnyPrecisionAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with moments stored in ``momentum_dtype`` and ``variance_dtype``."""
@@ -112,8 +114,4 @@ def _update(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step:
     if comp is None:
         p.copy_(w.add_(update))
         return
-    # Kahan: add back what earlier roundings lost, round once, and keep what this rounding lost
-    update.add_(comp.float())
-    new = (w + update).to(p.dtype)
-    comp.copy_(update.sub_(new.float().sub_(w)))
-    p.copy_(new)
+    kahan_update_(p, w, update, comp)
