@@ -94,6 +94,9 @@ MODES: dict[str, Builder] = {
     "bf16-pure + AdamW (stochastic rounding)": library_mode("bf16-pure"),
     "bf16-pure-kahan + AdamW (Kahan summation)": library_mode("bf16-pure-kahan"),
     "bf16-pure + adamw_torch_8bit (torchao's stochastic rounding)": library_mode("bf16-pure", "adamw_torch_8bit"),
+    "bf16-pure + adamw_torch_8bit, block_size=2048 (bitsandbytes' block)": library_mode(
+        "bf16-pure", "adamw_torch_8bit", "block_size=2048"
+    ),
 }
 
 

@@ -1,0 +1,39 @@
+"""``mixprec export``: one safetensors file with the full weights of a sharded FSDP2 checkpoint, for inference
+or for a run on another number of processes that wants plain weights (see :mod:`mixprec.checkpoint.sharded`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+EPILOG = """\
+examples:
+  mixprec export runs/x/sharded model.safetensors     a folder written by save_sharded(), by any number
+                                                      of processes, into one file; no process group needed
+
+The folder's manifest is verified first: a damaged or unfinished checkpoint is refused by name.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "export",
+        help="write a sharded FSDP2 checkpoint's full weights to one safetensors file",
+        description="Gather a sharded checkpoint (save_sharded) into one safetensors file.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("folder", metavar="SHARDED_FOLDER", help="the folder save_sharded() wrote")
+    parser.add_argument("output", metavar="OUTPUT", help="the .safetensors file to write (replaced atomically)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mixprec.checkpoint.sharded import export_safetensors
+    from mixprec.cli.main import CliError
+
+    if not str(args.output).endswith(".safetensors"):
+        raise CliError(f"OUTPUT {args.output!r}: name a .safetensors file, e.g. {Path(args.folder).name}.safetensors")
+    written = export_safetensors(args.folder, args.output)
+    print(f"mixprec export: {written} ({written.stat().st_size / 2**20:.1f} MiB)")
+    return 0

@@ -1,0 +1,31 @@
+"""`mixprec export`: a sharded checkpoint (here written by one process) into one safetensors file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from mixprec.checkpoint.sharded import save_sharded
+from mixprec.cli.main import main
+
+
+def test_export_writes_the_full_weights_and_refuses_a_damaged_folder(tmp_path: Path, capsys) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    save_sharded(model, tmp_path / "sharded")
+    assert main(["export", str(tmp_path / "sharded"), str(tmp_path / "model.safetensors")]) == 0
+    exported = load_file(tmp_path / "model.safetensors")
+    assert exported.keys() == model.state_dict().keys()
+    assert all(torch.equal(exported[k], v) for k, v in model.state_dict().items())
+    assert "model.safetensors" in capsys.readouterr().out
+
+    assert main(["export", str(tmp_path / "sharded"), str(tmp_path / "model.pt")]) == 2
+    assert "name a .safetensors file" in capsys.readouterr().err
+    shard = next((tmp_path / "sharded").glob("*.distcp"))
+    shard.write_bytes(b"\0" + shard.read_bytes()[1:])
+    assert main(["export", str(tmp_path / "sharded"), str(tmp_path / "again.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "not a complete sharded checkpoint" in err and "Traceback" not in err
+    assert not (tmp_path / "again.safetensors").exists()
