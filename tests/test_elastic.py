@@ -276,6 +276,13 @@ def test_mixprec_train_restarted_by_the_launcher_resumes_its_run(
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # ... but run again by torchrun after a failure
     assert main(argv) == 0
     assert "already holds a run" not in capsys.readouterr().err
+    # on several nodes with restarts allowed, a node's own count may say 0 after a restart: the processes
+    # decide together once connected; here no process was restarted, so the used folder is refused still
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    assert main(argv) == 2
+    assert "already holds a run" in capsys.readouterr().err
 
 
 @pytest.mark.distributed

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Subset
 
 from mixprec.accelerator.distributed import LaunchEnv
-from mixprec.accelerator.restarts import restarted_by_launcher, restarts_allowed_on_several_nodes
+from mixprec.accelerator.restarts import restarted_anywhere, restarted_by_launcher, restarts_allowed_on_several_nodes
 from mixprec.cli import _rundir, report
 from mixprec.cli._common import (
     DataModelInfo,
@@ -244,6 +244,7 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     _rundir.check_printable_paths(args)
 
     resume_from: Path | None = None
+    deferred_check = False
     if args.resume is not None:  # lock, then choose the checkpoint (a crashed save recovered first)
         run_dir, named = _rundir.resume_run_dir(args.resume, args.output_dir)
         hold.enter_context(_rundir.lock_run_dir(run_dir))
@@ -256,8 +257,10 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         run_dir = Path(args.output_dir) if args.output_dir is not None else _rundir.new_run_dir()
         # torchrun --max-restarts: the restarted workers rerun this command line into the run their
         # predecessors began; the Trainer resumes it from its newest complete checkpoint (if any). On several
-        # nodes a node's workers can be restarted with their own count still 0: the Trainer decides for all.
-        if not (restarted_by_launcher() or restarts_allowed_on_several_nodes()):
+        # nodes a node's workers can be restarted with their own count still 0: the processes decide together,
+        # once they are connected (below)
+        deferred_check = not restarted_by_launcher() and restarts_allowed_on_several_nodes()
+        if not restarted_by_launcher() and not deferred_check:
             _rundir.check_new_run_dir(run_dir)
 
     model, train_chunks, val_chunks, info = load_model_and_data(args)
@@ -288,6 +291,8 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         callbacks=[EpochCallback(train_dataset), _rundir.SaveFlags(run_dir, _rundir.saved_flags(args))],
     )
     trainer.resume_command = f"mixprec train --resume {run_dir}"
+    if args.resume is None and deferred_check and not restarted_anywhere(trainer.accelerator):
+        _rundir.check_new_run_dir(run_dir)  # a first launch, on every node: a run folder already used is refused
     resume = str(resume_from) if resume_from else (True if args.resume is not None else None)
     try:
         output = trainer.train(resume_from_checkpoint=resume)
