@@ -415,3 +415,18 @@ def test_mixprec_train_on_several_nodes_needs_a_shared_output_dir(
     monkeypatch.setenv("MASTER_PORT", "1")
     assert main(["train", "--model", "tiny", "--max-steps", "1"]) == 2
     assert "pass --output-dir" in capsys.readouterr().err
+
+
+def test_several_nodes_restarting_on_torchruns_shared_store_are_warned(caplog: pytest.LogCaptureFixture) -> None:
+    from mixprec.accelerator import peers
+
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "3"}  # fmt: skip
+    server = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), is_master=True, wait_for_workers=False)
+    with caplog.at_level("WARNING", logger="mixprec.accelerator"):
+        assert peers.launcher_store(peers.timeout_delta(5), env) is not None
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in caplog.text
+        caplog.clear()
+        peers.launcher_store(peers.timeout_delta(5), {**env, "GROUP_WORLD_SIZE": "1"})  # one node: no warning
+        assert caplog.text == ""
+    del server

@@ -18,11 +18,16 @@ Under NCCL the same timeout arms its watchdog, which aborts the process itself (
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import time
 from collections.abc import Mapping
 
 import torch.distributed as dist
+
+from mixprec.accelerator.restarts import restarts_allowed_on_several_nodes
+
+logger = logging.getLogger("mixprec.accelerator")
 
 DEFAULT_TIMEOUT_S = 300.0
 """Seconds a collective waits for every process before failing (Accelerator(timeout=...), ddp_timeout)."""
@@ -57,6 +62,11 @@ def launcher_store(timeout: datetime.timedelta, environ: Mapping[str, str] = os.
     prefix per restart makes every worker group start from an empty namespace."""
     if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in environ:
         return None
+    if restarts_allowed_on_several_nodes(environ):  # the nodes' restart counts can differ (restarts.py)
+        logger.warning(
+            "several nodes with --max-restarts share torchrun's rendezvous store: after a restart their workers "
+            "may not find each other; launch with `mixprec torchrun` or set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+        )
     client = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     run, restart = environ.get("TORCHELASTIC_RUN_ID", "-"), environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"mixprec/{run}/attempt_{restart}/", client)
