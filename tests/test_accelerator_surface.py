@@ -133,3 +133,10 @@ def test_without_the_launcher_the_default_is_full_precision(monkeypatch) -> None
     for name in ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_TORCH_DEVICE", "ACCELERATE_USE_CPU"):
         monkeypatch.delenv(name, raising=False)
     assert Accelerator(verbose=False).precision.name == "fp32"
+
+
+def test_sharded_state_dicts_need_fsdp_and_a_known_name() -> None:
+    with pytest.raises(ValueError, match=r"fsdp_state_dict_type='sharded'.*distributed='fsdp'"):
+        Accelerator(cpu=True, fsdp_state_dict_type="sharded")
+    with pytest.raises(ValueError, match=r"Accelerator\(fsdp_state_dict_type=3\)"):
+        Accelerator(cpu=True, distributed="fsdp", fsdp_state_dict_type=3)

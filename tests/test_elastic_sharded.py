@@ -60,3 +60,22 @@ def test_a_sharded_checkpoint_loads_with_another_number_of_processes(
     shard.write_bytes(shard.read_bytes()[:-8])
     with pytest.raises(CheckpointError, match=shard.name):
         export_safetensors(tmp_path / "saved" / "sharded", tmp_path / "bad.safetensors")
+
+
+@pytest.mark.parametrize(("saved_by", "loaded_by"), [(2, 1), (1, 2)])
+def test_a_sharded_save_state_loads_weights_and_optimizer_exactly_with_another_number_of_processes(
+    tmp_path: Path, saved_by: int, loaded_by: int
+) -> None:
+    run_worker(saved_by, "state-save", str(tmp_path / "saved"))
+    state = tmp_path / "saved" / "state"
+    shards = sorted(p.name for p in (state / "model_0.dcp").glob("*.distcp"))
+    assert len(shards) == saved_by and not (state / "model.safetensors").exists()  # each process wrote its part
+    assert (state / "optimizer_0.dcp" / ".metadata").is_file() and (state / "manifest.json").is_file()
+    run_worker(loaded_by, "state-load", str(tmp_path / "loaded"), str(tmp_path / "saved"))
+    assert_identical(tmp_path / "loaded" / "full.safetensors", tmp_path / "saved" / "full.safetensors")
+    saved = torch.load(tmp_path / "saved" / "optimizer.pt", weights_only=True)
+    loaded = torch.load(tmp_path / "loaded" / "optimizer.pt", weights_only=True)
+    assert saved["state"].keys() == loaded["state"].keys() and saved["state"]
+    for name, moments in saved["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(torch.as_tensor(loaded["state"][name][key]), torch.as_tensor(value)), (name, key)

@@ -87,8 +87,11 @@ def fsdp_runs(tmp_path_factory) -> Path:
     env["OMP_NUM_THREADS"] = "1"
     two = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            str(FSDP_SCRIPT), str(out / "fsdp")]  # fmt: skip
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in (two, [sys.executable, str(FSDP_SCRIPT), str(out / "single")])]  # fmt: skip
+    two_sharded = [*two[:4], f"--master_port={_free_port()}", str(FSDP_SCRIPT), str(out / "sharded")]
+    runs = [(two, env), ([sys.executable, str(FSDP_SCRIPT), str(out / "single")], env),
+            (two_sharded, {**env, "FSDP_STATE_DICT_TYPE": "sharded"})]  # fmt: skip
+    procs = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd, e in runs]  # fmt: skip
     for proc in procs:
         text, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"{proc.args}:\n{text[-3000:]}"
@@ -121,3 +124,17 @@ def test_load_best_model_at_end_under_fsdp2_loads_the_best_checkpoint(fsdp_runs)
     last = load_tensors(run / "checkpoint-3" / "model.safetensors")
     assert all(torch.equal(saved[name], best[name]) for name in best)  # the best step's weights, every shard
     assert not all(torch.equal(saved[name], last[name]) for name in last)  # not the last step's
+
+
+def test_sharded_checkpoints_under_fsdp2_hold_each_processs_part_and_load_the_best_model(fsdp_runs):
+    from mixprec.checkpoint import load_tensors
+
+    run = fsdp_runs / "sharded" / "run"
+    checkpoint = run / "checkpoint-2"
+    assert not (checkpoint / "model.safetensors").exists() and not (checkpoint / "optimizer.pt").exists()
+    assert len(list((checkpoint / "model_0.dcp").glob("*.distcp"))) == 2  # one shard file per process
+    assert (checkpoint / "optimizer_0.dcp" / ".metadata").is_file()
+    # load_best_model_at_end read the shards back: the saved model is the best step's, as in the full run
+    saved = load_tensors(fsdp_runs / "sharded" / "saved" / "model.safetensors")
+    best = load_tensors(fsdp_runs / "fsdp" / "run" / "checkpoint-2" / "model.safetensors")
+    assert saved.keys() == best.keys() and all(torch.equal(saved[name], best[name]) for name in best)

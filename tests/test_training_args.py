@@ -294,3 +294,12 @@ def test_fields_edited_after_construction_are_still_checked():
     args = TrainingArguments()
     args.gradient_checkpointing = True  # the old name, set late, as many scripts do
     assert args.checkpointing_requested() == (True, None)
+
+
+def test_fsdp_state_dict_type_takes_both_spellings_and_needs_fsdp_for_sharded() -> None:
+    args = TrainingArguments(output_dir="unused", distributed="fsdp", fsdp_state_dict_type="SHARDED_STATE_DICT")
+    assert args.fsdp_state_dict_type == "sharded"
+    with pytest.raises(ValueError, match="fsdp_state_dict_type.*distributed='fsdp'"):
+        TrainingArguments(output_dir="unused", fsdp_state_dict_type="sharded")
+    with pytest.raises(ValueError, match=r"fsdp_state_dict_type='local'.*'full'.*'sharded'"):
+        TrainingArguments(output_dir="unused", distributed="fsdp", fsdp_state_dict_type="local")

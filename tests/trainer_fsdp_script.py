@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 trainer_fsdp_script.py OUT       FSDP2 over gloo, 2 x 4 examples a step
     python trainer_fsdp_script.py OUT                            one process, 8 examples a step (the reference)
+    FSDP_STATE_DICT_TYPE=sharded torchrun ...                    the checkpoints as per-process shards
 
 Three SGD steps in fp32 on the same 8 examples per step, an evaluation and a checkpoint after each; the
 evaluation's score is scripted so that step 2 is the best and ``load_best_model_at_end`` has something to
@@ -30,6 +31,7 @@ def build(out: Path, world_size: int) -> Trainer:
     args = TrainingArguments(
         output_dir=str(out / "run"),
         distributed="fsdp" if world_size > 1 else None,
+        fsdp_state_dict_type=os.environ.get("FSDP_STATE_DICT_TYPE", "full"),
         max_steps=len(SCORES),
         per_device_train_batch_size=8 // world_size,
         train_sampling_strategy="sequential",

@@ -81,6 +81,7 @@ class Accelerator:
         *,
         ddp_kwargs: Mapping[str, Any] | None = None,
         fsdp_shard: Callable[[torch.nn.Module], bool] | None = None,
+        fsdp_state_dict_type: str = "full",
         non_blocking: bool = False,
         verbose: bool = True,
         watch: Any = None,
@@ -97,7 +98,7 @@ class Accelerator:
             )
         self.config = AcceleratorConfig(
             mixed_precision, gradient_accumulation_steps, distributed, device, cpu, scaler_kwargs,
-            ddp_kwargs, fsdp_shard, non_blocking, verbose, timeout,
+            ddp_kwargs, fsdp_shard, non_blocking, verbose, timeout, fsdp_state_dict_type,
         )  # fmt: skip
         env = LaunchEnv.from_environ()
         dev = select_device(self.config.device, self.config.cpu, env)
@@ -111,6 +112,7 @@ class Accelerator:
             dev,
             ddp_kwargs=self.config.ddp_kwargs,
             fsdp_shard=self.config.fsdp_shard,
+            fsdp_sharded_state=self.config.fsdp_state_dict_type == "sharded",
             timeout=self.config.timeout,
         )
         self._precision.configure(

@@ -55,6 +55,10 @@ class AcceleratorConfig:
     not answer (None: 300; see :mod:`mixprec.accelerator.peers` for why). Applies when mixprec creates the
     process group."""
 
+    fsdp_state_dict_type: str = "full"
+    """FSDP2 checkpoints: "full" (gathered on the main process) or "sharded" (each process writes its own
+    shards; :mod:`mixprec.accelerator.dcp_state`). HF's FULL_STATE_DICT / SHARDED_STATE_DICT are accepted."""
+
     def __post_init__(self) -> None:
         # Arguments left at their defaults take what `accelerate launch` set, as HF's Accelerator does.
         if self.mixed_precision is None:
@@ -85,3 +89,20 @@ class AcceleratorConfig:
             raise TypeError("Accelerator(fsdp_shard=...): fsdp_shard must be a callable (module) -> bool")
         if self.fsdp_shard is not None and self.distributed != "fsdp":
             raise ValueError("Accelerator(fsdp_shard=...): fsdp_shard applies only with distributed='fsdp'")
+        self.fsdp_state_dict_type = parse_state_dict_type(self.fsdp_state_dict_type, "Accelerator")
+        if self.fsdp_state_dict_type == "sharded" and self.distributed != "fsdp":
+            raise ValueError("Accelerator(fsdp_state_dict_type='sharded'): sharded checkpoints need distributed='fsdp'")
+
+
+STATE_DICT_TYPES = {"full": "full", "sharded": "sharded", "full_state_dict": "full", "sharded_state_dict": "sharded"}
+
+
+def parse_state_dict_type(value: object, where: str) -> str:
+    """ "full" or "sharded" from either spelling (HF's ``SHARDED_STATE_DICT`` too); errors name ``where``."""
+    found = STATE_DICT_TYPES.get(value.lower()) if isinstance(value, str) else None
+    if found is None:
+        raise ValueError(
+            f"{where}(fsdp_state_dict_type={value!r}): choose 'full' (gathered on the main process) or 'sharded' "
+            "(each process writes its shards)"
+        )
+    return found

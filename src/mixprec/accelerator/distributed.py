@@ -89,6 +89,8 @@ class DistributedStrategy:
     name: ClassVar[str] = "single"
     saves_partial_gradients: ClassVar[bool] = True
     """Whether ``save_state`` can write mid-accumulation gradient sums (plain local ``.grad`` tensors)."""
+    sharded_state: bool = False
+    """Whether ``save_state`` writes models and optimizers as per-process shards (FSDP2 only; dcp_state.py)."""
 
     def __init__(self, env: LaunchEnv, device: torch.device) -> None:
         self.env = env
@@ -309,6 +311,7 @@ def make_strategy(
     *,
     ddp_kwargs: Mapping[str, Any] | None = None,
     fsdp_shard: Callable[[torch.nn.Module], bool] | None = None,
+    fsdp_sharded_state: bool = False,
     timeout: float | None = None,
 ) -> DistributedStrategy:
     """``None``: DDP when several processes were launched (or a group exists), else one process;
@@ -325,7 +328,7 @@ def make_strategy(
     if kind == "fsdp":
         from mixprec.accelerator.fsdp import FSDP2Strategy
 
-        return FSDP2Strategy(env, device, shard=fsdp_shard, timeout=timeout)
+        return FSDP2Strategy(env, device, shard=fsdp_shard, sharded_state=fsdp_sharded_state, timeout=timeout)
     timeout_delta(timeout)  # one process waits for no one, but a bad value is still an error
     return DistributedStrategy(env, device)
 

@@ -14,7 +14,9 @@ and every process skips the same steps. ``fully_shard`` replaces parameters by s
 ``prepare`` points optimizers created before it at the new parameters (their state must still be empty).
 
 Works on CPU with gloo (torch 2.13) as on CUDA with nccl. Checkpoints are full (unsharded) state dicts
-gathered on the main process, so they load into any number of processes, or none.
+gathered on the main process, so they load into any number of processes, or none; with
+``fsdp_state_dict_type="sharded"`` each process writes its own shards instead (dcp_state.py), which load
+into any number of processes too.
 """
 
 from __future__ import annotations
@@ -51,9 +53,11 @@ class FSDP2Strategy(ProcessGroupStrategy):
         shard: Callable[[torch.nn.Module], bool] | None = None,
         reshard_after_forward: bool = True,
         timeout: float | None = None,
+        sharded_state: bool = False,
     ) -> None:
         super().__init__(env, device, timeout)
         self.shard = shard
+        self.sharded_state = sharded_state
         self.reshard_after_forward = reshard_after_forward
         self._replaced: dict[int, torch.nn.Parameter] = {}
 

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec.accelerator.dcp_state import load_sharded_state, missing_sharded_parts, save_sharded_state
 from mixprec.accelerator.state_checks import META, check_folder, check_model_fits, check_optimizer_fits
 from mixprec.checkpoint import (
     CheckpointError,
@@ -126,8 +127,9 @@ def save_state(
             raise ValueError(f"save_state(extra_json=...): {key!r} cannot name a file; use a plain identifier")
     # Gather first (collectives under FSDP), write after: a process that fails to write then cannot leave the
     # others waiting in a collective.
-    models = [strategy.model_state_dict(m) for m in reg.models]
-    optimizers = [strategy.optimizer_state_dict(reg.owner(o), o.optimizer) for o in reg.optimizers]
+    sharded = strategy.sharded_state  # each process writes its shards below (dcp_state.py); nothing gathered
+    models = [] if sharded else [strategy.model_state_dict(m) for m in reg.models]
+    optimizers = [] if sharded else [strategy.optimizer_state_dict(reg.owner(o), o.optimizer) for o in reg.optimizers]
     partial = run.gradients.micro_step > 0  # inside an accumulation window: the gradient sums are state too
     if partial and not strategy.saves_partial_gradients:
         raise CheckpointError(
@@ -146,6 +148,8 @@ def save_state(
     _agree(strategy, error, target, tmp if error is None else None)  # also: the folder exists for everyone
     hasher = BackgroundHasher() if main else None
     try:
+        if sharded:  # collective: every process writes its shards (DCP gathers any process's error to all)
+            save_sharded_state(list(reg.models), _owned(run), tmp)
         if main:
             if pre_hook is not None:
                 pre_hook(tmp, models)
@@ -232,6 +236,7 @@ def _write_shared(
             "mixed_precision": run.precision.name,
             "auto": run.precision.decision_record(),  # "auto"'s measurement: a resume keeps it, unmeasured
             "distributed": run.strategy.name,
+            "sharded": run.strategy.sharded_state,  # models and optimizers as DCP shards (dcp_state.py)
             "num_processes": run.strategy.num_processes,
             "counts": _counts(reg),
             "dataloaders": [loader.state_dict() for loader in reg.dataloaders],
@@ -305,12 +310,18 @@ def _read_everything(run: RunState, path: Path) -> _Loaded:
                 f"load_state({str(path)!r}): the state holds {saved[kind]} {kind}, this Accelerator prepared "
                 f"{now[kind]}; prepare the same objects (in the same order) before load_state"
             )
-    models = [_load_model_file(path, i) for i in range(len(reg.models))]
-    for i, (model, state) in enumerate(zip(reg.models, models)):
-        check_model_fits(model, state, path / _name("model", i, "safetensors"))
-    optimizers = [load_torch(path / _name("optimizer", i, "pt")) for i in range(len(reg.optimizers))]
-    for i, (optimizer, state) in enumerate(zip(reg.optimizers, optimizers)):
-        check_optimizer_fits(optimizer.optimizer, state, path / _name("optimizer", i, "pt"))
+    if meta.get("sharded"):  # read when applied, each process its pieces (DCP checks names and shapes)
+        missing = missing_sharded_parts(path, len(reg.models), len(reg.optimizers))
+        if missing:
+            raise CheckpointError(f"{path}: the sharded state lacks {', '.join(missing)}; nothing was loaded")
+        models, optimizers = [], []
+    else:
+        models = [_load_model_file(path, i) for i in range(len(reg.models))]
+        for i, (model, state) in enumerate(zip(reg.models, models)):
+            check_model_fits(model, state, path / _name("model", i, "safetensors"))
+        optimizers = [load_torch(path / _name("optimizer", i, "pt")) for i in range(len(reg.optimizers))]
+        for i, (optimizer, state) in enumerate(zip(reg.optimizers, optimizers)):
+            check_optimizer_fits(optimizer.optimizer, state, path / _name("optimizer", i, "pt"))
     schedulers = [load_torch(path / _name("scheduler", i, "pt")) for i in range(len(reg.schedulers))]
     custom = [load_torch(path / f"custom_{i}.pt") for i in range(min(len(reg.custom), saved.get("custom", 0)))]
     scaler = load_json(path / "scaler.json")
@@ -345,6 +356,8 @@ def _apply(run: RunState, loaded: _Loaded) -> None:
     snapshot = [(obj, copy.deepcopy(obj.state_dict())) for obj in small]
     generators = rng_state()
     try:
+        if meta.get("sharded"):
+            load_sharded_state(list(reg.models), _owned(run), loaded.path)
         for model, state in zip(reg.models, loaded.models):
             strategy.load_model_state_dict(model, _const(state))
         for optimizer, state in zip(reg.optimizers, loaded.optimizers):
@@ -366,6 +379,17 @@ def _apply(run: RunState, loaded: _Loaded) -> None:
         raise
     for model, grads in zip(reg.models, loaded.gradients):
         _restore_gradients(model, grads or {})
+
+
+def _owned(run: RunState) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
+    """Each prepared optimizer with the prepared model its parameters belong to (DCP needs both)."""
+    pairs = []
+    for optimizer in run.registry.optimizers:
+        owner = run.registry.owner(optimizer)
+        if owner is None:
+            raise ValueError("a sharded save_state needs every optimizer's parameters in one prepared model")
+        pairs.append((owner, optimizer.optimizer))
+    return pairs
 
 
 def _const(value: Any) -> Callable[[], Any]:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from mixprec.accelerator.config import parse_state_dict_type
 from mixprec.accelerator.distributed import LaunchEnv, select_device
 from mixprec.precision.registry import canonical_name
 from mixprec.trainer.configs import (
@@ -147,6 +148,9 @@ class TrainingArguments(HFCompatFields):
     """Train on the CPU even when a GPU is present."""
     distributed: str | None = None
     """None (DDP under torchrun, else one process), "ddp" or "fsdp"."""
+    fsdp_state_dict_type: str = "full"
+    """FSDP2 checkpoints: "full" (gathered on the main process) or "sharded" (each process writes its shards,
+    loadable by any number of processes; mixprec.accelerator.dcp_state). HF's SHARDED_STATE_DICT accepted."""
     ddp_timeout: float = 300
     """Seconds a collective waits for every process before the run ends naming the rank that did not answer
     (HF's name; its default is 1800, torch's too: mixprec waits 5 minutes, see mixprec.accelerator.peers)."""
@@ -239,6 +243,9 @@ class TrainingArguments(HFCompatFields):
             if self.distributed not in (None, "fsdp"):
                 fail("fsdp", self.fsdp, f"conflicts with distributed={self.distributed!r}; set one of them")
             self.distributed = "fsdp"
+        self.fsdp_state_dict_type = parse_state_dict_type(self.fsdp_state_dict_type, "TrainingArguments")
+        if self.fsdp_state_dict_type == "sharded" and self.distributed != "fsdp":
+            fail("fsdp_state_dict_type", "sharded", "needs distributed='fsdp' (or fsdp='full_shard')")
         if self.tf32 is not None:  # process-wide, as HF sets it (only CUDA matmuls read it)
             torch.backends.cuda.matmul.allow_tf32 = bool(self.tf32)
             torch.backends.cudnn.allow_tf32 = bool(self.tf32)

@@ -207,6 +207,7 @@ class Trainer:
             mixed_precision=args.precision,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             distributed=args.distributed,
+            fsdp_state_dict_type=args.fsdp_state_dict_type,
             cpu=args.use_cpu,
             scaler_kwargs=args.precision_config.scaler_kwargs(),
             ddp_kwargs=args.ddp_kwargs() or None,

@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mixprec.accelerator.dcp_state import MODEL_DIR, load_sharded_state
 from mixprec.checkpoint import load_tensors, save_json, save_tensors
 
 if TYPE_CHECKING:
@@ -68,7 +69,10 @@ def load_best_model(accelerator: Accelerator, model: torch.nn.Module, args: Trai
     best = state.best_model_checkpoint
     if best is None or not Path(best).is_dir():
         return
-    path = Path(best) / WEIGHTS_NAME
-    read = lambda: load_tensors(path, device=accelerator.device)  # noqa: E731
-    accelerator.strategy.load_model_state_dict(accelerator.unwrap_model(model), read)
+    if (Path(best) / MODEL_DIR.format(0)).is_dir():  # fsdp_state_dict_type="sharded": each process its pieces
+        load_sharded_state([accelerator.unwrap_model(model)], [], Path(best))
+    else:
+        path = Path(best) / WEIGHTS_NAME
+        read = lambda: load_tensors(path, device=accelerator.device)  # noqa: E731
+        accelerator.strategy.load_model_state_dict(accelerator.unwrap_model(model), read)
     logger.info("loaded the best model (%s = %s) from %s", args.evaluation.metric_key(), state.best_metric, best)
