@@ -79,7 +79,21 @@ def two_nodes(
         procs.append(
             subprocess.Popen(cmd, env=_env(extra), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         )
+        if node == 0:  # node 0 hosts the rendezvous store (torchelastic's c10d backend: the first to bind it)
+            _wait_for_listener(port)
     return procs
+
+
+def _wait_for_listener(port: int, timeout: float = 60.0) -> None:
+    """Until something accepts connections on 127.0.0.1:``port``. The tests kill node 1 only: losing the
+    node that hosts the c10d rendezvous store ends the whole job, by torchelastic's design."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"no rendezvous store listening on 127.0.0.1:{port} after {timeout:g} s")
 
 
 def final(out: Path, rank: int) -> dict:
