@@ -285,8 +285,11 @@ def report(lean: dict[str, Any] | None, fp8: dict[str, Any] | None, parity: dict
             )
         if len(ref["held_out_at"]) > 1:
             base = ref["held_out_at"]
-            worst = max(abs(r["held_out_at"][k] / base[k] - 1) for r in table.values() for k in base)
-            lines.append(f"largest held-out gap to bf16 at any evaluation: {worst * 100:.2f}%")
+            gaps = [r["held_out_at"][k] / base[k] - 1 for r in table.values() if r is not ref for k in base]
+            lines.append(
+                f"held-out loss against bf16's at every evaluation: at most {max(gaps) * 100:+.2f}% "
+                f"(worse), at least {min(gaps) * 100:+.2f}% (better)"
+            )
     if fp8:
         lines.append(f"fp8 reason: {fp8['fp8']['reason']}")
     return "\n".join(lines)
