@@ -143,7 +143,7 @@ def test_gpu_suite_mfu_is_model_flops_over_the_measured_peak():
         gpu_suite.mfu(1.0, 1.0, 0.0)
 
 
-@pytest.mark.parametrize("argv", [["--variants", "fp8"], ["--steps", "0"], ["--warmup", "0"]])
+@pytest.mark.parametrize("argv", [["--variants", "fp4"], ["--steps", "0"], ["--warmup", "0"]])
 def test_gpu_suite_refuses_bad_arguments(argv):
     with pytest.raises(SystemExit):
         gpu_suite.parse_args(argv)
@@ -153,6 +153,31 @@ def test_gpu_suite_defaults_are_the_gpt2_shape_in_bf16_with_compile():
     a = gpu_suite.parse_args([])
     assert a.model == "gpt2" and a.seq_len == 1024
     assert "bf16+compile" in a.variants and gpu_suite.VARIANTS["bf16+compile"] == ("bf16", True)
+    assert "fp8+compile" not in a.variants  # the lean rows are asked for by name
+
+
+def test_gpu_suite_cpu_dry_run_of_the_lean_rows_converts_the_model(tmp_path, monkeypatch):
+    pytest.importorskip("torchao")
+    from mixprec.bench import peak
+
+    monkeypatch.setenv("MIXPREC_FP8_EMULATE", "1")  # the test-only switch: a CPU has no fp8 matmuls
+    monkeypatch.setattr(peak, "_MAX_SIZE", {"cuda": 8192, "cpu": 256})
+    out = tmp_path / "gpu.json"
+    argv = ["--device", "cpu", "--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "2",
+            "--warmup", "1", "--variants", "bf16,fp8,bf16-pure", "--json", str(out)]  # fmt: skip
+    assert gpu_suite.main(argv) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["fp8"]["precision"] == "fp8" and rows["bf16-pure"]["precision"] == "bf16-pure"
+    assert rows["fp8"]["peak_flops_per_s"] == rows["bf16"]["peak_flops_per_s"]  # fp8 against the bf16 peak
+    assert all(r["final_loss"] > 0 and r["mfu"] > 0 for r in rows.values())
+
+
+def test_the_1b_shape_is_about_a_billion_parameters():
+    from mixprec.models.gpt import GPTConfig
+
+    c = GPTConfig(**gpu_suite.SUITE_MODELS["gpt-1b"])
+    blocks = c.n_layer * 12 * c.n_embd**2  # attention 4 d^2 + MLP 8 d^2 per block
+    assert 0.8e9 < blocks + c.vocab_size * c.n_embd < 1.1e9
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
