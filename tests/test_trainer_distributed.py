@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -95,6 +96,13 @@ def fsdp_runs(tmp_path_factory) -> Path:
     for proc in procs:
         text, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"{proc.args}:\n{text[-3000:]}"
+    # the sharded run again from its checkpoint-2 (a copy without checkpoint-3): a resume through the shards
+    shutil.copytree(out / "sharded" / "run", out / "resumed" / "run")
+    shutil.rmtree(out / "resumed" / "run" / "checkpoint-3")
+    again = [*two[:4], f"--master_port={_free_port()}", str(FSDP_SCRIPT), str(out / "resumed")]
+    proc = subprocess.run(again, env={**env, "FSDP_STATE_DICT_TYPE": "sharded", "RESUME": "1"},
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return out
 
 
@@ -138,3 +146,21 @@ def test_sharded_checkpoints_under_fsdp2_hold_each_processs_part_and_load_the_be
     saved = load_tensors(fsdp_runs / "sharded" / "saved" / "model.safetensors")
     best = load_tensors(fsdp_runs / "fsdp" / "run" / "checkpoint-2" / "model.safetensors")
     assert saved.keys() == best.keys() and all(torch.equal(saved[name], best[name]) for name in best)
+
+
+def test_a_trainer_resumed_from_sharded_checkpoints_ends_as_the_uninterrupted_run(fsdp_runs):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    def full(checkpoint: Path, part: str) -> dict:
+        dcp_to_torch_save(str(checkpoint / part), str(checkpoint.parent / f"{part}.pt"))
+        return torch.load(checkpoint.parent / f"{part}.pt", weights_only=True)
+
+    uninterrupted = fsdp_runs / "sharded" / "run" / "checkpoint-3"
+    resumed = fsdp_runs / "resumed" / "run" / "checkpoint-3"
+    for part in ("model_0.dcp", "optimizer_0.dcp"):
+        a, b = full(uninterrupted, part), full(resumed, part)
+        flat_a, flat_b = torch.utils._pytree.tree_flatten(a), torch.utils._pytree.tree_flatten(b)
+        assert flat_a[1] == flat_b[1], part  # the same entries
+        for x, y in zip(flat_a[0], flat_b[0]):
+            same = torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+            assert same, (part, x, y)  # bit for bit

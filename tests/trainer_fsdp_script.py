@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=2 trainer_fsdp_script.py OUT       FSDP2 over gloo, 2 x 4 examples a step
     python trainer_fsdp_script.py OUT                            one process, 8 examples a step (the reference)
     FSDP_STATE_DICT_TYPE=sharded torchrun ...                    the checkpoints as per-process shards
+    RESUME=1 ...                                                 resume from the newest checkpoint in OUT/run
 
 Three SGD steps in fp32 on the same 8 examples per step, an evaluation and a checkpoint after each; the
 evaluation's score is scripted so that step 2 is the best and ``load_best_model_at_end`` has something to
@@ -52,7 +53,8 @@ def build(out: Path, world_size: int) -> Trainer:
     return Trainer(
         # a dict output: FSDP2 finds the output's tensors with torch's pytree to re-gather the parameters for
         # the backward, and trainer_utils' default Output class is not a pytree node
-        make_model(dropout=0.0, returns="dict"),
+        # a resumed run starts from other weights: only loading the checkpoint can make it end as the original
+        make_model(seed=1 if os.environ.get("RESUME") else 0, dropout=0.0, returns="dict"),
         args,
         train_dataset=make_examples(24),
         eval_dataset=make_examples(4, 1),
@@ -64,7 +66,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     trainer = build(out, int(os.environ.get("WORLD_SIZE", "1")))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=True if os.environ.get("RESUME") else None)
     trainer.save_model(str(out / "saved"))
     acc = trainer.accelerator
     report = {
