@@ -339,6 +339,52 @@ def test_two_nodes_that_lose_a_worker_restart_together_and_end_as_the_uninterrup
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_mixprec_train_on_two_nodes_survives_a_killed_worker_and_resumes(tmp_path: Path) -> None:
+    # the command line's own path: two launchers (`mixprec torchrun`), `-m mixprec.cli.main train` into a shared
+    # --output-dir, one checkpoint per epoch; node 1's worker is SIGKILLed once checkpoint-4 exists. Both
+    # nodes' workers restart (only node 1's launcher counts it), agree the run folder is theirs, and resume.
+    corpus = tmp_path / "corpus.py"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)))
+    run = tmp_path / "run"
+    train = ["-m", "mixprec.cli.main", "train", "--data", str(corpus), "--model", "tiny", "--seq-len", "32",
+             "--batch-size", "2", "--epoch-tokens", "256", "--epochs", "6", "--precision", "fp32",
+             "--output-dir", str(run)]  # fmt: skip
+    port = _free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "mixprec.cli.torchrun", "--nnodes=2", "--nproc_per_node=1", "--max-restarts=2",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=cli", "--local-addr=127.0.0.1",
+               *train]  # fmt: skip
+        log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 (closed with the process)
+        procs.append(
+            subprocess.Popen(cmd, env=_env(None), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
+        if node == 0:
+            _wait_for_listener(port)
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "checkpoint-4").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (run / "checkpoint-4").is_dir(), (tmp_path / "node1.log").read_text()[-3000:]
+        workers = subprocess.run(["pgrep", "-P", str(procs[1].pid)], capture_output=True, text=True).stdout.split()
+        assert workers, "node 1's worker was not found"
+        os.kill(int(workers[0]), signal.SIGKILL)
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    logs = [(tmp_path / f"node{i}.log").read_text() for i in (0, 1)]
+    assert codes == [0, 0], [text[-3000:] for text in logs]
+    assert "resuming from" in logs[0] + logs[1]  # the restarted workers continued the run
+    assert "already holds a run" not in logs[0] + logs[1]
+    summary = json.loads((run / "run.json").read_text())["summary"]
+    # 6 epochs of 8 chunks, 2 x 2 chunks a step: 12 steps, the last checkpoint at the end
+    assert ckpt.step_of(ckpt.latest_checkpoint(run)) == summary["global_step"] == 12, summary
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_checkpoint(tmp_path: Path) -> None:
     # --nnodes=1:2: node 1 goes silent at step 4 and is then killed whole; the survivor's collective times
     # out, its launcher restarts it, the rendezvous closes with one node, and the run resumes from

@@ -259,7 +259,7 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         # predecessors began; the Trainer resumes it from its newest complete checkpoint (if any). On several
         # nodes a node's workers can be restarted with their own count still 0: the processes decide together,
         # once they are connected (below)
-        deferred_check = not restarted_by_launcher() and restarts_allowed_on_several_nodes()
+        deferred_check = restarts_allowed_on_several_nodes()  # the same on every process: all join the vote
         if not restarted_by_launcher() and not deferred_check:
             _rundir.check_new_run_dir(run_dir)
 
