@@ -16,6 +16,10 @@ Layout (``_1``, ``_2``... for the second, third object of a kind, in the order t
 
     manifest.json           written last: every other file's size and SHA-256 (mixprec.checkpoint.manifest)
 
+Under FSDP2 with ``fsdp_state_dict_type="sharded"``, ``model_<i>.dcp/`` and ``optimizer_<i>.dcp/`` replace the
+model and optimizer files: every process writes its own shards there (torch.distributed.checkpoint; see
+:mod:`mixprec.accelerator.dcp_state`), and ``accelerator.json`` says ``"sharded": true``.
+
 The main process writes the shared parts, each process its RNG state, all into one temporary folder that
 the main process renames into place once every process reported success (see
 :mod:`mixprec.checkpoint.atomic`): a crash or an error at any point leaves the previous state as it was.
@@ -26,7 +30,10 @@ host memory, and checked against the prepared objects (counts, parameter names a
 groups), before any object is changed; a failure on any process raises on every process and leaves the
 models, optimizers, schedulers, scaler, data positions and random generators as they were. The cost is
 one read of every file for the checksums plus, briefly, a host copy of the whole state on every process
-(under FSDP too, where only the main process's copy is used).
+(under FSDP too, where only the main process's copy is used). A sharded state is checked against the
+manifest the same way, but its names and shapes are checked by DCP as each model and optimizer loads (each
+process reads only its pieces): a model that does not fit is refused before it changes, but a mismatch in a
+later object leaves the earlier ones loaded.
 """
 
 from __future__ import annotations
