@@ -32,8 +32,7 @@ models, optimizers, schedulers, scaler, data positions and random generators as 
 one read of every file for the checksums plus, briefly, a host copy of the whole state on every process
 (under FSDP too, where only the main process's copy is used). A sharded state is checked against the
 manifest the same way, but its names and shapes are checked by DCP as each model and optimizer loads (each
-process reads only its pieces): a model that does not fit is refused before it changes, but a mismatch in a
-later object leaves the earlier ones loaded.
+process reads only its pieces), so a mismatch found in a later object leaves the earlier ones loaded.
 """
 
 from __future__ import annotations
