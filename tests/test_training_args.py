@@ -303,3 +303,18 @@ def test_fsdp_state_dict_type_takes_both_spellings_and_needs_fsdp_for_sharded() 
         TrainingArguments(output_dir="unused", fsdp_state_dict_type="sharded")
     with pytest.raises(ValueError, match=r"fsdp_state_dict_type='local'.*'full'.*'sharded'"):
         TrainingArguments(output_dir="unused", distributed="fsdp", fsdp_state_dict_type="local")
+
+
+def test_hfs_fsdp_config_sets_the_checkpoint_type_and_refuses_the_rest(tmp_path) -> None:
+    args = TrainingArguments(output_dir="unused", fsdp="full_shard",
+                             fsdp_config={"fsdp_state_dict_type": "SHARDED_STATE_DICT"})  # fmt: skip
+    assert args.distributed == "fsdp" and args.fsdp_state_dict_type == "sharded"
+    path = tmp_path / "fsdp.json"
+    path.write_text('{"state_dict_type": "FULL_STATE_DICT"}')
+    from_file = TrainingArguments(output_dir="unused", fsdp="full_shard", fsdp_config=str(path))
+    assert from_file.fsdp_state_dict_type == "full"
+    with pytest.raises(ValueError, match="fsdp_config.*transformer_layer_cls_to_wrap is not supported"):
+        TrainingArguments(output_dir="unused", fsdp="full_shard",
+                          fsdp_config={"transformer_layer_cls_to_wrap": ["Block"]})  # fmt: skip
+    with pytest.raises(ValueError, match="fsdp_state_dict_type.*distributed='fsdp'"):
+        TrainingArguments(output_dir="unused", fsdp_config={"state_dict_type": "SHARDED_STATE_DICT"})

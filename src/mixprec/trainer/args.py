@@ -243,6 +243,16 @@ class TrainingArguments(HFCompatFields):
             if self.distributed not in (None, "fsdp"):
                 fail("fsdp", self.fsdp, f"conflicts with distributed={self.distributed!r}; set one of them")
             self.distributed = "fsdp"
+        from_config = self.fsdp_config_state_dict_type()  # HF's fsdp_config={"state_dict_type": ...}
+        if from_config is not None:
+            wanted = parse_state_dict_type(from_config, "TrainingArguments(fsdp_config=...)")
+            if self.fsdp_state_dict_type not in ("full", wanted):
+                fail(
+                    "fsdp_config",
+                    self.fsdp_config,
+                    f"conflicts with fsdp_state_dict_type={self.fsdp_state_dict_type!r}",
+                )
+            self.fsdp_state_dict_type = wanted
         self.fsdp_state_dict_type = parse_state_dict_type(self.fsdp_state_dict_type, "TrainingArguments")
         if self.fsdp_state_dict_type == "sharded" and self.distributed != "fsdp":
             fail("fsdp_state_dict_type", "sharded", "needs distributed='fsdp' (or fsdp='full_shard')")

@@ -37,6 +37,9 @@ class HFCompatFields:
     """HF-only fields; see the module docstring for the three policies."""
 
     # -- implemented -----------------------------------------------------------------------------------
+    fsdp_config: dict[str, Any] | str | None = _f(
+        None, IMPLEMENTED, "only its state_dict_type (FULL_STATE_DICT / SHARDED_STATE_DICT): fsdp_state_dict_type"
+    )
     activation_checkpointing: bool | None = _f(
         None, IMPLEMENTED, "model.activation_checkpointing_enable()/gradient_checkpointing_enable(), or mixprec's GPT"
     )
@@ -135,7 +138,6 @@ class HFCompatFields:
     accelerator_config: dict[str, Any] | None = _f(None, REFUSED, "configure mixprec.Accelerator's arguments instead")
     parallelism_config: Any = _f(None, REFUSED, "tensor/context parallelism is not implemented")
     ddp_backend: str | None = _f(None, REFUSED, "the backend follows the device (nccl on CUDA, gloo on CPU)")
-    fsdp_config: dict[str, Any] | None = _f(None, REFUSED, "FSDP2 is configured by distributed='fsdp' only")
     deepspeed: dict[str, Any] | str | None = _f(None, REFUSED, "DeepSpeed is not supported; use distributed='fsdp'")
     debug: str | list[str] = _f("", REFUSED, "run `mixprec diagnose` for underflow/overflow diagnosis")
 
@@ -204,6 +206,29 @@ class HFCompatFields:
 
             fail("fsdp", value, "mixprec shards fully (FSDP2): use 'full_shard' (optionally with 'auto_wrap')")
         return True
+
+    def fsdp_config_state_dict_type(self) -> str | None:
+        """The checkpoint type HF's ``fsdp_config`` asks for (a dict, or the path of a JSON file holding one),
+        None when it names none. Its other keys (wrapping policies, prefetching, XLA) are refused by name."""
+        config = self.fsdp_config
+        if config in (None, {}, ""):
+            return None
+        from mixprec.trainer.configs import fail
+
+        if isinstance(config, str):
+            with open(config, encoding="utf-8") as f:
+                config = json.load(f)
+        if not isinstance(config, dict):
+            fail("fsdp_config", config, "must be a dict or the path of a JSON file holding one")
+        found = {k: v for k, v in config.items() if k in ("state_dict_type", "fsdp_state_dict_type")}
+        others = sorted(set(config) - set(found))
+        if others:
+            why = (f"mixprec reads only its state_dict_type; {', '.join(others)} is not supported (FSDP2 shards "
+                   "each ModuleList member and the root: Accelerator(fsdp_shard=...))")  # fmt: skip
+            fail("fsdp_config", config, why)
+        if len(set(found.values())) > 1:
+            fail("fsdp_config", config, "state_dict_type and fsdp_state_dict_type disagree")
+        return next(iter(found.values()), None)
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """The ``ddp_*`` fields that were set, as DistributedDataParallel's keyword arguments."""
