@@ -347,7 +347,7 @@ def test_mixprec_train_on_two_nodes_survives_a_killed_worker_and_resumes(tmp_pat
     corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)))
     run = tmp_path / "run"
     train = ["-m", "mixprec.cli.main", "train", "--data", str(corpus), "--model", "tiny", "--seq-len", "32",
-             "--batch-size", "2", "--epoch-tokens", "256", "--epochs", "6", "--precision", "fp32",
+             "--batch-size", "2", "--epoch-tokens", "256", "--epochs", "10", "--precision", "fp32",
              "--output-dir", str(run)]  # fmt: skip
     port = _free_port()
     procs = []
@@ -379,8 +379,8 @@ def test_mixprec_train_on_two_nodes_survives_a_killed_worker_and_resumes(tmp_pat
     assert "resuming from" in logs[0] + logs[1]  # the restarted workers continued the run
     assert "already holds a run" not in logs[0] + logs[1]
     summary = json.loads((run / "run.json").read_text())["summary"]
-    # 6 epochs of 8 chunks, 2 x 2 chunks a step: 12 steps, the last checkpoint at the end
-    assert ckpt.step_of(ckpt.latest_checkpoint(run)) == summary["global_step"] == 12, summary
+    # 10 epochs of 8 chunks, 2 x 2 chunks a step: 20 steps, the last checkpoint at the end
+    assert ckpt.step_of(ckpt.latest_checkpoint(run)) == summary["global_step"] == 20, summary
 
 
 @pytest.mark.distributed
