@@ -12,7 +12,11 @@ nothing to download), in the precision you ask for, in one process or many:
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --rdzv-backend=c10d \\
         --rdzv-endpoint=host0:29500 examples/accelerator_loop.py
 
-The loop is the seed's, plus gradient accumulation, clipping and a checkpoint.
+The loop is the seed's, plus gradient accumulation, clipping and a checkpoint. With ``--project-dir DIR
+--save-every N`` it saves a numbered checkpoint every N steps and, restarted by ``torchrun --max-restarts``
+after a lost process, continues from the newest one (the one line ``accelerator.resume_after_restart()``):
+
+    torchrun --nproc_per_node=2 --max-restarts=3 examples/accelerator_loop.py --project-dir runs/x --save-every 20
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 import torch
 from torch.utils.data import DataLoader
 
-from mixprec import Accelerator
+from mixprec import Accelerator, ProjectConfiguration
 from mixprec.data import CausalLMDataset, stdlib_corpus
 from mixprec.models import GPT, GPT_PRESETS
 
@@ -41,8 +45,23 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--corpus-bytes", type=int, default=200_000, help="how much of the corpus to train on")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     p.add_argument("--save", default=None, metavar="DIR", help="save_state(DIR) at the end")
+    p.add_argument("--project-dir", default=None, metavar="DIR", help="numbered checkpoints in DIR/checkpoints")
+    p.add_argument("--save-every", type=int, default=50, metavar="N", help="with --project-dir (default 50)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
+
+
+class Progress:
+    """Where the loop is (epoch, optimizer steps), saved and restored with the rest of the state."""
+
+    def __init__(self) -> None:
+        self.epoch = self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.step = state["epoch"], state["step"]
 
 
 def main() -> None:
@@ -65,16 +84,23 @@ def main() -> None:
         mixed_precision=args.precision,
         gradient_accumulation_steps=args.accumulation,
         distributed=args.distributed,
+        project_config=ProjectConfiguration(
+            project_dir=args.project_dir, automatic_checkpoint_naming=True, total_limit=2
+        ),
     )
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler
     )
+    progress = Progress()
+    if args.project_dir:
+        accelerator.register_for_checkpointing(progress)
+        accelerator.resume_after_restart()  # after a lost process: the newest checkpoint, data position included
     accelerator.print(
         f"{len(dataset)} sequences of {args.seq_len} bytes, {len(train_dataloader)} batches per process per epoch, "
         f"{accelerator.num_processes} process(es)"
     )
-    start, tokens, step = time.perf_counter(), 0, 0
-    for epoch in range(args.epochs):
+    start, tokens, step = time.perf_counter(), 0, progress.step
+    for epoch in range(progress.epoch, args.epochs):
         for batch in train_dataloader:
             if step == steps:
                 break
@@ -91,6 +117,9 @@ def main() -> None:
             tokens += inputs.numel() * accelerator.num_processes
             if accelerator.sync_gradients:
                 step += 1
+                if args.project_dir and step % args.save_every == 0:
+                    progress.epoch, progress.step = epoch, step
+                    accelerator.save_state()
                 if step % 20 == 0 or step == steps:
                     mean_loss = accelerator.reduce(loss.detach(), "mean").item()
                     accelerator.print(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -344,3 +345,31 @@ def test_the_example_script_runs(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "done: 2 optimizer steps" in proc.stdout and (tmp_path / "state" / "model.safetensors").is_file()
     assert "mixprec: fp16 on cpu" in proc.stderr
+
+
+@pytest.mark.slow
+def test_the_example_restarted_by_the_launcher_continues_from_its_newest_checkpoint(tmp_path: Path) -> None:
+    from mixprec.checkpoint import load_tensors
+
+    script = Path(__file__).parents[1] / "examples" / "accelerator_loop.py"
+    args = ["--max-steps", "6", "--corpus-bytes", "20000", "--batch-size", "4", "--seq-len", "32",
+            "--project-dir", str(tmp_path / "run"), "--save-every", "2"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run(out: str, **extra: str) -> str:
+        cmd = [sys.executable, str(script), *args, "--save", str(tmp_path / out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**env, **extra}, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout + proc.stderr
+
+    run("whole")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint_1", "checkpoint_2"]  # total_limit=2
+    shutil.rmtree(checkpoints / "checkpoint_2")  # as if the process died between steps 4 and 6
+    text = run("restarted", TORCHELASTIC_RESTART_COUNT="1")
+    assert "resumed from" in text and "done: 6 optimizer steps" in text
+    whole, restarted = (
+        load_tensors(tmp_path / "whole" / "model.safetensors"),
+        load_tensors(tmp_path / "restarted" / "model.safetensors"),
+    )
+    assert all(torch.equal(whole[k], restarted[k]) for k in whole)  # steps 5-6 again, bit for bit
