@@ -507,8 +507,9 @@ class Accelerator:
             builtins.print(*args, **kwargs)
 
     def end_training(self) -> None:
-        """Leave the process group this Accelerator joined (call at the end of a distributed script)."""
-        self._strategy.close()
+        """Leave the process group this Accelerator joined (call at the end of a distributed script), once
+        every process has reached this call."""
+        self._strategy.close(wait_for_peers=True)
 
     def __repr__(self) -> str:
         return (

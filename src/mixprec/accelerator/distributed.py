@@ -198,8 +198,9 @@ class DistributedStrategy:
         """The error naming the rank that did not answer, when ``err`` is a collective's failure (else None)."""
         return None
 
-    def close(self) -> None:
-        """Release what this strategy set up (the process group it created)."""
+    def close(self, *, wait_for_peers: bool = False) -> None:
+        """Release what this strategy set up (the process group it created). ``wait_for_peers``: first wait
+        until every process is done with its collectives (end_training; not at exit after a failure)."""
 
 
 class ProcessGroupStrategy(DistributedStrategy):
@@ -291,8 +292,13 @@ class ProcessGroupStrategy(DistributedStrategy):
             return None
         return explain(err, self.process_index, self.num_processes, self.timeout_s)
 
-    def close(self) -> None:
+    def close(self, *, wait_for_peers: bool = False) -> None:
         if self._owns_group and dist.is_initialized():
+            if wait_for_peers and dist.get_world_size() > 1:
+                # no process tears its connections down while another still works over them: with gloo, a
+                # peer closing early has been seen to abort the slower process at its own exit (SIGABRT)
+                with contextlib.suppress(Exception):
+                    dist.barrier()
             dist.destroy_process_group()
         self._owns_group = False
 
