@@ -425,7 +425,7 @@ class Accelerator:
         if number < 0:
             logger.warning("restarted by the launcher, but no checkpoint was saved yet: starting afresh")
             return None
-        folder = self._checkpoints.numbered(number)
+        folder = self.project_configuration.checkpoint(number)
         self.load_state(folder)
         logger.warning("restarted by the launcher: resumed from %s", folder)
         return folder

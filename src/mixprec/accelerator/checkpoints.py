@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from mixprec.accelerator.project import CHECKPOINTS, ITERATION_FILE, ProjectConfiguration
+from mixprec.accelerator.project import ITERATION_FILE, ProjectConfiguration
 from mixprec.accelerator.state import RunState, load_state, save_state
 
 
@@ -118,11 +118,7 @@ class StateCheckpoints:
                 "resume_after_restart() loads the newest automatic checkpoint: use Accelerator(project_config="
                 "ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True)) and save_state() with no path"
             )
-        found = self.project.numbered()
-        return int(found[-1].name.rsplit("_", 1)[1]) if found else -1
-
-    def numbered(self, number: int) -> Path:
-        return Path(self.project.project_dir) / CHECKPOINTS / f"checkpoint_{number}"  # type: ignore[arg-type]
+        return self.project.latest_number()
 
 
 def check_checkpointable(objects: tuple[Any, ...]) -> None:

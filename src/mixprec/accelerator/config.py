@@ -89,20 +89,21 @@ class AcceleratorConfig:
             raise TypeError("Accelerator(fsdp_shard=...): fsdp_shard must be a callable (module) -> bool")
         if self.fsdp_shard is not None and self.distributed != "fsdp":
             raise ValueError("Accelerator(fsdp_shard=...): fsdp_shard applies only with distributed='fsdp'")
-        self.fsdp_state_dict_type = parse_state_dict_type(self.fsdp_state_dict_type, "Accelerator")
-        if self.fsdp_state_dict_type == "sharded" and self.distributed != "fsdp":
-            raise ValueError("Accelerator(fsdp_state_dict_type='sharded'): sharded checkpoints need distributed='fsdp'")
+        self.fsdp_state_dict_type = parse_state_dict_type(self.fsdp_state_dict_type, self.distributed, "Accelerator")
 
 
 STATE_DICT_TYPES = {"full": "full", "sharded": "sharded", "full_state_dict": "full", "sharded_state_dict": "sharded"}
 
 
-def parse_state_dict_type(value: object, where: str) -> str:
-    """ "full" or "sharded" from either spelling (HF's ``SHARDED_STATE_DICT`` too); errors name ``where``."""
+def parse_state_dict_type(value: object, distributed: str | None, where: str) -> str:
+    """ "full" or "sharded" from either spelling (HF's ``SHARDED_STATE_DICT`` too), "sharded" only with
+    ``distributed="fsdp"``; errors name ``where``."""
     found = STATE_DICT_TYPES.get(value.lower()) if isinstance(value, str) else None
     if found is None:
         raise ValueError(
             f"{where}(fsdp_state_dict_type={value!r}): choose 'full' (gathered on the main process) or 'sharded' "
             "(each process writes its shards)"
         )
+    if found == "sharded" and distributed != "fsdp":
+        raise ValueError(f"{where}(fsdp_state_dict_type='sharded'): sharded checkpoints need distributed='fsdp'")
     return found

@@ -44,7 +44,8 @@ def load_sharded_state(
     folder: Path,
 ) -> None:
     """Read what :func:`save_sharded_state` wrote into the prepared ``models`` and ``optimizers``, resharding
-    to this run's processes. A missing key or a shape that does not fit raises before the object changes."""
+    to this run's processes. DCP checks names and shapes object by object, so a mismatch found in a later
+    object leaves the earlier ones loaded (see :mod:`mixprec.accelerator.state`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,

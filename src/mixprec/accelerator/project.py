@@ -72,9 +72,18 @@ class ProjectConfiguration:
             )
         return Path(self.project_dir) / CHECKPOINTS
 
+    def checkpoint(self, number: int, call: str = "load_state()") -> Path:
+        """The folder of automatic checkpoint ``number``."""
+        return self._folder(call) / f"checkpoint_{number}"
+
+    def latest_number(self) -> int:
+        """The number of the newest automatic checkpoint, -1 if there is none."""
+        found = self.numbered()
+        return int(_NUMBERED.fullmatch(found[-1].name).group(1)) if found else -1  # type: ignore[union-attr]
+
     def next_checkpoint(self) -> Path:
         """Where ``save_state()`` writes next; refused if that folder exists (it would be replaced)."""
-        target = self._folder("save_state()") / f"checkpoint_{self.iteration}"
+        target = self.checkpoint(self.iteration, "save_state()")
         if target.exists():
             raise ValueError(
                 f"save_state(): {target} already exists (iteration {self.iteration}); load it first, which sets "

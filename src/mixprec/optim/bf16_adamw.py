@@ -18,6 +18,7 @@ largest tensor, not of the model. Moments are stored in the parameter's dtype (b
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -34,14 +35,11 @@ _HIGH_MASK = -65536  # 0xFFFF0000 as int32: keeps sign, exponent and the 7 manti
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Write fp32 ``src`` into bf16 ``dst`` with stochastic rounding: the 16 bits bf16 drops are replaced
     by a random carry (probability = dropped bits / 2^16). Exact bf16 values pass unchanged."""
-    bits = src.contiguous().view(torch.int32)
-    source = RoundingNoise(bits.device)
+    work = src.to(torch.float32, copy=True).contiguous()
+    source = RoundingNoise(work.device)
     source.reseed()
-    noise = source.bits(bits.numel()).view(bits.shape)
-    # integer addition on the bit pattern rounds the magnitude up, for negative numbers too; a carry out of
-    # the mantissa bumps the exponent, which is the correctly rounded value
-    rounded = (bits + noise).bitwise_and_(_HIGH_MASK).view(torch.float32)
-    dst.copy_(rounded)  # exact: the low 16 bits are zero
+    _round_stochastically_(work, source.bits(work.numel()).view(work.shape))
+    dst.copy_(work)  # exact: the low 16 bits are zero
 
 
 _CHUNK = 1 << 18  # elements updated at once: the scratch is 4 x 1 MiB fp32 (+ 3 MiB noise) whatever the model
@@ -153,6 +151,7 @@ def _round_stochastically_(w: torch.Tensor, noise: torch.Tensor) -> None:
     w.view(torch.int32).add_(noise).bitwise_and_(_HIGH_MASK)
 
 
+@functools.cache
 def _fused_kernel(device: torch.device, decoupled: bool, rounding: str) -> Any:
     """torch's fused Adam(W) step for ``device`` (what ``torch.optim.AdamW(fused=True)`` runs), or None where
     torch has none; Kahan summation needs the update on its own, so it keeps the unfused arithmetic."""

@@ -245,7 +245,7 @@ class TrainingArguments(HFCompatFields):
             self.distributed = "fsdp"
         from_config = self.fsdp_config_state_dict_type()  # HF's fsdp_config={"state_dict_type": ...}
         if from_config is not None:
-            wanted = parse_state_dict_type(from_config, "TrainingArguments(fsdp_config=...)")
+            wanted = parse_state_dict_type(from_config, self.distributed, "TrainingArguments(fsdp_config=...)")
             if self.fsdp_state_dict_type not in ("full", wanted):
                 fail(
                     "fsdp_config",
@@ -253,9 +253,9 @@ class TrainingArguments(HFCompatFields):
                     f"conflicts with fsdp_state_dict_type={self.fsdp_state_dict_type!r}",
                 )
             self.fsdp_state_dict_type = wanted
-        self.fsdp_state_dict_type = parse_state_dict_type(self.fsdp_state_dict_type, "TrainingArguments")
-        if self.fsdp_state_dict_type == "sharded" and self.distributed != "fsdp":
-            fail("fsdp_state_dict_type", "sharded", "needs distributed='fsdp' (or fsdp='full_shard')")
+        self.fsdp_state_dict_type = parse_state_dict_type(
+            self.fsdp_state_dict_type, self.distributed, "TrainingArguments"
+        )
         if self.tf32 is not None:  # process-wide, as HF sets it (only CUDA matmuls read it)
             torch.backends.cuda.matmul.allow_tf32 = bool(self.tf32)
             torch.backends.cudnn.allow_tf32 = bool(self.tf32)
