@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mixprec import Accelerator, ProjectConfiguration
+sys.path.insert(0, str(Path(__file__).parent))
+from mixprec import Accelerator, ProjectConfiguration  # noqa: E402
+from trainer_utils import leave  # noqa: E402
 
 STEPS, SAVE_STEPS = 10, 3
 
@@ -79,14 +81,7 @@ def main() -> None:
         "params": {k: v.tolist() for k, v in accelerator.unwrap_model(model).state_dict().items()},
     }
     (out / f"final_rank{rank}.json").write_text(json.dumps(report))
-    accelerator.end_training()
-    # Past this point the run is done. Leave without the interpreter's teardown: torch's gloo objects, still
-    # referenced by the DDP model, are destroyed there, and that has aborted a finished worker (SIGABRT,
-    # "terminate called without an active exception"; twice in one CI run, 1 in 8 to 0 in 40 runs by hand),
-    # which the launcher reports as a failure of the whole job.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(accelerator)  # end_training, then exit without the interpreter's teardown (trainer_utils)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mixprec import Trainer, TrainerCallback, TrainingArguments, TrainingInterrupted  # noqa: E402
-from trainer_utils import make_examples, make_model  # noqa: E402
+from trainer_utils import leave, make_examples, make_model  # noqa: E402
 
 SAVE_STEPS = 3
 
@@ -113,14 +113,7 @@ def main() -> None:
         "params": {k: v.tolist() for k, v in trainer.model.state_dict().items()},
     }
     (out / f"final_rank{rank}.json").write_text(json.dumps(report))
-    trainer.accelerator.end_training()
-    # Past this point the run is done. Leave without the interpreter's teardown: torch's gloo objects, still
-    # referenced by the DDP model, are destroyed there, and that has aborted a finished worker (SIGABRT,
-    # "terminate called without an active exception"; twice in one CI run, 1 in 8 to 0 in 40 runs by hand),
-    # which the launcher reports as a failure of the whole job.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(trainer.accelerator)  # end_training, then exit without the interpreter's teardown (trainer_utils)
 
 
 if __name__ == "__main__":

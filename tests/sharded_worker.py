@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from mixprec import Accelerator  # noqa: E402
 from mixprec.checkpoint import save_tensors  # noqa: E402
 from mixprec.checkpoint.sharded import load_sharded, save_sharded  # noqa: E402
-from trainer_utils import make_examples, make_model  # noqa: E402
+from trainer_utils import leave, make_examples, make_model  # noqa: E402
 
 
 def full_weights(acc: Accelerator, model: torch.nn.Module, path: Path) -> None:
@@ -60,7 +60,7 @@ def state_round_trip(mode: str, out: Path, src: Path | None) -> None:
         assert src is not None
         acc.load_state(src / "state")
     full_state(acc, model, optimizer, out)
-    acc.end_training()
+    leave(acc)  # end_training, then exit without the interpreter's teardown (trainer_utils)
 
 
 def main(argv: list[str]) -> None:
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> None:
         model = acc.prepare(make_model(seed=1, dropout=0.0))
         load_sharded(model, Path(argv[2]) / "sharded")
         full_weights(acc, model, out / "loaded.safetensors")
-    acc.end_training()
+    leave(acc)  # end_training, then exit without the interpreter's teardown (trainer_utils)
 
 
 if __name__ == "__main__":

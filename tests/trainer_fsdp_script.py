@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mixprec import Trainer, TrainingArguments  # noqa: E402
-from trainer_utils import make_examples, make_model  # noqa: E402
+from trainer_utils import leave, make_examples, make_model  # noqa: E402
 
 SCORES = [1.0, 3.0, 2.0]  # evaluation after steps 1, 2, 3: step 2 is the best
 BEST_STEP = 2
@@ -79,7 +79,7 @@ def main() -> None:
         else None,
     }
     (out / f"rank{acc.process_index}.json").write_text(json.dumps(report))
-    acc.end_training()
+    leave(acc)  # end_training, then exit without the interpreter's teardown (trainer_utils)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mixprec import Trainer, TrainingArguments  # noqa: E402
-from trainer_utils import accuracy, make_examples, make_model  # noqa: E402
+from trainer_utils import accuracy, leave, make_examples, make_model  # noqa: E402
 
 
 def metrics(eval_pred) -> dict[str, float]:
@@ -53,7 +53,7 @@ def main() -> None:
         "evals": [e for e in trainer.state.log_history if "eval_loss" in e],
     }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
-    trainer.accelerator.end_training()
+    leave(trainer.accelerator)  # end_training, then exit without the interpreter's teardown (trainer_utils)
 
 
 if __name__ == "__main__":
