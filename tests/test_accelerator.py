@@ -264,10 +264,19 @@ def test_unknown_precision_lists_the_valid_names() -> None:
         Accelerator(mixed_precision="fp17")
 
 
-def test_unsupported_object_in_prepare_names_its_type() -> None:
+def test_unsupported_object_in_prepare_comes_back_unchanged_with_a_warning_naming_it() -> None:
     accelerator = Accelerator(verbose=False)
-    with pytest.raises(TypeError, match=r"builtins.dict \(argument 1\).*accepts torch.nn.Module"):
-        accelerator.prepare(make_tiny_lm(), {"lr": 0.1})
+    settings = {"lr": 0.1}
+    with pytest.warns(UserWarning, match=r"argument 1 \(builtins.dict\) unchanged: it prepares torch.nn.Module"):
+        _, same = accelerator.prepare(make_tiny_lm(), settings)
+    assert same is settings
+
+
+def test_a_dataset_in_prepare_is_refused_naming_the_fix() -> None:
+    accelerator = Accelerator(verbose=False)
+    data = torch.utils.data.TensorDataset(torch.zeros(4, 2))
+    with pytest.raises(TypeError, match=r"got a Dataset .*argument 0.*wrap it in a torch.utils.data.DataLoader"):
+        accelerator.prepare(data)
 
 
 def test_precision_the_device_cannot_run_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -140,3 +140,79 @@ def test_sharded_state_dicts_need_fsdp_and_a_known_name() -> None:
         Accelerator(cpu=True, fsdp_state_dict_type="sharded")
     with pytest.raises(ValueError, match=r"Accelerator\(fsdp_state_dict_type=3\)"):
         Accelerator(cpu=True, distributed="fsdp", fsdp_state_dict_type=3)
+
+
+# -- PartialState, _reset_state and accelerate's names for the prepared objects -----------------------------
+
+
+def test_partial_state_describes_this_process_and_runs_the_main_only_helpers() -> None:
+    from mixprec import PartialState
+
+    state = PartialState(cpu=True)
+    assert (state.num_processes, state.process_index, state.device.type) == (1, 0, "cpu")
+    assert state.is_main_process and state.is_last_process and not state.use_distributed
+    with state.main_process_first(), state.local_main_process_first():
+        pass
+    assert state.on_main_process(lambda x: x + 1)(1) == 2
+    with state.split_between_processes([1, 2, 3]) as share:
+        assert share == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("count", "padding", "expected"),
+    [
+        (3, False, [[0, 1, 2], [3, 4], [5, 6]]),  # 7 over 3: the first process gets the extra item
+        (3, True, [[0, 1, 2], [3, 4, 4], [5, 6, 6]]),  # padded: equal lengths, the last item repeated
+        (4, False, [[0, 1], [2, 3], [4, 5], [6]]),
+        (8, True, [[0], [1], [2], [3], [4], [5], [6], [6]]),  # more processes than items
+    ],
+)
+def test_split_between_processes_gives_contiguous_shares(count: int, padding: bool, expected: list) -> None:
+    from mixprec.accelerator.process_state import split_share
+
+    items = list(range(7))
+    assert [split_share(items, i, count, padding) for i in range(count)] == expected
+    tensors = [split_share(torch.arange(7), i, count, padding).tolist() for i in range(count)]
+    assert tensors == expected
+    shares = [split_share({"a": items, "b": tuple(items)}, i, count, padding) for i in range(count)]
+    assert [s["a"] for s in shares] == expected and [list(s["b"]) for s in shares] == expected
+
+
+def test_split_between_processes_refuses_what_it_cannot_split() -> None:
+    from mixprec.accelerator.process_state import split_share
+
+    with pytest.raises(ValueError, match="same length"):
+        split_share({"a": [1, 2], "b": [1]}, 0, 2)
+    with pytest.raises(TypeError, match="got set; pass a list, tuple, tensor"):
+        split_share({1, 2}, 0, 2)
+
+
+def test_reset_state_ends_the_view_and_later_reads_say_why() -> None:
+    from mixprec import PartialState
+
+    state = PartialState()
+    state._reset_state()
+    with pytest.raises(AttributeError, match=r"ended by PartialState._reset_state\(\)"):
+        state.num_processes  # noqa: B018
+    acc = Accelerator(verbose=False)
+    acc.state.custom = 1  # scripts hang their own values on it
+    assert acc.state.custom == 1
+    acc.state._reset_state()
+    with pytest.raises(AttributeError, match="AcceleratorState._reset_state"):
+        acc.num_processes  # noqa: B018
+
+
+def test_prepared_objects_carry_accelerates_flag_and_lists_until_freed() -> None:
+    acc = Accelerator(verbose=False)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=2)
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    assert model._is_accelerate_prepared and optimizer._is_accelerate_prepared and loader._is_accelerate_prepared
+    assert acc._models == [model] and acc._optimizers == [optimizer] and acc._dataloaders == [loader]
+    acc.free_memory()
+    assert acc._models == [] and acc._optimizers == [] and acc._dataloaders == []
+    from mixprec.accelerator.prepared import release
+
+    release(model)  # a model released for another Accelerator is no longer marked prepared
+    assert not getattr(model, "_is_accelerate_prepared", False)

@@ -127,6 +127,12 @@ def test_save_state_and_load_state_across_processes(ranks: list[dict], kind: str
     )
 
 
+def test_partial_state_splits_inputs_between_processes(ranks: list[dict]) -> None:
+    # 5 items over 2 processes: the first gets the extra one; padded shares repeat the last item
+    assert ranks[0]["split"] == [0, 1, 2] and ranks[1]["split"] == [3, 4]
+    assert ranks[0]["split_padded"] == ranks[1]["split_padded"] == [0, 1, 2, 3, 4, 4]
+
+
 def test_gather_accepts_different_row_counts(ranks: list[dict]) -> None:
     assert ranks[0]["uneven_gather"] == ranks[1]["uneven_gather"] == [0, 0, 1]
 

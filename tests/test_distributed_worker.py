@@ -1,8 +1,8 @@
 """The script tests/test_distributed.py launches with torchrun (2 processes, gloo). Not a test module itself.
 
 Each process runs the scenarios below and writes ``rank<N>.json`` into the folder given as argv[1]; the
-tests compare the files. Scenarios share one process group: the first Accelerator joins it, the others
-find it initialised and use it.
+tests compare the files. Scenarios share one process group: a PartialState joins it first (as a distributed
+inference script would), and every Accelerator finds it initialised and uses it.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from mixprec import Accelerator
+from mixprec import Accelerator, PartialState
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import SEQ, VOCAB, TinyLM  # noqa: E402
+from trainer_utils import leave  # noqa: E402
 
 N_SAMPLES = 36  # 2 processes x batch 4 = 8 per step: 4 full steps and a tail of 4 (split 2 + 2)
 BATCH = 4
@@ -177,7 +178,12 @@ def main() -> None:
     start = time.perf_counter()
     out = Path(sys.argv[1])
     results = {}
-    first = Accelerator(verbose=False)  # joins the group the torchrun environment describes
+    state = PartialState()  # joins the group the torchrun environment describes
+    with state.split_between_processes(list(range(5))) as share:
+        results["split"] = share
+    with state.split_between_processes({"x": torch.arange(5)}, apply_padding=True) as share:
+        results["split_padded"] = state_gather(state, share["x"])
+    first = Accelerator(verbose=False)  # finds the group initialised
     results["world"] = {"num_processes": first.num_processes, "backend": dist.get_backend()}
     results["uneven_gather"] = first.gather(torch.arange(first.process_index + 1)).tolist()
     results["no_sync"] = no_sync_grads()
@@ -193,8 +199,14 @@ def main() -> None:
             results[f"{distributed or 'ddp'}-{precision}"]["seconds"] = time.perf_counter() - t0
     results["seconds"] = time.perf_counter() - start
     (out / f"rank{first.process_index}.json").write_text(json.dumps(results))
-    first.wait_for_everyone()
-    first.end_training()
+    leave(first)
+
+
+def state_gather(state: PartialState, share: torch.Tensor) -> list[int]:
+    """Every process's padded share, gathered: equal lengths, so a plain all_gather takes them."""
+    parts = [torch.empty_like(share) for _ in range(state.num_processes)]
+    dist.all_gather(parts, share)
+    return torch.cat(parts).tolist()
 
 
 if __name__ == "__main__":

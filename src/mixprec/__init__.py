@@ -26,6 +26,8 @@ _EXPORTS: dict[str, str] = {
     "Accelerator": "mixprec.accelerator.accelerator",
     "ProjectConfiguration": "mixprec.accelerator.project",
     "GradientAccumulationPlugin": "mixprec.accelerator.gradients",
+    "PartialState": "mixprec.accelerator.process_state",
+    "AcceleratorState": "mixprec.accelerator.process_state",
     # high level
     "Trainer": "mixprec.trainer.trainer",
     "TrainingArguments": "mixprec.trainer.args",
@@ -64,6 +66,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.accelerator.accelerator import Accelerator
     from mixprec.accelerator.gradients import GradientAccumulationPlugin
+    from mixprec.accelerator.process_state import AcceleratorState, PartialState
     from mixprec.accelerator.project import ProjectConfiguration
     from mixprec.diagnostics.diagnose import diagnose
     from mixprec.diagnostics.report import Report

@@ -103,14 +103,11 @@ def randomize(model):
 # -- state objects -----------------------------------------------------------------------------------------
 
 
-@accelerate_internal("PartialState, its shared-state singleton and PartialState._reset_state()")
 def test_partial_state_after_reset():
     if IMPL == "accelerate":
         from accelerate.state import PartialState
-    else:  # mixprec has no process-wide state object
-        import mixprec
-
-        PartialState = mixprec.PartialState  # noqa: N806
+    else:
+        from mixprec import PartialState
     state = PartialState()
     assert state.num_processes > 0
     state._reset_state()
@@ -118,7 +115,6 @@ def test_partial_state_after_reset():
         state.num_processes  # noqa: B018
 
 
-@accelerate_internal("AcceleratorState._reset_state() and the error text of its shared state after a reset")
 def test_accelerator_state_after_reset():
     accelerator = make_accelerator()
     with pytest.raises(AttributeError, match="'AcceleratorState' object has no attribute"):
@@ -142,7 +138,6 @@ def test_mutable_states():
     assert state.sync_gradients is False
 
 
-@accelerate_internal("the private lists Accelerator._models/_optimizers/_schedulers/_dataloaders")
 def test_prepared_objects_are_referenced():
     accelerator = make_accelerator()
     prepared = accelerator.prepare(*components())
@@ -326,7 +321,6 @@ def test_accelerator_none():
     assert dummy is None
 
 
-@accelerate_internal("the _is_accelerate_prepared flag it sets on prepared objects")
 def test_is_accelerator_prepared():
     accelerator = make_accelerator()
     dummy = [1, 2, 3]

@@ -26,7 +26,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -198,27 +198,27 @@ class Accelerator:
     @property
     def distributed_type(self) -> str:
         """ "single", "ddp" or "fsdp"."""
-        return self._strategy.name
+        return self.state.distributed_type
 
     @property
     def num_processes(self) -> int:
-        return self._strategy.num_processes
+        return self.state.num_processes
 
     @property
     def process_index(self) -> int:
-        return self._strategy.process_index
+        return self.state.process_index
 
     @property
     def local_process_index(self) -> int:
-        return self._strategy.local_process_index
+        return self.state.local_process_index
 
     @property
     def is_main_process(self) -> bool:
-        return self._strategy.is_main_process
+        return self.state.is_main_process
 
     @property
     def is_local_main_process(self) -> bool:
-        return self._strategy.is_local_main_process
+        return self.state.is_local_main_process
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -236,6 +236,24 @@ class Accelerator:
     @sync_gradients.setter
     def sync_gradients(self, value: bool) -> None:
         self._gradients.sync_gradients = bool(value)
+
+    # accelerate's names for what prepare() registered, which scripts and libraries written for it read
+    # (the lists themselves: free_memory empties them).
+    @property
+    def _models(self) -> list[torch.nn.Module]:
+        return self._registry.models
+
+    @property
+    def _optimizers(self) -> list[PreparedOptimizer]:
+        return self._registry.optimizers
+
+    @property
+    def _schedulers(self) -> list[PreparedScheduler]:
+        return self._registry.schedulers
+
+    @property
+    def _dataloaders(self) -> list[PreparedDataLoader]:
+        return self._registry.dataloaders
 
     @property
     def gradient_state(self) -> GradientState:
@@ -484,7 +502,7 @@ class Accelerator:
         return _map_tensors(data, lambda t: self._strategy.all_reduce(t.clone(), reduction), self.device)
 
     def wait_for_everyone(self) -> None:
-        self._strategy.barrier()
+        self.state.wait_for_everyone()
 
     def explain_failure(self, err: BaseException) -> BaseException:
         """``err`` itself, or, when it is a collective that failed because a peer died or stopped answering
@@ -492,19 +510,27 @@ class Accelerator:
         launcher's store, up to 5 s). ``except Exception as err: raise accelerator.explain_failure(err)``."""
         return self._strategy.explain_failure(err) or err
 
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
         """The main process runs the block first (downloads, caches), then the others."""
-        if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_main_process:
-            self.wait_for_everyone()
+        return self.state.main_process_first()
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        """The first process of each machine runs the block first, then the others."""
+        return self.state.local_main_process_first()
+
+    def split_between_processes(
+        self, inputs: Any, apply_padding: bool = False
+    ) -> contextlib.AbstractContextManager[Any]:
+        """This process's contiguous share of ``inputs`` (see :meth:`PartialState.split_between_processes`)."""
+        return self.state.split_between_processes(inputs, apply_padding)
+
+    def on_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: run ``function`` on the main process only."""
+        return self.state.on_main_process(function)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""
-        if self.is_main_process:
-            builtins.print(*args, **kwargs)
+        self.state.print(*args, **kwargs)
 
     def end_training(self) -> None:
         """Leave the process group this Accelerator joined (call at the end of a distributed script), once

@@ -57,6 +57,8 @@ def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = F
 class PreparedDataLoader:
     """Iterates like the user's DataLoader; see the module docstring. Other attributes are the loader's."""
 
+    _is_accelerate_prepared = True
+
     def __init__(
         self,
         loader: DataLoader,

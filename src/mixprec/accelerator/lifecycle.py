@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import gc
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from mixprec.accelerator.data import PreparedDataLoader
 from mixprec.accelerator.prepared import PreparedScheduler
@@ -23,8 +24,9 @@ _ACCEPTED = (
 
 
 def object_kind(obj: Any, index: int) -> str:
-    """ "model", "optimizer", "scheduler", "dataloader", or "none" (None passes through ``prepare``); a
-    TypeError naming the argument and what is accepted for anything else."""
+    """ "model", "optimizer", "scheduler", "dataloader", or "none" for anything else, which ``prepare``
+    returns unchanged as accelerate does (None silently; other objects with a warning naming the argument).
+    A Dataset is a TypeError: it would go through unsharded and undevice'd, which no script means."""
     if obj is None:
         return "none"
     if isinstance(obj, torch.nn.Module):
@@ -38,7 +40,17 @@ def object_kind(obj: Any, index: int) -> str:
     ):
         return "scheduler"
     kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
-    raise TypeError(f"prepare() got a {kind} (argument {index}); it accepts {_ACCEPTED}")
+    if isinstance(obj, Dataset):
+        raise TypeError(
+            f"prepare() got a Dataset ({kind}, argument {index}); wrap it in a torch.utils.data.DataLoader "
+            "and prepare that, so that it is sharded across processes and its batches moved to the device"
+        )
+    warnings.warn(
+        f"prepare() returns argument {index} ({kind}) unchanged: it prepares {_ACCEPTED}",
+        UserWarning,
+        stacklevel=3,
+    )
+    return "none"
 
 
 def release_prepared(registry: Registry, gradients: GradientState, precision: Precision, device: torch.device) -> None:

@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     from mixprec.precision.base import Precision
 
 
+PREPARED_FLAG = "_is_accelerate_prepared"
+"""accelerate's marker on what ``prepare`` returned (True), which scripts and libraries written for it read."""
+
+
 class _Prepared:
     """A prepared module's forward needs: its precision and, under DDP, the wrapper that syncs gradients.
 
@@ -97,6 +101,7 @@ def patch_forward(module: torch.nn.Module, precision: Precision, ddp: torch.nn.M
         raise ValueError(f"{type(module).__name__} was already prepared; prepare each model once")
     module.__dict__["_mixprec_forward"] = module.forward
     module.__dict__["_mixprec"] = _Prepared(precision, ddp)
+    module.__dict__[PREPARED_FLAG] = True
     module.__dict__["forward"] = types.MethodType(_prepared_forward, module)
     if precision.pending:
         handle = module.register_forward_pre_hook(_settle_auto, prepend=True, with_kwargs=True)
@@ -124,7 +129,7 @@ def release(module: torch.nn.Module) -> None:
     hook = module.__dict__.pop("_mixprec_hook", None)
     if hook is not None:
         hook.remove()
-    for key in ("forward", "_mixprec_forward", "_mixprec"):
+    for key in ("forward", "_mixprec_forward", "_mixprec", PREPARED_FLAG):
         module.__dict__.pop(key, None)
 
 
@@ -148,6 +153,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
     Public attributes: ``optimizer``, the optimizer this one steps (the precision's conversion of the
     user's, e.g. one keeping fp32 master weights), and ``source``, the one the user passed to ``prepare``.
     """
+
+    _is_accelerate_prepared = True
 
     def __init__(  # noqa: D107
         self, optimizer: torch.optim.Optimizer, gradients: GradientState, source: torch.optim.Optimizer | None = None
@@ -241,6 +248,8 @@ class PreparedScheduler:
     the scaler's record, which costs no host sync). One ``step()`` per optimizer step, whatever the number
     of processes (unlike HF Accelerate, which steps it once per process).
     """
+
+    _is_accelerate_prepared = True
 
     def __init__(self, scheduler: Any, optimizers: list[PreparedOptimizer], gradients: GradientState) -> None:
         self.scheduler = scheduler

@@ -1,29 +1,57 @@
-"""``accelerator.state``: where this process runs and in what precision, as HF Accelerate's
-``AcceleratorState`` exposes it to scripts (``accelerator.state.device``, ``.num_processes``...).
+"""Where this process runs: ``PartialState`` (no model, no precision: the distributed-inference and
+"main process first" helpers, as HF Accelerate's) and ``accelerator.state`` (``AcceleratorState``: the same
+plus the precision).
 
-A read-only view over the Accelerator's distributed strategy and precision, not a process-wide singleton:
-two Accelerators in one process each have their own (accelerate's shared state, and its ``_reset_state``,
-are not reproduced).
+``PartialState()`` reads the launcher's environment and joins the process group when ``torchrun`` started
+several processes, as the Accelerator does (an Accelerator made afterwards uses the same group). Unlike
+accelerate's, these are not process-wide singletons: each object is a view over one distributed strategy.
+``_reset_state()`` is kept for scripts and test suites written for accelerate: it ends the view, and any later
+read raises an AttributeError saying so.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import builtins
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+
+from mixprec.accelerator.distributed import LaunchEnv, make_strategy, select_device
 
 if TYPE_CHECKING:
     from mixprec.accelerator.distributed import DistributedStrategy
     from mixprec.precision.base import Precision
 
+F = TypeVar("F", bound=Callable[..., Any])
 
-class AcceleratorState:
-    """The process's place in the run. Every attribute is read live, so ``mixed_precision`` follows
-    precision="auto" once it has decided."""
 
-    def __init__(self, strategy: DistributedStrategy, precision: Precision) -> None:
-        self._strategy = strategy
-        self._precision = precision
+class PartialState:
+    """The process's place in the run: index, count, device, and the helpers that depend only on those.
+
+    ``cpu=True`` keeps the process on the CPU where a GPU exists; ``timeout``: seconds a collective waits.
+    """
+
+    def __init__(self, cpu: bool = False, *, device: torch.device | str | None = None, timeout: float | None = None):
+        env = LaunchEnv.from_environ()
+        self._strategy: DistributedStrategy = make_strategy(None, env, select_device(device, cpu, env), timeout=timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for attributes that do not exist, including every property after _reset_state().
+        if name != "_strategy" and "_strategy" not in self.__dict__:
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute '{name}': its state was ended by "
+                f"{type(self).__name__}._reset_state(); make a new Accelerator or PartialState"
+            )
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def _reset_state(self) -> None:
+        """End this view (accelerate's test-suite hook): later reads raise AttributeError naming this call.
+        The process group is left as it is."""
+        self.__dict__.pop("_strategy", None)
+
+    # -- topology ------------------------------------------------------------------------------------
 
     @property
     def distributed_type(self) -> str:
@@ -62,13 +90,104 @@ class AcceleratorState:
     def device(self) -> torch.device:
         return self._strategy.device
 
+    # -- helpers -------------------------------------------------------------------------------------
+
+    def wait_for_everyone(self) -> None:
+        """Every process waits here until all have arrived."""
+        self._strategy.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """The main process runs the block first (downloads, caches), then the others."""
+        with self._first(self.is_main_process):
+            yield
+
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        """The first process of each machine runs the block first, then the others."""
+        with self._first(self.is_local_main_process):
+            yield
+
+    @contextlib.contextmanager
+    def _first(self, leads: bool) -> Iterator[None]:
+        if not leads:
+            self.wait_for_everyone()
+        yield
+        if leads:
+            self.wait_for_everyone()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        if self.is_main_process:
+            builtins.print(*args, **kwargs)
+
+    def on_main_process(self, function: F) -> F:
+        """Decorator: run ``function`` on the main process only (None elsewhere)."""
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if self.is_main_process else None
+
+        return wrapper  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """This process's contiguous share of ``inputs`` (a list, tuple, tensor, or a dict of those, split
+        along the first dimension; the first processes get one more when it does not divide). With
+        ``apply_padding``, every share has the same length, the short ones repeating their last element,
+        so results can be gathered."""
+        yield split_share(inputs, self.process_index, self.num_processes, apply_padding)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(distributed_type={self.distributed_type!r}, num_processes={self.num_processes}, "
+            f"process_index={self.process_index}, device={str(self.device)!r})"
+        )
+
+
+class AcceleratorState(PartialState):
+    """``accelerator.state``: the process's place in the run and its precision. Every attribute is read
+    live, so ``mixed_precision`` follows precision="auto" once it has decided."""
+
+    def __init__(self, strategy: DistributedStrategy, precision: Precision) -> None:
+        self._strategy = strategy
+        self._precision = precision
+
+    def _reset_state(self) -> None:
+        super()._reset_state()
+        self.__dict__.pop("_precision", None)
+
     @property
     def mixed_precision(self) -> str:
         return self._precision.name
 
     def __repr__(self) -> str:
-        return (
-            f"AcceleratorState(distributed_type={self.distributed_type!r}, num_processes={self.num_processes}, "
-            f"process_index={self.process_index}, device={str(self.device)!r}, "
-            f"mixed_precision={self.mixed_precision!r})"
+        return f"{super().__repr__()[:-1]}, mixed_precision={self.mixed_precision!r})"
+
+
+def split_share(inputs: Any, index: int, count: int, apply_padding: bool = False) -> Any:
+    """Process ``index`` of ``count``'s contiguous share of ``inputs`` (see ``split_between_processes``)."""
+    if isinstance(inputs, Mapping):
+        lengths = {len(v) for v in inputs.values()}
+        if len(lengths) > 1:
+            raise ValueError(
+                "split_between_processes(inputs=dict): every value must have the same length to be split "
+                f"alike; got lengths {sorted(lengths)}"
+            )
+        return {k: split_share(v, index, count, apply_padding) for k, v in inputs.items()}
+    if not isinstance(inputs, (list, tuple, torch.Tensor)):
+        raise TypeError(
+            f"split_between_processes(inputs=...): got {type(inputs).__name__}; pass a list, tuple, tensor or "
+            "a dict of those"
         )
+    per, extra = divmod(len(inputs), count)
+    start = index * per + min(index, extra)
+    share = inputs[start : start + per + (1 if index < extra else 0)]
+    longest = per + (1 if extra else 0)
+    if apply_padding and len(share) < longest and len(inputs) > 0:
+        last = inputs[-1:] if len(share) == 0 else share[-1:]
+        missing = longest - len(share)
+        if isinstance(share, torch.Tensor):
+            share = torch.cat([share, last.expand(missing, *last.shape[1:])])
+        else:
+            share = share + type(share)(last) * missing
+    return share
