@@ -119,3 +119,78 @@ def test_end_of_dataloader_is_known_on_the_last_batch() -> None:
     flags = [accelerator._gradients.end_of_dataloader for _ in loader]
     assert flags == [False, False, True]
     assert not accelerator._gradients.end_of_dataloader
+
+
+# -- accelerate's mid-epoch resume: skip_first_batches, DataLoaderConfiguration ----------------------------
+
+
+class Counting(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n, self.reads = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        self.reads += 1
+        return i
+
+
+def test_skip_first_batches_starts_the_next_epoch_at_that_batch_without_reading_the_ones_before() -> None:
+    def prepared(data: torch.utils.data.Dataset):
+        torch.manual_seed(0)
+        accelerator = Accelerator(verbose=False)
+        return accelerator, accelerator.prepare(DataLoader(data, batch_size=3, shuffle=True))
+
+    _, reference = prepared(list(range(10)))
+    epochs = [[b.tolist() for b in reference] for _ in range(3)]  # epochs 0, 1, 2 in full
+    data = Counting(10)
+    accelerator, loader = prepared(data)
+    assert [b.tolist() for b in loader] == epochs[0]
+    data.reads = 0
+    skipped = accelerator.skip_first_batches(loader, 2)
+    assert len(skipped) == 2
+    assert [b.tolist() for b in skipped] == epochs[1][2:]  # epoch 1 from its third batch
+    assert data.reads == 4  # the two skipped batches (6 samples) were never read
+    assert [b.tolist() for b in loader] == epochs[2]  # the loader itself goes on with epoch 2
+
+
+def test_skip_after_load_state_does_not_skip_twice() -> None:
+    # accelerate's scripts call skip_first_batches(loader, resume_step) after load_state; mixprec's
+    # load_state already puts the loader at that batch, so the count is from the epoch's start.
+    accelerator = Accelerator(verbose=False)
+    loader = accelerator.prepare(DataLoader(list(range(12)), batch_size=2, shuffle=True))
+    it = iter(loader)
+    done = [next(it).tolist() for _ in range(3)]
+    state = loader.state_dict()
+    rest = [b.tolist() for b in it]
+    loader.load_state_dict(state)
+    assert [b.tolist() for b in accelerator.skip_first_batches(loader, state["batches"])] == rest
+    assert len(done + rest) == 6
+
+
+def test_skip_first_batches_on_a_plain_loader_drops_index_batches() -> None:
+    from mixprec import skip_first_batches
+
+    data = Counting(10)
+    skipped = skip_first_batches(DataLoader(data, batch_size=4), 1)
+    assert [b.tolist() for b in skipped] == [[4, 5, 6, 7], [8, 9]] and data.reads == 6 and len(skipped) == 2
+    with pytest.raises(ValueError, match="num_batches must be an integer >= 0"):
+        skip_first_batches(DataLoader(data, batch_size=4), -1)
+    with pytest.raises(TypeError, match="pass a DataLoader with a batch size, or prepare it first"):
+        skip_first_batches([1, 2, 3], 1)
+
+
+def test_dataloader_configuration_accepts_mixprecs_split_and_refuses_the_others_by_name() -> None:
+    from mixprec import DataLoaderConfiguration
+
+    config = DataLoaderConfiguration(even_batches=False, use_seedable_sampler=True, non_blocking=True)
+    assert Accelerator(dataloader_config=config, verbose=False).config.non_blocking is True
+    with pytest.raises(ValueError, match=r"dispatch_batches=True\) is not supported: mixprec splits the samples"):
+        DataLoaderConfiguration(dispatch_batches=True)
+    with pytest.raises(ValueError, match=r"split_batches=True\) is not supported: pass the per-process batch"):
+        DataLoaderConfiguration(split_batches=True)
+    with pytest.raises(ValueError, match="data_seed=3.*generator=torch.Generator"):
+        DataLoaderConfiguration(data_seed=3)
+    with pytest.raises(TypeError, match="dataloader_config=.*expected a DataLoaderConfiguration, got dict"):
+        Accelerator(dataloader_config={"dispatch_batches": False}, verbose=False)

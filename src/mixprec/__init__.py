@@ -27,6 +27,8 @@ _EXPORTS: dict[str, str] = {
     "ProjectConfiguration": "mixprec.accelerator.project",
     "GradientAccumulationPlugin": "mixprec.accelerator.gradients",
     "PartialState": "mixprec.accelerator.process_state",
+    "DataLoaderConfiguration": "mixprec.accelerator.data_config",
+    "skip_first_batches": "mixprec.accelerator.data",
     "AcceleratorState": "mixprec.accelerator.process_state",
     # high level
     "Trainer": "mixprec.trainer.trainer",
@@ -65,6 +67,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.accelerator.accelerator import Accelerator
+    from mixprec.accelerator.data import skip_first_batches
+    from mixprec.accelerator.data_config import DataLoaderConfiguration
     from mixprec.accelerator.gradients import GradientAccumulationPlugin
     from mixprec.accelerator.process_state import AcceleratorState, PartialState
     from mixprec.accelerator.project import ProjectConfiguration

@@ -2,10 +2,10 @@
 
 ``from mixprec import Accelerator`` is the public entry point; the submodules are implementation:
 ``config`` (settings), ``distributed`` / ``ddp`` / ``fsdp`` (distributed strategies), ``prepared`` (the
-prepared model, optimizer and scheduler), ``data`` / ``sharding`` (DataLoaders), ``gradients`` (the
+prepared model, optimizer and scheduler), ``data`` / ``sharding`` / ``data_config`` (DataLoaders), ``gradients`` (the
 accumulation schedule, its plugin and clipping), ``state`` (the save_state / load_state format),
 ``checkpoints`` and ``project`` (automatic checkpoint naming, state hooks), ``saving`` (save_model's HF
-layout), ``process_state`` (``accelerator.state``), ``lifecycle`` (what prepare accepts, free_memory),
+layout), ``process_state`` (``PartialState``, ``accelerator.state``), ``lifecycle`` (what prepare accepts, free_memory),
 ``model_checks`` (what prepare refuses).
 """
 

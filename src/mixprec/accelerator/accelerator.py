@@ -36,7 +36,8 @@ from torch.utils.data import DataLoader
 
 from mixprec.accelerator.checkpoints import StateCheckpoints, check_checkpointable
 from mixprec.accelerator.config import AcceleratorConfig
-from mixprec.accelerator.data import PreparedDataLoader, prepare_dataloader
+from mixprec.accelerator.data import PreparedDataLoader, prepare_dataloader, skip_first_batches
+from mixprec.accelerator.data_config import DataLoaderConfiguration
 from mixprec.accelerator.distributed import DistributedStrategy, LaunchEnv, make_strategy, select_device
 from mixprec.accelerator.gradients import GradientAccumulationPlugin, GradientState
 from mixprec.accelerator.lifecycle import object_kind, release_prepared
@@ -68,6 +69,8 @@ class Accelerator:
     ``project_dir`` / ``project_config``: where ``save_state()`` with no path writes (see
     :class:`~mixprec.accelerator.project.ProjectConfiguration`). ``gradient_accumulation_plugin``: a
     :class:`~mixprec.accelerator.gradients.GradientAccumulationPlugin`, instead of ``gradient_accumulation_steps``.
+    ``dataloader_config``: accelerate's :class:`~mixprec.accelerator.data_config.DataLoaderConfiguration`
+    (the settings that mean mixprec's own split are accepted, the others refused by name).
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class Accelerator:
         project_dir: str | os.PathLike[str] | None = None,
         project_config: ProjectConfiguration | None = None,
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        dataloader_config: DataLoaderConfiguration | None = None,
     ) -> None:
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
             raise ValueError(
@@ -96,6 +100,12 @@ class Accelerator:
                 "gradient_accumulation_plugin=...): pass only one of gradient_accumulation_steps and "
                 "gradient_accumulation_plugin (set num_steps in the plugin)"
             )
+        if dataloader_config is not None and not isinstance(dataloader_config, DataLoaderConfiguration):
+            raise TypeError(
+                f"Accelerator(dataloader_config=...): expected a DataLoaderConfiguration, got "
+                f"{type(dataloader_config).__name__}"
+            )
+        non_blocking = non_blocking or (dataloader_config is not None and dataloader_config.non_blocking)
         self.config = AcceleratorConfig(
             mixed_precision, gradient_accumulation_steps, distributed, device, cpu, scaler_kwargs,
             ddp_kwargs, fsdp_shard, non_blocking, verbose, timeout, fsdp_state_dict_type,
@@ -364,6 +374,13 @@ class Accelerator:
         prepared = prepare_dataloader(loader, self._strategy, self._gradients, self.config.non_blocking)
         self._registry.dataloaders.append(prepared)
         return prepared
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """``dataloader``'s next epoch from batch ``num_batches`` (accelerate's mid-epoch resume). For a
+        prepared loader the count is from the epoch's start, so a script that calls this after ``load_state``
+        (which already restores the loader's position) does not skip twice. See
+        :func:`~mixprec.accelerator.data.skip_first_batches`."""
+        return skip_first_batches(dataloader, num_batches)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include objects with ``state_dict()`` / ``load_state_dict()`` in ``save_state`` / ``load_state``.

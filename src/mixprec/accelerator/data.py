@@ -18,6 +18,7 @@ they are in one process and refused in several, where they cannot be split witho
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -92,7 +93,21 @@ class PreparedDataLoader:
             epoch, start = self._resume
             self._resume = None
         else:
-            epoch, start = (self.epoch + 1 if self._started else self.epoch), 0
+            epoch, start = self._next_epoch(), 0
+        yield from self._iterate(epoch, start)
+
+    def _next_epoch(self) -> int:
+        """The epoch the next iteration runs (a loaded or set one, else the one after the last started)."""
+        if self._resume is not None:
+            return self._resume[0]
+        return self.epoch + 1 if self._started else self.epoch
+
+    def skip_first_batches(self, num_batches: int) -> SkippedDataLoader:
+        """This loader, its next epoch starting at batch ``num_batches`` (counted from the epoch's start, so
+        after ``load_state`` has put it mid-epoch, skipping the same number again skips nothing twice)."""
+        return SkippedDataLoader(self, num_batches)
+
+    def _iterate(self, epoch: int, start: int) -> Iterator[Any]:
         self.epoch, self._yielded, self._started, self._finished = epoch, start, True, False
         if self.batch_sampler is not None:
             self.batch_sampler.set_epoch(epoch, start)
@@ -105,6 +120,9 @@ class PreparedDataLoader:
         # One batch of look-ahead, so the last batch is known as such when it is handed out: accumulate()
         # then syncs and steps on it even when the epoch is not a multiple of the accumulation steps.
         batches = iter(self._loader)
+        if self.batch_sampler is None:  # a kept loader: its batches are read, and dropped, to get there
+            for _ in range(start):
+                next(batches, None)
         current = next(batches, _END)
         while current is not _END:
             upcoming = next(batches, _END)
@@ -147,6 +165,38 @@ class PreparedDataLoader:
 
 
 _END = object()
+
+
+class SkippedDataLoader:
+    """What ``accelerator.skip_first_batches(loader, n)`` returns: iterating it runs the prepared loader's
+    next epoch from batch ``n`` (without reading the batches before it, when mixprec owns the order); the
+    loader itself then goes on with the epoch after. Other attributes are the loader's."""
+
+    def __init__(self, loader: PreparedDataLoader, num_batches: int) -> None:
+        if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
+            raise ValueError(f"skip_first_batches(num_batches={num_batches!r}): num_batches must be an integer >= 0")
+        self.loader = loader
+        self.num_batches = num_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.loader.batch_sampler is not None and self.num_batches > len(self.loader):
+            raise ValueError(
+                f"skip_first_batches(num_batches={self.num_batches}): the epoch has only {len(self.loader)} batches"
+            )
+        epoch = self.loader._next_epoch()
+        self.loader._resume = None
+        yield from self.loader._iterate(epoch, self.num_batches)
+
+    def __len__(self) -> int:
+        return max(len(self.loader) - self.num_batches, 0)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __repr__(self) -> str:
+        return f"SkippedDataLoader({self.loader!r}, num_batches={self.num_batches})"
 
 
 def prepare_dataloader(
@@ -202,7 +252,39 @@ def _shared_seed(strategy: DistributedStrategy, generator: torch.Generator | Non
     return int(strategy.broadcast(seed.reshape(1), src=0).item())  # the main process's draw, everywhere
 
 
-def _rebuild(loader: DataLoader, batch_sampler: ShardedBatchSampler) -> DataLoader:
+def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+    """``dataloader`` starting at batch ``num_batches`` of its next epoch, as accelerate's: a prepared one
+    through :meth:`PreparedDataLoader.skip_first_batches`; a plain DataLoader as a new DataLoader over the same
+    dataset whose batch sampler drops the first ``num_batches`` index batches (no sample is read for them)."""
+    if isinstance(dataloader, (PreparedDataLoader, SkippedDataLoader)):
+        base = dataloader if isinstance(dataloader, PreparedDataLoader) else dataloader.loader
+        return base.skip_first_batches(num_batches)
+    if not isinstance(dataloader, DataLoader) or dataloader.batch_sampler is None:
+        raise TypeError(
+            f"skip_first_batches(dataloader=...): got {type(dataloader).__name__}; pass a DataLoader with a batch "
+            "size, or prepare it first (accelerator.prepare(loader)) and skip on the prepared one"
+        )
+    sampler = SkipBatchSampler(dataloader.batch_sampler, num_batches)
+    return _rebuild(dataloader, sampler, dataloader.generator)
+
+
+class SkipBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """The batches of ``batch_sampler`` after the first ``num_batches`` (what a skipped plain DataLoader uses)."""
+
+    def __init__(self, batch_sampler: Any, num_batches: int) -> None:
+        if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
+            raise ValueError(f"skip_first_batches(num_batches={num_batches!r}): num_batches must be an integer >= 0")
+        self.batch_sampler = batch_sampler
+        self.num_batches = num_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return itertools.islice(iter(self.batch_sampler), self.num_batches, None)
+
+    def __len__(self) -> int:
+        return max(len(self.batch_sampler) - self.num_batches, 0)
+
+
+def _rebuild(loader: DataLoader, batch_sampler: Any, generator: torch.Generator | None = None) -> DataLoader:
     kwargs: dict[str, Any] = {
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
@@ -210,7 +292,7 @@ def _rebuild(loader: DataLoader, batch_sampler: ShardedBatchSampler) -> DataLoad
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
         "multiprocessing_context": loader.multiprocessing_context,
-        "generator": torch.Generator(),
+        "generator": torch.Generator() if generator is None else generator,
         "persistent_workers": loader.persistent_workers,
     }
     if loader.num_workers > 0:
