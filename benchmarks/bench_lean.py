@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from mixprec.accelerator.step_in_backward import BackwardStepper
 from mixprec.bench.footprint import training_state_bytes
 from mixprec.bench.memory import measure_run
 from mixprec.data.corpus import stdlib_corpus
@@ -64,12 +65,16 @@ class Mode:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     precision: Precision
+    stepper: BackwardStepper | None = None
+    """step_in_backward: hooks that update each parameter during backward (then the step has nothing to do)."""
 
 
 Builder = Callable[[Callable[[], torch.nn.Module]], Mode]
 
 
-def library_mode(precision: str, optim: str = "adamw_torch", optim_args: str | None = None) -> Builder:
+def library_mode(
+    precision: str, optim: str = "adamw_torch", optim_args: str | None = None, step_in_backward: bool = False
+) -> Builder:
     """A builder going through the library's own path, as the Trainer does."""
 
     def build(fresh_model: Callable[[], torch.nn.Module]) -> Mode:
@@ -77,7 +82,7 @@ def library_mode(precision: str, optim: str = "adamw_torch", optim_args: str | N
         model = p.convert_module(fresh_model())
         args = TrainingArguments(output_dir="unused", optim=optim, optim_args=optim_args, learning_rate=LR)
         optimizer = p.convert_optimizer(build_optimizer(model, args.optimization))
-        return Mode(model, optimizer, p)
+        return Mode(model, optimizer, p, BackwardStepper(optimizer) if step_in_backward else None)
 
     return build
 
@@ -97,6 +102,10 @@ MODES: dict[str, Builder] = {
     "bf16-pure + adamw_torch_8bit, block_size=2048 (bitsandbytes' block)": library_mode(
         "bf16-pure", "adamw_torch_8bit", "block_size=2048"
     ),
+    "bf16-pure + AdamW, step in backward": library_mode("bf16-pure", step_in_backward=True),
+    "bf16-pure + adamw_torch_8bit, step in backward": library_mode(
+        "bf16-pure", "adamw_torch_8bit", step_in_backward=True
+    ),
 }
 
 
@@ -107,7 +116,8 @@ def train_step(mode: Mode, batch: torch.Tensor) -> tuple[float, float]:
         loss = mode.model(batch, labels=batch).loss
     mode.precision.backward(loss)
     t1 = time.perf_counter()
-    mode.precision.optimizer_step(mode.optimizer)
+    if mode.stepper is None:  # else every parameter was updated during backward
+        mode.precision.optimizer_step(mode.optimizer)
     mode.optimizer.zero_grad(set_to_none=True)
     t2 = time.perf_counter()
     return t2 - t0, t2 - t1
@@ -171,7 +181,7 @@ def lean_modes(a: argparse.Namespace) -> dict[str, Any]:
                     mode = builder(fresh)
                     for b in data[:2]:
                         train_step(mode, b)
-                    row["bytes"] = training_state_bytes(mode.model, mode.optimizer)
+                    row["bytes"] = training_state_bytes(mode.model, mode.optimizer, mode.stepper is not None)
                     row["reason"] = mode.precision.describe()["reason"]
 
                 return run

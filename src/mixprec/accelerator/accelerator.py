@@ -48,6 +48,7 @@ from mixprec.accelerator.project import ProjectConfiguration
 from mixprec.accelerator.restarts import agree_on_number, restarted_anywhere
 from mixprec.accelerator.saving import save_model
 from mixprec.accelerator.state import Registry, RunState
+from mixprec.accelerator.step_in_backward import REFUSALS, BackwardStepper
 from mixprec.precision.base import Precision
 from mixprec.precision.race import AutoDecision
 from mixprec.precision.registry import make_precision
@@ -93,6 +94,7 @@ class Accelerator:
         project_config: ProjectConfiguration | None = None,
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         dataloader_config: DataLoaderConfiguration | None = None,
+        step_in_backward: bool = False,
     ) -> None:
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
             raise ValueError(
@@ -108,7 +110,7 @@ class Accelerator:
         non_blocking = non_blocking or (dataloader_config is not None and dataloader_config.non_blocking)
         self.config = AcceleratorConfig(
             mixed_precision, gradient_accumulation_steps, distributed, device, cpu, scaler_kwargs,
-            ddp_kwargs, fsdp_shard, non_blocking, verbose, timeout, fsdp_state_dict_type,
+            ddp_kwargs, fsdp_shard, non_blocking, verbose, timeout, fsdp_state_dict_type, step_in_backward,
         )  # fmt: skip
         env = LaunchEnv.from_environ()
         dev = select_device(self.config.device, self.config.cpu, env)
@@ -125,6 +127,13 @@ class Accelerator:
             fsdp_sharded_state=self.config.fsdp_state_dict_type == "sharded",
             timeout=self.config.timeout,
         )
+        if self.config.step_in_backward:
+            if self._precision.pending or self._precision.needs_loss_scaling:
+                raise ValueError(
+                    f"Accelerator(mixed_precision={self._precision.name!r}, step_in_backward=True): {REFUSALS['fp16']}"
+                )
+            if self._strategy.num_processes > 1:
+                raise ValueError(f"Accelerator(step_in_backward=True): {REFUSALS['processes']}")
         self._precision.configure(
             self.config.scaler_kwargs,
             self._strategy.found_inf_reducer(),
@@ -236,6 +245,10 @@ class Accelerator:
 
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, steps: int) -> None:
+        if self.config.step_in_backward and steps != 1:
+            raise ValueError(
+                f"gradient_accumulation_steps={steps!r} with step_in_backward=True: {REFUSALS['accumulate']}"
+            )
         self._gradients.num_steps = steps
 
     @property
@@ -302,6 +315,8 @@ class Accelerator:
                 f"{d['param_dtype']}, loss scaling {'on' if d['loss_scaling'] else 'off'}), "
                 f"{self._strategy.describe()}: {d['reason']}"
             )
+        if self.config.step_in_backward:
+            line += "; optimizer steps in backward (each gradient freed once applied)"
         self._say(line)
 
     def _say(self, line: str) -> None:
@@ -353,7 +368,9 @@ class Accelerator:
         replaced = self._strategy.replaced_parameters()
         if replaced:
             _follow_replaced_parameters(optimizer, replaced)
-        prepared = PreparedOptimizer(self._precision.convert_optimizer(optimizer), self._gradients, source=optimizer)
+        converted = self._precision.convert_optimizer(optimizer)
+        stepper = BackwardStepper(converted) if self.config.step_in_backward else None
+        prepared = PreparedOptimizer(converted, self._gradients, source=optimizer, stepper=stepper)
         self._registry.optimizers.append(prepared)
         self._gradients.optimizers.append(prepared)
         self._gradients.forget_owners()
@@ -410,11 +427,17 @@ class Accelerator:
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale first (once per step), clip in place, return the total norm of the true gradients (a
         tensor: reading it with ``.item()`` is a host sync)."""
+        self._refuse_clipping("clip_grad_norm_")
         return self._gradients.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """Unscale first (once per step), then clamp every gradient to ``[-clip_value, clip_value]``."""
+        self._refuse_clipping("clip_grad_value_")
         self._gradients.clip_grad_value_(parameters, clip_value)
+
+    def _refuse_clipping(self, call: str) -> None:
+        if self.config.step_in_backward:
+            raise ValueError(f"accelerator.{call}() with step_in_backward=True: {REFUSALS['clip']}")
 
     def unwrap_model(
         self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True

@@ -11,6 +11,7 @@ import torch
 from mixprec.accelerator import launch_env
 from mixprec.accelerator.distributed import KINDS
 from mixprec.accelerator.peers import timeout_delta
+from mixprec.accelerator.step_in_backward import REFUSALS
 
 
 @dataclass
@@ -59,6 +60,11 @@ class AcceleratorConfig:
     """FSDP2 checkpoints: "full" (gathered on the main process) or "sharded" (each process writes its own
     shards; :mod:`mixprec.accelerator.dcp_state`). HF's FULL_STATE_DICT / SHARDED_STATE_DICT are accepted."""
 
+    step_in_backward: bool = False
+    """Update each parameter during backward, as soon as its gradient is ready, and free that gradient
+    (:mod:`mixprec.accelerator.step_in_backward`): no step holds the model's gradients. Not with clipping,
+    accumulation, fp16 or several processes (each refused by name)."""
+
     def __post_init__(self) -> None:
         # Arguments left at their defaults take what `accelerate launch` set, as HF's Accelerator does.
         if self.mixed_precision is None:
@@ -73,6 +79,10 @@ class AcceleratorConfig:
             raise ValueError(
                 f"Accelerator(gradient_accumulation_steps={steps!r}): gradient_accumulation_steps must be an "
                 "integer >= 1"
+            )
+        if self.step_in_backward and steps != 1:
+            raise ValueError(
+                f"Accelerator(gradient_accumulation_steps={steps}, step_in_backward=True): {REFUSALS['accumulate']}"
             )
         if self.distributed is not None and self.distributed not in KINDS:
             raise ValueError(

@@ -56,6 +56,9 @@ def object_kind(obj: Any, index: int) -> str:
 def release_prepared(registry: Registry, gradients: GradientState, precision: Precision, device: torch.device) -> None:
     """Drop every reference the Accelerator holds to prepared models, optimizers, schedulers and DataLoaders
     (the precision's parameter list too), collect garbage, and empty the device's cache allocator."""
+    for optimizer in registry.optimizers:
+        if optimizer.stepper is not None:  # step_in_backward: the parameters stop stepping this optimizer
+            optimizer.stepper.remove()
     registry.models.clear()
     registry.optimizers.clear()
     registry.schedulers.clear()

@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from mixprec.accelerator.gradients import GradientState
+    from mixprec.accelerator.step_in_backward import BackwardStepper
     from mixprec.precision.base import Precision
 
 
@@ -157,12 +158,17 @@ class PreparedOptimizer(torch.optim.Optimizer):
     _is_accelerate_prepared = True
 
     def __init__(  # noqa: D107
-        self, optimizer: torch.optim.Optimizer, gradients: GradientState, source: torch.optim.Optimizer | None = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradients: GradientState,
+        source: torch.optim.Optimizer | None = None,
+        stepper: BackwardStepper | None = None,
     ) -> None:
         # Optimizer.__init__ is deliberately not called: this object holds no parameters of its own.
         self.__dict__["optimizer"] = optimizer
         self.__dict__["source"] = source if source is not None else optimizer  # what the user passed
         self._gradients = gradients
+        self.stepper = stepper  # step_in_backward: the hooks that already stepped each parameter
         self.step_was_skipped = False
 
     @property
@@ -202,8 +208,14 @@ class PreparedOptimizer(torch.optim.Optimizer):
                 "loss, use one optimizer with several param_groups)"
             )
         kwargs = {} if closure is None else {"closure": closure}
-        result = precision.optimizer_step(self.optimizer, **kwargs)
-        self.step_was_skipped = precision.step_was_skipped
+        if self.stepper is not None:  # every parameter was updated during backward
+            if closure is not None:
+                raise ValueError("optimizer.step(closure) with step_in_backward=True: the step ran in backward")
+            result = None
+            self.step_was_skipped = False
+        else:
+            result = precision.optimizer_step(self.optimizer, **kwargs)
+            self.step_was_skipped = precision.step_was_skipped
         if self.source is not self.optimizer:
             # torch's LR schedulers warn "scheduler.step() before optimizer.step()" unless the optimizer they
             # were built on flags its steps; a precision that replaced it (bf16-pure) steps another object
@@ -224,6 +236,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
         self._gradients.forget_owners()
+        if self.stepper is not None:
+            self.stepper.install()
 
     def __getattr__(self, name: str) -> Any:
         if name == "optimizer":  # not set yet (unpickling): avoid infinite recursion

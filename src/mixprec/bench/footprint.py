@@ -33,13 +33,18 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def training_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
-    """{"params", "grads", "optimizer", "total"} in bytes, and "per_param" = total / parameter count."""
+def training_state_bytes(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step_in_backward: bool = False
+) -> dict[str, float]:
+    """{"params", "grads", "optimizer", "total"} in bytes, and "per_param" = total / parameter count.
+    ``step_in_backward``: each gradient is freed as soon as it is applied, so at most one is alive at a time:
+    the largest one counts."""
     params = [p for p in model.parameters()]
     n = sum(p.numel() for p in params)
     param_bytes = sum(_nbytes(p) for p in params)
-    grad_bytes = sum(_nbytes(p.grad) if p.grad is not None else p.numel() * p.element_size()
-                     for p in params if p.requires_grad)  # fmt: skip
+    grads = [_nbytes(p.grad) if p.grad is not None else p.numel() * p.element_size()
+             for p in params if p.requires_grad]  # fmt: skip
+    grad_bytes = max(grads, default=0) if step_in_backward else sum(grads)
     seen: set[int] = {id(p) for p in params}
     opt_bytes = _tensor_bytes(list(optimizer.state.values()), seen) if optimizer is not None else 0
     total = param_bytes + grad_bytes + opt_bytes

@@ -152,6 +152,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="recompute activations in the backward pass: less memory, about 20%% more time",
     )
     g.add_argument(
+        "--step-in-backward",
+        action="store_true",
+        help="update each parameter during backward and free its gradient at once (less memory; turns off "
+        "gradient clipping; not with fp16 or several processes)",
+    )
+    g.add_argument(
         "--diagnose", action="store_true", help="diagnose gradient ranges first and start the loss scale there"
     )
     g.add_argument(
@@ -182,7 +188,8 @@ def _training_arguments(args: argparse.Namespace, info: DataModelInfo, output_di
         # nanoGPT's recipe for small models: AdamW(0.9, 0.99), decay 0.1 on matrices, clip 1, warmup + cosine
         adam_beta2=0.99,
         weight_decay=0.1,
-        max_grad_norm=1.0,
+        max_grad_norm=0.0 if args.step_in_backward else 1.0,  # clipping needs every gradient at once
+        step_in_backward=args.step_in_backward,
         warmup_ratio=0.05,
         lr_scheduler_type="cosine",
         eval_strategy="epoch",

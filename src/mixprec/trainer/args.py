@@ -91,6 +91,10 @@ class TrainingArguments(HFCompatFields):
     adam_epsilon: float = 1e-8
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm (measured on unscaled gradients); 0 or None turns clipping off."""
+    step_in_backward: bool = False
+    """mixprec's own: update each parameter during backward and free its gradient at once, so no step holds
+    the model's gradients (mixprec.accelerator.step_in_backward). Needs max_grad_norm=0 and
+    gradient_accumulation_steps=1; not with fp16 or several processes."""
 
     # -- schedule -------------------------------------------------------------------------------------
     num_train_epochs: float = 3.0
@@ -172,6 +176,19 @@ class TrainingArguments(HFCompatFields):
         self._apply_hf_implied()
         if self.max_grad_norm == 0:
             self.max_grad_norm = None
+        if self.step_in_backward:
+            from mixprec.accelerator.step_in_backward import REFUSALS
+
+            if self.precision in ("fp16", "auto"):  # "auto" may choose fp16
+                fail("step_in_backward", True, f"with precision={self.precision!r}: {REFUSALS['fp16']}")
+            if self.max_grad_norm is not None:
+                fail("step_in_backward", True, f"with max_grad_norm={self.max_grad_norm}: {REFUSALS['clip']}")
+            if self.gradient_accumulation_steps != 1:
+                fail(
+                    "step_in_backward",
+                    True,
+                    f"with gradient_accumulation_steps={self.gradient_accumulation_steps}: {REFUSALS['accumulate']}",
+                )
         self.report_to = list(self._normalise_report_to(self.report_to))
         if self.logging_dir is None:
             self.logging_dir = f"{self.output_dir.rstrip('/')}/runs"

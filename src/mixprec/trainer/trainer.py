@@ -213,6 +213,7 @@ class Trainer:
             ddp_kwargs=args.ddp_kwargs() or None,
             watch=args.precision_watch,
             timeout=args.ddp_timeout,
+            step_in_backward=args.step_in_backward,
         )
 
     def _new_model_from_init(self) -> None:
