@@ -82,7 +82,7 @@ def library_mode(
         model = p.convert_module(fresh_model())
         args = TrainingArguments(output_dir="unused", optim=optim, optim_args=optim_args, learning_rate=LR)
         optimizer = p.convert_optimizer(build_optimizer(model, args.optimization))
-        return Mode(model, optimizer, p, BackwardStepper(optimizer) if step_in_backward else None)
+        return Mode(model, optimizer, p, BackwardStepper(optimizer, p) if step_in_backward else None)
 
     return build
 
@@ -116,8 +116,10 @@ def train_step(mode: Mode, batch: torch.Tensor) -> tuple[float, float]:
         loss = mode.model(batch, labels=batch).loss
     mode.precision.backward(loss)
     t1 = time.perf_counter()
-    if mode.stepper is None:  # else every parameter was updated during backward
+    if mode.stepper is None:
         mode.precision.optimizer_step(mode.optimizer)
+    else:  # every parameter was updated during backward
+        mode.precision.end_step()
     mode.optimizer.zero_grad(set_to_none=True)
     t2 = time.perf_counter()
     return t2 - t0, t2 - t1

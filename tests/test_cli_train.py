@@ -164,6 +164,7 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "bad config key": (["--config", str(bad_cfg)], "unknown key 'bach-size'"),
         "unknown model": (["--model", "gpt-17"], "not a built-in model"),
         "missing resume": (["--resume", str(tmp_path / "no-run")], "no such run"),
+        "step in backward with fp16": (["--step-in-backward", "--precision", "fp16"], "fp16's loss scaling skips"),
     }
 
 
@@ -177,6 +178,7 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "bad config key",
         "unknown model",
         "missing resume",
+        "step in backward with fp16",
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_code_2(tmp_path, capsys, case):
@@ -188,6 +190,15 @@ def test_bad_input_is_one_line_on_stderr_and_exit_code_2(tmp_path, capsys, case)
     assert lines[0].startswith("mixprec train: error: ") and fragment in lines[0]
     assert "Traceback" not in captured.err
     assert not (tmp_path / "runs").exists()  # nothing written for a run that never started
+
+
+def test_step_in_backward_trains_without_clipping_and_says_so(tmp_path, corpus, capsys):
+    run = tmp_path / "run"
+    argv = ["train", "--data", corpus, *FAST, "--max-steps", "3", "--step-in-backward", "--output-dir", str(run)]
+    assert main(argv) == 0
+    assert "optimizer steps in backward" in capsys.readouterr().err
+    arguments = json.loads((run / "run.json").read_text())["training_arguments"]
+    assert arguments["step_in_backward"] is True and arguments["max_grad_norm"] is None
 
 
 def test_a_bad_flag_value_is_an_argparse_error(capsys):

@@ -152,3 +152,32 @@ def test_trainer_trains_stepping_in_backward(tmp_path: Path) -> None:
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert len(losses) == 16 and losses[-1] < 0.8 * losses[0]
     assert all(p.grad is None for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-pure"])
+def test_a_non_finite_gradient_is_never_applied_and_the_step_counts_as_skipped(precision: str) -> None:
+    accelerator = Accelerator(mixed_precision=precision, step_in_backward=True, verbose=False)
+    model = make_tiny_lm()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    batch = make_batches(1)[0]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    handle = model.hidden.weight.register_hook(lambda g: torch.full_like(g, float("inf")))  # planted overflow
+    accelerator.backward(model(**batch).loss)
+    optimizer.step()
+    scheduler.step()
+    handle.remove()
+    assert torch.equal(model.hidden.weight, before["hidden.weight"])  # the inf gradient was not applied
+    assert torch.isfinite(torch.cat([p.detach().float().flatten() for p in model.parameters()])).all()
+    assert optimizer.step_was_skipped and accelerator.optimizer_step_was_skipped
+    assert scheduler.get_last_lr() == [1e-2]  # the schedule held, as for any skipped step
+    loss = model(**batch).loss * float("nan")  # a NaN loss: every gradient NaN, nothing applied
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    accelerator.backward(loss)
+    optimizer.step()
+    assert all(torch.equal(p, state[n]) for n, p in model.named_parameters())
+    accelerator.backward(model(**batch).loss)  # and a finite step after it applies again
+    optimizer.step()
+    assert not optimizer.step_was_skipped
+    assert not torch.equal(model.hidden.weight, state["hidden.weight"])

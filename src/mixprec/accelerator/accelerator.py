@@ -369,7 +369,7 @@ class Accelerator:
         if replaced:
             _follow_replaced_parameters(optimizer, replaced)
         converted = self._precision.convert_optimizer(optimizer)
-        stepper = BackwardStepper(converted) if self.config.step_in_backward else None
+        stepper = BackwardStepper(converted, self._precision) if self.config.step_in_backward else None
         prepared = PreparedOptimizer(converted, self._gradients, source=optimizer, stepper=stepper)
         self._registry.optimizers.append(prepared)
         self._gradients.optimizers.append(prepared)

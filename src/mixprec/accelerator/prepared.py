@@ -208,11 +208,12 @@ class PreparedOptimizer(torch.optim.Optimizer):
                 "loss, use one optimizer with several param_groups)"
             )
         kwargs = {} if closure is None else {"closure": closure}
-        if self.stepper is not None:  # every parameter was updated during backward
+        if self.stepper is not None:  # every parameter was updated during backward: record the step
             if closure is not None:
                 raise ValueError("optimizer.step(closure) with step_in_backward=True: the step ran in backward")
             result = None
-            self.step_was_skipped = False
+            precision.end_step()
+            self.step_was_skipped = precision.step_was_skipped
         else:
             result = precision.optimizer_step(self.optimizer, **kwargs)
             self.step_was_skipped = precision.step_was_skipped

@@ -9,16 +9,25 @@ must skip every parameter) and several processes (gradients are averaged after b
 they are asked for, never silently dropped.
 
 Each hook steps the optimizer on a one-parameter view of its group (a copy of the group's hyperparameters,
-as the LR scheduler left them, with ``params=[p]``): the optimizer's state (``optimizer.state[p]``), its
-``state_dict`` and checkpoints are the ordinary ones, and ``optimizer.step()`` after backward has nothing
-left to do.
+as the LR scheduler left them, with ``params=[p]``), through the precision strategy's ``parameter_step``:
+the optimizer's state (``optimizer.state[p]``), its ``state_dict`` and checkpoints are the ordinary ones, and
+``optimizer.step()`` after backward only records the step (``end_step``).
+
+Non-finite gradients: each gradient is checked before it is applied (one host sync per parameter: free on a
+CPU, a cost on a GPU) and a non-finite one is never applied; the step is recorded as skipped, with the same
+consecutive-skip breaker as every precision. Parameters whose gradients were finite and came earlier in the
+same backward keep their update: a step in backward cannot be undone (when the loss itself is inf or NaN,
+every gradient is, and nothing is applied).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from mixprec.precision.base import Precision
 
 REFUSALS = {
     "clip": (
@@ -43,8 +52,9 @@ REFUSALS = {
 class BackwardStepper:
     """Hooks that step ``optimizer`` for each of its parameters when that parameter's gradient is ready."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
         self.optimizer = optimizer
+        self.precision = precision
         self._group_of: dict[int, dict[str, Any]] = {}
         self._handles: list[Any] = []
         self.install()
@@ -68,7 +78,7 @@ class BackwardStepper:
         groups = self.optimizer.param_groups
         self.optimizer.param_groups = [{**self._group_of[id(param)], "params": [param]}]
         try:
-            self.optimizer.step()
+            self.precision.parameter_step(self.optimizer)
         finally:
             self.optimizer.param_groups = groups
         param.grad = None

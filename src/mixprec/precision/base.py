@@ -195,6 +195,16 @@ class Precision:
         self.scaler.update()
         return result
 
+    def parameter_step(self, optimizer: torch.optim.Optimizer) -> Any:
+        """``step_in_backward``: one parameter's update (``optimizer`` holds only it), not applied when its
+        gradient is non-finite (the guard's check, on that gradient alone). :meth:`end_step` records the step."""
+        return self.scaler.step(optimizer)
+
+    def end_step(self) -> None:
+        """``step_in_backward``: record the step whose parameters were updated during backward (skipped if
+        any gradient was non-finite; the consecutive-skip breaker applies)."""
+        self.scaler.update()
+
     @property
     def step_was_skipped(self) -> bool:
         """Whether the last ``optimizer_step`` left the parameters unchanged. No host sync."""
