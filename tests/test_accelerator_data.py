@@ -186,8 +186,7 @@ def test_dataloader_configuration_accepts_mixprecs_split_and_refuses_the_others_
 
     config = DataLoaderConfiguration(even_batches=False, use_seedable_sampler=True, non_blocking=True)
     assert Accelerator(dataloader_config=config, verbose=False).config.non_blocking is True
-    with pytest.raises(ValueError, match=r"dispatch_batches=True\) is not supported: mixprec splits the samples"):
-        DataLoaderConfiguration(dispatch_batches=True)
+    assert DataLoaderConfiguration(dispatch_batches=True).dispatch_batches  # main process reads (dispatch.py)
     with pytest.raises(ValueError, match=r"split_batches=True\) is not supported: pass the per-process batch"):
         DataLoaderConfiguration(split_batches=True)
     with pytest.raises(ValueError, match="data_seed=3.*generator=torch.Generator"):

@@ -133,6 +133,29 @@ def test_partial_state_splits_inputs_between_processes(ranks: list[dict]) -> Non
     assert ranks[0]["split_padded"] == ranks[1]["split_padded"] == [0, 1, 2, 3, 4, 4]
 
 
+@pytest.mark.parametrize(("case", "steps", "samples"), [("stream23", 3, 23), ("stream17", 2, 17), ("sampler", 2, 12)])
+def test_dispatched_batches_reach_each_process_once_in_the_same_number_of_steps(
+    ranks: list[dict], case: str, steps: int, samples: int
+) -> None:
+    batches = [r["dispatched"][case] for r in ranks]
+    assert [len(b) for b in batches] == [steps, steps]  # every process runs the same number of steps
+    seen = sorted(i for per_rank in batches for batch in per_rank for i in batch)
+    if case == "sampler":  # drawn with replacement: 12 draws, each handed to exactly one process
+        assert len(seen) == samples
+    else:
+        assert seen == list(range(samples))  # each sample exactly once
+
+
+def test_a_batch_the_main_process_cannot_split_fails_on_every_process(ranks: list[dict]) -> None:
+    for r in ranks:
+        assert "every leaf of a batch must be a tensor" in r["dispatched"]["bad_batch"]
+
+
+def test_a_stream_without_dispatch_is_refused_with_the_fix(ranks: list[dict]) -> None:
+    assert "IterableDataset across 2 processes" in ranks[0]["dispatched"]["refused"]
+    assert "dispatch_batches=True" in ranks[0]["dispatched"]["refused"]
+
+
 def test_gather_accepts_different_row_counts(ranks: list[dict]) -> None:
     assert ranks[0]["uneven_gather"] == ranks[1]["uneven_gather"] == [0, 0, 1]
 

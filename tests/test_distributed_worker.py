@@ -186,6 +186,7 @@ def main() -> None:
     first = Accelerator(verbose=False)  # finds the group initialised
     results["world"] = {"num_processes": first.num_processes, "backend": dist.get_backend()}
     results["uneven_gather"] = first.gather(torch.arange(first.process_index + 1)).tolist()
+    results["dispatched"] = dispatched()
     results["no_sync"] = no_sync_grads()
     results["accumulated"] = {"ddp": accumulated(None), "fsdp": accumulated("fsdp")}
     # "auto" races on the first DDP training step, every process in lockstep (a backward is a collective);
@@ -200,6 +201,45 @@ def main() -> None:
     results["seconds"] = time.perf_counter() - start
     (out / f"rank{first.process_index}.json").write_text(json.dumps(results))
     leave(first)
+
+
+class Counting(torch.utils.data.IterableDataset):
+    """A stream of 0..n-1, which only the main process can read in order."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+def dispatched() -> dict:
+    """Each process's batches (as lists of sample ids) from loaders the main process reads and sends."""
+    from mixprec import DataLoaderConfiguration
+
+    out = {}
+    accelerator = Accelerator(verbose=False)  # dispatch_batches=None: an IterableDataset is dispatched
+    for n in (23, 17):  # 23: the last batch short; 17: a 1-sample tail folded into the step before it
+        loader = accelerator.prepare(DataLoader(Counting(n), batch_size=4))
+        out[f"stream{n}"] = [b.tolist() for b in loader]
+    weighted = DataLoader(list(range(12)), batch_size=3, sampler=torch.utils.data.WeightedRandomSampler([1.0] * 12, 12))
+    config = DataLoaderConfiguration(dispatch_batches=True)
+    loader = Accelerator(dataloader_config=config, verbose=False).prepare(weighted)  # a sampler it cannot split
+    out["sampler"] = [b.tolist() for b in loader]
+    dispatching = Accelerator(dataloader_config=config, verbose=False)
+    words = dispatching.prepare(DataLoader(["a", "b", "c", "d"], batch_size=2))
+    try:  # the main process cannot split strings: every process hears it, none waits for a batch
+        out["bad_batch"] = [b for b in words]
+    except TypeError as err:
+        out["bad_batch"] = str(err)
+    try:
+        Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=False), verbose=False).prepare(
+            DataLoader(Counting(8), batch_size=2)
+        )
+        out["refused"] = None
+    except TypeError as err:
+        out["refused"] = str(err)
+    return out
 
 
 def state_gather(state: PartialState, share: torch.Tensor) -> list[int]:

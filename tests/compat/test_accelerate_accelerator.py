@@ -397,11 +397,11 @@ def _pickle_loaders(dispatch_batches):
     if IMPL == "accelerate":
         from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, skip_first_batches
         from accelerate.utils.dataclasses import DataLoaderConfiguration
-    else:  # one prepared-loader class; batches dispatched by the main process are not implemented
+    else:  # one prepared-loader class (in one process, a dispatching loader is a plain one)
         from mixprec import DataLoaderConfiguration, skip_first_batches
         from mixprec.accelerator.data import PreparedDataLoader as DataLoaderShard
 
-        DataLoaderDispatcher = None  # noqa: N806
+        DataLoaderDispatcher = DataLoaderShard  # noqa: N806
 
     dl = DataLoader(TensorDataset(torch.arange(10)))
     config = DataLoaderConfiguration(dispatch_batches=dispatch_batches, use_stateful_dataloader=False)
@@ -415,12 +415,6 @@ def _pickle_loaders(dispatch_batches):
     assert len(skipped) == len(prepared) - 2 and [b for b in skipped] == [b for b in prepared][2:]
 
 
-@pytest.mark.xfail(
-    IMPL != "accelerate",
-    reason="not implemented: dispatch_batches=True (the main process reads every batch and sends each process its "
-    "slice); mixprec refuses it by name and splits the samples instead",
-    strict=True,
-)
 def test_can_pickle_dataloader_0():
     _pickle_loaders(True)
 

@@ -107,7 +107,8 @@ class Accelerator:
                 f"Accelerator(dataloader_config=...): expected a DataLoaderConfiguration, got "
                 f"{type(dataloader_config).__name__}"
             )
-        non_blocking = non_blocking or (dataloader_config is not None and dataloader_config.non_blocking)
+        self.dataloader_config = dataloader_config if dataloader_config is not None else DataLoaderConfiguration()
+        non_blocking = non_blocking or self.dataloader_config.non_blocking
         self.config = AcceleratorConfig(
             mixed_precision, gradient_accumulation_steps, distributed, device, cpu, scaler_kwargs,
             ddp_kwargs, fsdp_shard, non_blocking, verbose, timeout, fsdp_state_dict_type, step_in_backward,
@@ -388,7 +389,9 @@ class Accelerator:
     def prepare_data_loader(self, loader: DataLoader) -> PreparedDataLoader:
         if isinstance(loader, PreparedDataLoader):
             return loader
-        prepared = prepare_dataloader(loader, self._strategy, self._gradients, self.config.non_blocking)
+        prepared = prepare_dataloader(
+            loader, self._strategy, self._gradients, self.config.non_blocking, self.dataloader_config.dispatch_batches
+        )
         self._registry.dataloaders.append(prepared)
         return prepared
 

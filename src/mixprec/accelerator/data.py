@@ -13,7 +13,9 @@ next epoch: ``set_epoch`` is automatic. Its position (epoch, batches handed out)
 A loader whose sampler is already split (``DistributedSampler``, or any sampler with ``num_replicas``, such
 as the Trainer's) is kept as it is (``set_epoch`` is called for torch's ``DistributedSampler``; other
 samplers' epochs and positions belong to their owner). Custom samplers and iterable datasets are kept as
-they are in one process and refused in several, where they cannot be split without knowing their order.
+they are in one process; in several, an iterable dataset's batches are read by the main process and sent to
+each process (:mod:`mixprec.accelerator.dispatch`, also for any loader with ``dispatch_batches=True``), and a
+custom sampler without ``dispatch_batches=True`` is refused: it cannot be split without knowing its order.
 """
 
 from __future__ import annotations
@@ -200,10 +202,20 @@ class SkippedDataLoader:
 
 
 def prepare_dataloader(
-    loader: DataLoader, strategy: DistributedStrategy, gradients: GradientState, non_blocking: bool = False
+    loader: DataLoader,
+    strategy: DistributedStrategy,
+    gradients: GradientState,
+    non_blocking: bool = False,
+    dispatch: bool | None = None,
 ) -> PreparedDataLoader:
-    """Wrap (and, when its order is known, rebuild) ``loader``; see the module docstring."""
+    """Wrap (and, when its order is known, rebuild) ``loader``; see the module docstring. ``dispatch``: the
+    main process reads the batches and sends them (True; None: for an IterableDataset only) in several
+    processes (:mod:`mixprec.accelerator.dispatch`)."""
     world = strategy.num_processes
+    if world > 1 and _dispatched(loader, dispatch):
+        from mixprec.accelerator.dispatch import DispatchingLoader
+
+        return PreparedDataLoader(DispatchingLoader(loader, strategy), strategy.device, gradients, None, non_blocking)
     plan = _split_plan(loader, world)
     if plan is None:
         return PreparedDataLoader(loader, strategy.device, gradients, non_blocking=non_blocking)
@@ -219,6 +231,12 @@ def prepare_dataloader(
         drop_last=loader.drop_last,
     )
     return PreparedDataLoader(loader, strategy.device, gradients, sampler, non_blocking=non_blocking)
+
+
+def _dispatched(loader: DataLoader, dispatch: bool | None) -> bool:
+    if hasattr(loader.sampler, "num_replicas") or hasattr(loader.dataset, "num_replicas"):
+        return False  # already split per process (a DistributedSampler, the Trainer's sharded stream)
+    return bool(dispatch) or (dispatch is None and isinstance(loader.dataset, IterableDataset))
 
 
 def _split_plan(loader: DataLoader, world: int) -> tuple[bool, torch.Generator | None] | None:
@@ -242,8 +260,9 @@ def _split_plan(loader: DataLoader, world: int) -> tuple[bool, torch.Generator |
         return None
     raise TypeError(
         f"prepare(): cannot split a DataLoader with {reason} across {world} processes; use "
-        "DataLoader(dataset, batch_size=..., shuffle=True/False), or give it a sampler that splits the data "
-        "itself (torch.utils.data.DistributedSampler)"
+        "DataLoader(dataset, batch_size=..., shuffle=True/False), give it a sampler that splits the data "
+        "itself (torch.utils.data.DistributedSampler), or let the main process read and send the batches: "
+        "Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=True))"
     )
 
 

@@ -1,9 +1,10 @@
 """``DataLoaderConfiguration``: HF Accelerate's DataLoader settings, as ``Accelerator(dataloader_config=...)``.
 
-mixprec's prepared DataLoaders always split each epoch so that every sample is seen once and every process
-runs the same number of batches (:mod:`mixprec.accelerator.sharding`), with a seeded order and a saved
-position. The settings that ask for exactly that are accepted; those that ask for something else are refused
-by name, with what to do instead, rather than ignored.
+mixprec's prepared DataLoaders split each epoch so that every sample is seen once and every process runs the
+same number of batches: by index for map-style data (:mod:`mixprec.accelerator.sharding`, with a seeded order
+and a saved position), by the main process dispatching batches otherwise (:mod:`mixprec.accelerator.dispatch`).
+The settings that ask for one of those are accepted; those that ask for something else are refused by name,
+with what to do instead, rather than ignored.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ class DataLoaderConfiguration:
     the per-process batch size instead (global batch / number of processes)."""
 
     dispatch_batches: bool | None = None
-    """True in accelerate: the main process reads every batch and sends each process its slice. Refused:
-    mixprec splits the samples themselves, so every process reads only its own (an IterableDataset is split by
-    the Trainer's streaming loader, or by a sampler of your own with ``num_replicas``)."""
+    """True: the main process reads every batch and sends each process its own
+    (:mod:`mixprec.accelerator.dispatch`), for data that cannot be split by index (a stream, a custom
+    sampler). None (default, as accelerate): dispatch IterableDatasets in several processes, split the others.
+    False: never dispatch (an IterableDataset in several processes is then refused)."""
 
     even_batches: bool = True
     """Accepted either way: mixprec gives every process the same number of batches without repeating a
@@ -41,16 +43,11 @@ class DataLoaderConfiguration:
     resumes from it."""
 
     def __post_init__(self) -> None:
-        refused = {
-            "split_batches": (self.split_batches, "pass the per-process batch size to the DataLoader"),
-            "dispatch_batches": (
-                self.dispatch_batches,
-                "mixprec splits the samples so each process reads only its own; leave it None",
-            ),
-        }
-        for name, (value, fix) in refused.items():
-            if value:
-                raise ValueError(f"DataLoaderConfiguration({name}={value!r}) is not supported: {fix}")
+        if self.split_batches:
+            raise ValueError(
+                "DataLoaderConfiguration(split_batches=True) is not supported: pass the per-process batch size "
+                "to the DataLoader"
+            )
         if self.data_seed is not None:
             raise ValueError(
                 f"DataLoaderConfiguration(data_seed={self.data_seed!r}) is not supported: seed the DataLoader "
