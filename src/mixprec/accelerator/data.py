@@ -175,8 +175,7 @@ class SkippedDataLoader:
     loader itself then goes on with the epoch after. Other attributes are the loader's."""
 
     def __init__(self, loader: PreparedDataLoader, num_batches: int) -> None:
-        if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
-            raise ValueError(f"skip_first_batches(num_batches={num_batches!r}): num_batches must be an integer >= 0")
+        _check_skip(num_batches)
         self.loader = loader
         self.num_batches = num_batches
 
@@ -287,12 +286,16 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     return _rebuild(dataloader, sampler, dataloader.generator)
 
 
+def _check_skip(num_batches: Any) -> None:
+    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
+        raise ValueError(f"skip_first_batches(num_batches={num_batches!r}): num_batches must be an integer >= 0")
+
+
 class SkipBatchSampler(torch.utils.data.Sampler[list[int]]):
     """The batches of ``batch_sampler`` after the first ``num_batches`` (what a skipped plain DataLoader uses)."""
 
     def __init__(self, batch_sampler: Any, num_batches: int) -> None:
-        if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
-            raise ValueError(f"skip_first_batches(num_batches={num_batches!r}): num_batches must be an integer >= 0")
+        _check_skip(num_batches)
         self.batch_sampler = batch_sampler
         self.num_batches = num_batches
 
