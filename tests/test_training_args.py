@@ -318,3 +318,25 @@ def test_hfs_fsdp_config_sets_the_checkpoint_type_and_refuses_the_rest(tmp_path)
                           fsdp_config={"transformer_layer_cls_to_wrap": ["Block"]})  # fmt: skip
     with pytest.raises(ValueError, match="fsdp_state_dict_type.*distributed='fsdp'"):
         TrainingArguments(output_dir="unused", fsdp_config={"state_dict_type": "SHARDED_STATE_DICT"})
+
+
+def test_accelerator_config_sets_the_accelerators_data_loading_and_refuses_the_rest(tmp_path) -> None:
+    import torch
+
+    from mixprec import Trainer
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), accelerator_config={"dispatch_batches": False, "non_blocking": True}
+    )
+    trainer = Trainer(model=torch.nn.Linear(2, 2), args=args)
+    assert trainer.accelerator.dataloader_config.dispatch_batches is False
+    assert trainer.accelerator.config.non_blocking is True
+    with pytest.raises(ValueError, match=r"accelerator_config=.*split_batches=True\) is not supported"):
+        TrainingArguments(output_dir=str(tmp_path), accelerator_config={"split_batches": True})
+    with pytest.raises(ValueError, match="gradient_accumulation_kwargs is not supported"):
+        TrainingArguments(
+            output_dir=str(tmp_path), accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 2}}
+        )
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none").accelerator_config
+    assert TrainingArguments(output_dir=str(tmp_path), accelerator_config=hf).dataloader_configuration() is not None

@@ -260,6 +260,7 @@ class TrainingArguments(HFCompatFields):
             if self.distributed not in (None, "fsdp"):
                 fail("fsdp", self.fsdp, f"conflicts with distributed={self.distributed!r}; set one of them")
             self.distributed = "fsdp"
+        self.dataloader_configuration()  # HF's accelerator_config: checked here, used by the Accelerator
         from_config = self.fsdp_config_state_dict_type()  # HF's fsdp_config={"state_dict_type": ...}
         if from_config is not None:
             wanted = parse_state_dict_type(from_config, self.distributed, "TrainingArguments(fsdp_config=...)")

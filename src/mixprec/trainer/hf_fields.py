@@ -50,6 +50,12 @@ class HFCompatFields:
     gradient_checkpointing_kwargs: dict[str, Any] | None = _f(
         None, IMPLEMENTED, "HF 5's deprecated alias of activation_checkpointing_kwargs"
     )
+    accelerator_config: dict[str, Any] | str | None = _f(
+        None,
+        IMPLEMENTED,
+        "its DataLoader keys (dispatch_batches, even_batches, use_seedable_sampler, non_blocking; split_batches "
+        "refused): Accelerator(dataloader_config=...); its other keys only at their defaults",
+    )
     eval_on_start: bool = _f(False, IMPLEMENTED, "one evaluation before the first step")
     eval_delay: float = _f(0, IMPLEMENTED, "no evaluation before this many steps (or epochs, by eval_strategy)")
     tf32: bool | None = _f(None, IMPLEMENTED, "sets torch.backends.cuda.matmul/cudnn.allow_tf32 (CUDA only)")
@@ -135,7 +141,6 @@ class HFCompatFields:
     eval_use_gather_object: bool = _f(False, REFUSED, "evaluation gathers tensors only")
     include_for_metrics: list[str] = _f([], REFUSED, "EvalPrediction carries predictions and label_ids only")
     save_only_model: bool = _f(False, REFUSED, "checkpoints hold the full state so a resume is exact")
-    accelerator_config: dict[str, Any] | None = _f(None, REFUSED, "configure mixprec.Accelerator's arguments instead")
     parallelism_config: Any = _f(None, REFUSED, "tensor/context parallelism is not implemented")
     ddp_backend: str | None = _f(None, REFUSED, "the backend follows the device (nccl on CUDA, gloo on CPU)")
     deepspeed: dict[str, Any] | str | None = _f(None, REFUSED, "DeepSpeed is not supported; use distributed='fsdp'")
@@ -229,6 +234,35 @@ class HFCompatFields:
         if len(set(found.values())) > 1:
             fail("fsdp_config", config, "state_dict_type and fsdp_state_dict_type disagree")
         return next(iter(found.values()), None)
+
+    def dataloader_configuration(self) -> Any:
+        """The :class:`~mixprec.accelerator.data_config.DataLoaderConfiguration` HF's ``accelerator_config`` (a
+        dict, HF's AcceleratorConfig, or the path of a JSON file) asks for; None when it is unset."""
+        config = self.accelerator_config
+        if config in (None, {}, ""):
+            return None
+        from mixprec.accelerator.data_config import DataLoaderConfiguration
+        from mixprec.trainer.configs import fail
+
+        if isinstance(config, str):
+            with open(config, encoding="utf-8") as f:
+                config = json.load(f)
+        if not isinstance(config, dict) and hasattr(config, "__dataclass_fields__"):  # HF's AcceleratorConfig
+            config = {name: getattr(config, name) for name in config.__dataclass_fields__}
+        if not isinstance(config, dict):
+            fail("accelerator_config", config, "must be a dict or the path of a JSON file holding one")
+        keys = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler", "non_blocking")
+        others = sorted(k for k, v in config.items() if k not in keys and v not in (None, False, {}))
+        if others:
+            fail(
+                "accelerator_config",
+                config,
+                f"mixprec reads only its DataLoader keys ({', '.join(keys)}); {', '.join(others)} is not supported",
+            )
+        try:
+            return DataLoaderConfiguration(**{k: config[k] for k in keys if k in config})
+        except ValueError as err:
+            fail("accelerator_config", config, str(err))
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """The ``ddp_*`` fields that were set, as DistributedDataParallel's keyword arguments."""

@@ -214,6 +214,7 @@ class Trainer:
             watch=args.precision_watch,
             timeout=args.ddp_timeout,
             step_in_backward=args.step_in_backward,
+            dataloader_config=args.dataloader_configuration(),
         )
 
     def _new_model_from_init(self) -> None:
