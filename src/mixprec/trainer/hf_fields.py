@@ -215,16 +215,11 @@ class HFCompatFields:
     def fsdp_config_state_dict_type(self) -> str | None:
         """The checkpoint type HF's ``fsdp_config`` asks for (a dict, or the path of a JSON file holding one),
         None when it names none. Its other keys (wrapping policies, prefetching, XLA) are refused by name."""
-        config = self.fsdp_config
-        if config in (None, {}, ""):
+        config = _config_dict("fsdp_config", self.fsdp_config)
+        if config is None:
             return None
         from mixprec.trainer.configs import fail
 
-        if isinstance(config, str):
-            with open(config, encoding="utf-8") as f:
-                config = json.load(f)
-        if not isinstance(config, dict):
-            fail("fsdp_config", config, "must be a dict or the path of a JSON file holding one")
         found = {k: v for k, v in config.items() if k in ("state_dict_type", "fsdp_state_dict_type")}
         others = sorted(set(config) - set(found))
         if others:
@@ -238,19 +233,12 @@ class HFCompatFields:
     def dataloader_configuration(self) -> Any:
         """The :class:`~mixprec.accelerator.data_config.DataLoaderConfiguration` HF's ``accelerator_config`` (a
         dict, HF's AcceleratorConfig, or the path of a JSON file) asks for; None when it is unset."""
-        config = self.accelerator_config
-        if config in (None, {}, ""):
+        config = _config_dict("accelerator_config", self.accelerator_config)
+        if config is None:
             return None
         from mixprec.accelerator.data_config import DataLoaderConfiguration
         from mixprec.trainer.configs import fail
 
-        if isinstance(config, str):
-            with open(config, encoding="utf-8") as f:
-                config = json.load(f)
-        if not isinstance(config, dict) and hasattr(config, "__dataclass_fields__"):  # HF's AcceleratorConfig
-            config = {name: getattr(config, name) for name in config.__dataclass_fields__}
-        if not isinstance(config, dict):
-            fail("accelerator_config", config, "must be a dict or the path of a JSON file holding one")
         keys = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler", "non_blocking")
         others = sorted(k for k, v in config.items() if k not in keys and v not in (None, False, {}))
         if others:
@@ -288,6 +276,23 @@ class HFCompatFields:
             if self.dataloader_multiprocessing_context is not None:
                 kwargs["multiprocessing_context"] = self.dataloader_multiprocessing_context
         return kwargs
+
+
+def _config_dict(name: str, config: Any) -> dict[str, Any] | None:
+    """HF's config fields as a dict: given as one, as an HF config dataclass, or as the path of a JSON file
+    holding one; None when unset."""
+    if config in (None, {}, ""):
+        return None
+    if isinstance(config, str):
+        with open(config, encoding="utf-8") as f:
+            config = json.load(f)
+    elif not isinstance(config, dict) and hasattr(config, "__dataclass_fields__"):  # HF's AcceleratorConfig
+        config = {key: getattr(config, key) for key in config.__dataclass_fields__}
+    if not isinstance(config, dict):
+        from mixprec.trainer.configs import fail
+
+        fail(name, config, "must be a dict or the path of a JSON file holding one")
+    return config
 
 
 POLICY: dict[str, tuple[str, str]] = {
