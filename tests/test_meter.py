@@ -21,9 +21,15 @@ def test_non_finite_losses_are_left_out_of_the_window_and_the_run_mean():
         m.add(torch.tensor(loss), samples=1, tokens=0)
     assert m.take_window() == pytest.approx(2.0)
     m.add(torch.tensor(float("nan")), samples=1, tokens=0)
-    assert math.isnan(m.take_window())  # a window of skipped steps only: nothing to average
+    assert m.take_window() == pytest.approx(2.0)  # a window of skipped steps only: the run's mean so far, as HF
     m.add(torch.tensor(5.0), samples=1, tokens=0)
     assert m.mean_loss() == pytest.approx(3.0)  # (1 + 3 + 5) / 3
+
+
+def test_a_first_window_of_skipped_steps_only_has_no_mean_to_log():
+    m = _meter()
+    m.add(torch.tensor(float("nan")), samples=1, tokens=0)
+    assert math.isnan(m.take_window())
 
 
 def test_without_the_filter_the_loss_is_logged_as_it_is():

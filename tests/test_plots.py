@@ -22,6 +22,15 @@ def test_a_run_without_loss_scaling_still_gets_both_plots(tmp_path):
     assert all(p.read_bytes().startswith(PNG) for p in written)
 
 
+def test_a_skipped_step_without_a_scaler_is_plotted_not_a_crash(tmp_path):
+    # fp32/bf16 record a skipped (non-finite) step with loss_scale None: train() ended in a TypeError here
+    metrics = tmp_path / "metrics.jsonl"
+    entries = [{"step": s, "loss": 1.0} for s in range(1, 5)]
+    _write(metrics, [*entries, {"event": "skipped_step", "step": 3, "loss_scale": None}])
+    written = plot_run(metrics, tmp_path)
+    assert [p.name for p in written] == [LOSS_FIGURE, SCALE_FIGURE]
+
+
 def test_an_fp16_run_plots_scale_changes_and_skips(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     entries = [{"event": "loss_scale", "step": 0, "scale": 65536.0}, {"step": 1, "loss": 3.0}]

@@ -65,7 +65,10 @@ class StepMeter:
         if window is None:
             return None
         total, count = window
-        return total / count if count else float("nan")
+        if count:
+            return total / count
+        # every loss of the window was filtered out (inf/NaN): log the run's mean so far, as HF does
+        return self.total_loss / self.total_count if self.total_count else float("nan")
 
     def take_window(self) -> float | None:
         """The window's mean loss (one host sync), folded into the totals; the window starts again."""
@@ -76,7 +79,10 @@ class StepMeter:
         total, count = window
         self.total_loss += total
         self.total_count += count
-        return total / count if count else float("nan")
+        if count:
+            return total / count
+        # every loss of the window was filtered out (inf/NaN): log the run's mean so far, as HF does
+        return self.total_loss / self.total_count if self.total_count else float("nan")
 
     def mean_loss(self) -> float:
         """Mean loss over every micro-batch of the run (reads what is left in the window)."""

@@ -74,7 +74,7 @@ def plot_run(metrics_path: str | Path, output_dir: str | Path) -> list[Path]:
     if skipped:
         ax.scatter(
             [int(e["step"]) for e in skipped],
-            [float(e["loss_scale"]) for e in skipped],
+            [float(e["loss_scale"]) if e.get("loss_scale") is not None else 1.0 for e in skipped],  # None: no scaler
             color="red",
             marker="x",
             zorder=3,
