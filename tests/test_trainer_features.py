@@ -127,6 +127,38 @@ def test_model_init_builds_a_fresh_model_per_train_and_is_reproducible(tmp_path)
         Trainer(model_init=model_init, args=quiet_args(tmp_path), optimizers=(object(), None))
 
 
+def test_a_seed_set_after_construction_is_the_one_train_uses(tmp_path):
+    # HF's test_model_init: ``trainer.args.seed = 314`` before train() gives the run a Trainer built with 314 gives
+    def model_init():
+        return make_model(dropout=0.0)
+
+    def run(build_seed, train_seed):
+        args = quiet_args(tmp_path, max_steps=6, seed=build_seed, per_device_train_batch_size=4)
+        trainer = Trainer(model_init=model_init, args=args, train_dataset=make_examples(24))
+        trainer.args.seed = train_seed
+        trainer.train()
+        return flat_params(trainer.model)
+
+    with_314 = run(314, 314)
+    changed_later = run(42, 314)
+    with_42 = run(42, 42)
+    assert all(torch.equal(v, changed_later[k]) for k, v in with_314.items())
+    assert any(not torch.equal(v, with_42[k]) for k, v in with_314.items())  # the data order did change
+
+
+def test_trainable_parameter_count_and_model_wrapped(tmp_path):
+    model = make_model()
+    trainer = Trainer(model, quiet_args(tmp_path, max_steps=1), train_dataset=make_examples(8))
+    total = sum(p.numel() for p in model.parameters())
+    assert trainer.get_num_trainable_parameters() == total
+    model.head.weight.requires_grad_(False)
+    assert trainer.get_num_trainable_parameters() == total - model.head.weight.numel()
+    trainer.train()
+    wrapped = trainer.model_wrapped
+    trainer.train()
+    assert trainer.model_wrapped is wrapped  # prepared once, however many train() calls
+
+
 def test_train_twice_continues_the_model_with_a_fresh_state_and_resumes(tmp_path):
     args = quiet_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=4, logging_steps=1)
     trainer = Trainer(make_model(), args, train_dataset=make_examples(32))

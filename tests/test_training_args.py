@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from mixprec import TrainingArguments
+from mixprec import TrainerState, TrainingArguments
 
 # Fields whose names exist in both classes: the defaults must agree, so a script moving over from
 # transformers keeps its behaviour.
@@ -36,8 +36,6 @@ def test_defaults_match_hugging_face_where_names_overlap(tmp_path):
         theirs, mine = _plain(getattr(hf, name)), getattr(ours, name)
         if name == "eval_steps" and theirs is None:
             theirs = hf.logging_steps  # HF resolves None to logging_steps at use; we resolve it at construction
-        if name == "data_seed" and theirs is None:
-            theirs = hf.seed
         if theirs != mine:
             differ[name] = (theirs, mine)
     assert differ == {}
@@ -199,7 +197,9 @@ def test_an_hf_scripts_arguments_construct_unchanged(tmp_path):
         ddp_find_unused_parameters=False, tf32=None, load_best_model_at_end=True, save_strategy="steps",
     )  # fmt: skip
     assert args.activation_checkpointing is True and args.gradient_checkpointing is True
-    assert args.steps_for(40) == (4, 10, 20)  # ratios of the run, rounded up
+    state = TrainerState()
+    state.compute_steps(args, max_steps=40)  # ratios of the run, rounded up (HF's TrainerState.compute_steps)
+    assert (state.logging_steps, state.eval_steps, state.save_steps) == (4, 10, 20)
     assert args.ddp_kwargs() == {"find_unused_parameters": False}
 
 

@@ -36,6 +36,9 @@ _EXPORTS: dict[str, str] = {
     "TrainerCallback": "mixprec.trainer.callbacks",
     "TrainerControl": "mixprec.trainer.callbacks",
     "EarlyStoppingCallback": "mixprec.trainer.callbacks",
+    "DefaultFlowCallback": "mixprec.trainer.callbacks",
+    "ProgressCallback": "mixprec.trainer.progress",
+    "PrinterCallback": "mixprec.trainer.progress",
     "ExportableState": "mixprec.trainer.callbacks",
     "TrainerState": "mixprec.trainer.state",
     "EvalPrediction": "mixprec.trainer.state",
@@ -80,7 +83,14 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.scaling.record import ScaleRecord
     from mixprec.scaling.scaler import ConsecutiveSkipsError, GradScaler, LossScaler
     from mixprec.trainer.args import TrainingArguments
-    from mixprec.trainer.callbacks import EarlyStoppingCallback, ExportableState, TrainerCallback, TrainerControl
+    from mixprec.trainer.callbacks import (
+        DefaultFlowCallback,
+        EarlyStoppingCallback,
+        ExportableState,
+        TrainerCallback,
+        TrainerControl,
+    )
+    from mixprec.trainer.progress import PrinterCallback, ProgressCallback
     from mixprec.trainer.signals import TrainingInterrupted
     from mixprec.trainer.state import EvalPrediction, TrainerState
     from mixprec.trainer.trainer import Trainer

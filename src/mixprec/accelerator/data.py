@@ -149,6 +149,13 @@ class PreparedDataLoader:
             epoch, batches = self.epoch, (self._yielded if self._started else 0)
         return {"epoch": epoch, "batches": batches, "seed": self.batch_sampler.seed}
 
+    def set_shuffle_seed(self, seed: int) -> None:
+        """Shuffle as if the DataLoader's generator had been seeded with ``seed`` when it was prepared (the
+        Trainer's ``data_seed`` changed after it built the loader). No effect on a loader that does not shuffle
+        or whose order is its own."""
+        if self.batch_sampler is not None and self.batch_sampler.shuffle:
+            self.batch_sampler.seed = _draw_seed(torch.Generator().manual_seed(int(seed)))
+
     def load_state_dict(self, state: dict[str, int]) -> None:
         """The next iteration continues epoch ``state["epoch"]`` after ``state["batches"]`` batches."""
         if self.batch_sampler is None:
@@ -265,9 +272,14 @@ def _split_plan(loader: DataLoader, world: int) -> tuple[bool, torch.Generator |
     )
 
 
+def _draw_seed(generator: torch.Generator | None) -> int:
+    """The shuffle seed a loader's generator gives (its first draw; torch's global RNG when None)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator))
+
+
 def _shared_seed(strategy: DistributedStrategy, generator: torch.Generator | None) -> int:
-    seed = torch.empty((), dtype=torch.int64).random_(generator=generator).to(strategy.device)
-    return int(strategy.broadcast(seed.reshape(1), src=0).item())  # the main process's draw, everywhere
+    seed = torch.tensor([_draw_seed(generator)], dtype=torch.int64, device=strategy.device)
+    return int(strategy.broadcast(seed, src=0).item())  # the main process's draw, everywhere
 
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:

@@ -42,7 +42,6 @@ from mixprec.trainer.configs import (
     check_choice,
     check_positive_int,
     fail,
-    resolve_steps,
 )
 from mixprec.trainer.hf_fields import HFCompatFields
 from mixprec.watch.settings import WatchConfig
@@ -140,7 +139,8 @@ class TrainingArguments(HFCompatFields):
     # -- data and runtime -----------------------------------------------------------------------------
     seed: int = 42
     data_seed: int | None = None
-    """Seed of the data order (default: seed)."""
+    """Seed of the data order (None: ``seed``; read when ``train()`` starts, so a seed set after the Trainer
+    was built is the one used, as in HF)."""
     dataloader_num_workers: int = 0
     dataloader_drop_last: bool = False
     remove_unused_columns: bool = True
@@ -192,8 +192,6 @@ class TrainingArguments(HFCompatFields):
         self.report_to = list(self._normalise_report_to(self.report_to))
         if self.logging_dir is None:
             self.logging_dir = f"{self.output_dir.rstrip('/')}/runs"
-        if self.data_seed is None:
-            self.data_seed = self.seed
         check_positive_int("per_device_train_batch_size", self.per_device_train_batch_size)
         check_positive_int("dataloader_num_workers", self.dataloader_num_workers, allow_zero=True)
         check_choice("distributed", self.distributed, DISTRIBUTED)
@@ -355,15 +353,6 @@ class TrainingArguments(HFCompatFields):
             fail("metric_for_best_model", self.metric_for_best_model, "needs eval_strategy='steps' or 'epoch'")
 
     # -- HF's derived properties -----------------------------------------------------------------------
-
-    def steps_for(self, max_steps: int) -> tuple[int, int, int]:
-        """(logging_steps, eval_steps, save_steps) in optimizer steps for a run of ``max_steps``: a float
-        below 1 is a ratio of the run, rounded up (HF's rule)."""
-        return (
-            resolve_steps(self.logging_steps, max_steps),
-            resolve_steps(self.eval_steps, max_steps),
-            resolve_steps(self.save_steps, max_steps),
-        )
 
     @property
     def device(self) -> torch.device:

@@ -11,6 +11,7 @@ callback can override any of its decisions.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ EVENTS = (
     "on_save",
     "on_log",
     "on_prediction_step",
+    "on_push_begin",
 )
 
 
@@ -85,6 +87,11 @@ class TrainerControl(ExportableState):
         self.should_save = False
         self.should_evaluate = False
         self.should_log = False
+
+    # HF's names for the three resets (transformers' own tests and some callbacks call them)
+    _new_training = new_training
+    _new_epoch = new_epoch
+    _new_step = new_step
 
     def state(self) -> dict[str, Any]:
         switches = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
@@ -141,6 +148,10 @@ class TrainerCallback:
     def on_prediction_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """After each evaluation or prediction batch."""
 
+    def on_push_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        """Before a push to the Hugging Face Hub (HF's event; mixprec's Trainer never pushes, so only code that
+        calls ``callback_handler.on_push_begin`` fires it)."""
+
 
 class CallbackHandler:
     """Calls every callback for an event, in order, passing the trainer's objects as keyword arguments."""
@@ -179,6 +190,12 @@ class CallbackHandler:
 
     def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         self.pop_callback(callback)
+
+    def __getattr__(self, name: str) -> Any:
+        # HF's handler has a method per event: ``handler.on_log(args, state, control, logs=...)``
+        if name in EVENTS:
+            return functools.partial(self.call_event, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def call_event(
         self, event: str, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -2,8 +2,13 @@
 
 One object, :class:`RunEvents`, owns them and the state and control the callbacks see, behind four calls the
 Trainer and its helpers (loop, checkpointing, summary, diagnosis) share: ``fire`` (a callback event),
-``log`` (a log_history entry, sent to every logger), ``record`` (a metrics.jsonl record outside
-log_history) and ``close_progress``. No helper reaches for a logger of its own.
+``log`` (a log_history entry, written to metrics.jsonl and sent to every logger), ``record`` (a metrics.jsonl
+record outside log_history) and ``close_progress``. No helper reaches for a logger of its own.
+
+The callback list is HF's: the default flow, the ``report_to`` loggers, the progress bar (or, with
+``disable_tqdm``, the printer) and the user's callbacks. metrics.jsonl is the run's own record (resume
+truncates it, the plots and the summary read it), so it is written here, not by a callback a user could
+remove.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from mixprec.trainer.callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback, TrainerControl
 from mixprec.trainer.logging import JsonlLogger
-from mixprec.trainer.progress import ProgressCallback
+from mixprec.trainer.progress import PrinterCallback, ProgressCallback
 from mixprec.trainer.state import TrainerState
 from mixprec.trainer.watching import WatchCallback
 
@@ -44,10 +49,11 @@ class RunEvents:
         self.progress: ProgressCallback | None = None
         if accelerator.is_main_process:
             self.metrics = JsonlLogger(args.output_dir)
-            self.handler.add_callback(self.metrics)
             for reporter in reporters:
                 self.handler.add_callback(reporter)
-            if not args.disable_tqdm:
+            if args.disable_tqdm:
+                self.handler.add_callback(PrinterCallback)
+            else:
                 self.progress = ProgressCallback()
                 self.handler.add_callback(self.progress)
         if accelerator.watch is not None:
@@ -79,6 +85,8 @@ class RunEvents:
         if self.state.epoch is not None:
             logs = {**logs, "epoch": self.state.epoch}
         self.state.log_history.append({**logs, "step": self.state.global_step})
+        if self.metrics is not None:
+            self.metrics.write({"step": self.state.global_step, "epoch": self.state.epoch, **logs})
         self.fire("on_log", logs=logs)
 
     def record(self, name: str, step: int, **fields: Any) -> None:

@@ -35,6 +35,7 @@ class TrainerLoaders:
         """The training stream this process reads, when the training data is a stream (it cannot seek: a
         resume skips what was trained)."""
         self._eval: dict[int, tuple[Any, Any]] = {}
+        self._train_seed: int | None = None
 
     def _shard(self, dataset: Any, batch_size: int) -> Any:
         if not is_stream(dataset):
@@ -42,18 +43,31 @@ class TrainerLoaders:
         acc = self.accelerator
         return ShardedStream(dataset, batch_size, acc.num_processes, acc.process_index)
 
+    def data_seed(self) -> int:
+        """The seed of the training data's order: ``data_seed``, else ``seed`` (HF's rule)."""
+        return self.args.data_seed if self.args.data_seed is not None else self.args.seed
+
+    def reseed(self, loader: Any) -> None:
+        """Before a fresh ``train()``: the order follows the arguments' seed as they are now (a script may set
+        ``trainer.args.seed`` after building the Trainer, as HF allows). A resume keeps the checkpoint's."""
+        seed = self.data_seed()
+        if seed != self._train_seed and hasattr(loader, "set_shuffle_seed"):
+            loader.set_shuffle_seed(seed)
+            self._train_seed = seed
+
     def train(self, dataset: Any) -> Any:
         """The prepared training loader. Prepare it before any evaluation loader: save_state records data
         positions in preparation order."""
         args = self.args
         data = self._shard(dataset, args.per_device_train_batch_size)
         self.train_stream = data if isinstance(data, ShardedStream) else None
+        self._train_seed = self.data_seed()
         loader = make_loader(
             data,
             args.per_device_train_batch_size,
             self.collator,
             shuffle=args.train_sampling_strategy == "random",
-            seed=args.data_seed,
+            seed=self.data_seed(),
             num_workers=args.dataloader_num_workers,
             drop_last=args.dataloader_drop_last,
             **args.loader_kwargs(),

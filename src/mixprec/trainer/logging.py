@@ -1,11 +1,12 @@
 """Where logs go: ``metrics.jsonl`` always; TensorBoard, MLflow and Weights & Biases when ``report_to`` asks
 (each an optional package, imported only when asked for; :func:`make_reporters` builds them).
 
-All are callbacks on ``on_log`` and run on the main process only (the Trainer adds them there). The JSONL
-file is the run's complete record: training and evaluation entries (the same dicts as ``state.log_history``)
-plus events the history does not hold: the start of each run (and of each resume), each skipped step with
-the parameters whose gradients were non-finite, and each change of the loss scale. The file is appended
-to, so several runs in one output_dir follow each other; the plots are drawn from the latest.
+The reporters are callbacks on ``on_log`` and run on the main process only (the Trainer adds them there).
+The JSONL file is written by the run's events, not by a callback a user could remove. It is the run's
+complete record: training and evaluation entries (the same dicts as ``state.log_history``) plus events the
+history does not hold: the start of each run (and of each resume), each skipped step with the parameters
+whose gradients were non-finite, and each change of the loss scale. The file is appended to, so several runs
+in one output_dir follow each other; the plots are drawn from the latest.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _jsonable(value: Any) -> Any:
     return pytree.tree_map(leaf, value)
 
 
-class JsonlLogger(TrainerCallback):
+class JsonlLogger:
     """Appends one JSON object per line to ``<output_dir>/metrics.jsonl`` and flushes it at once, so a
     killed run's file is complete up to its last line."""
 
@@ -48,9 +49,6 @@ class JsonlLogger(TrainerCallback):
         record = {"time": round(time.time(), 3), **entry}
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(_jsonable(record), allow_nan=False) + "\n")
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        self.write({"step": state.global_step, "epoch": state.epoch, **(logs or {})})
 
     def event(self, name: str, step: int, **fields: Any) -> None:
         """A record outside log_history: ``{"event": name, "step": step, ...}``."""

@@ -77,7 +77,7 @@ class Plan:
         state.max_steps = self.max_steps
         state.num_train_epochs = self.num_epochs
         state.train_batch_size = args.per_device_train_batch_size
-        state.logging_steps, state.eval_steps, state.save_steps = args.steps_for(self.max_steps)
+        state.compute_steps(args, self.max_steps)
 
 
 def fp16_overflow(report: Any) -> dict[str, str]:

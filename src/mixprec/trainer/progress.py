@@ -1,4 +1,5 @@
-"""The progress bar: steps, loss, learning rate, loss scale and samples (or tokens) per second.
+"""What the console shows: the progress bar (steps, loss, learning rate, loss scale and samples or tokens per
+second) or, with ``disable_tqdm``, each log entry printed as HF's PrinterCallback does.
 
 The loss shown is the mean since the previous refresh. Reading it is a host sync, so the bar refreshes its
 numbers at most once a second (one sync per second, whatever the step rate), and never on the other steps.
@@ -47,3 +48,12 @@ class ProgressCallback(TrainerCallback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class PrinterCallback(TrainerCallback):
+    """Prints each log entry (main process), in place of the bar when ``disable_tqdm=True`` (HF's)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_local_process_zero and logs is not None:
+            shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in logs.items() if k != "total_flos"}
+            print(shown, flush=True)

@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from torch.utils import _pytree as pytree
 
+from mixprec.trainer.configs import resolve_steps
+
 STATE_FILE = "trainer_state.json"
 
 
@@ -49,6 +51,14 @@ class TrainerState:
     stateful_callbacks: dict[str, Any] = field(default_factory=dict)
     # Exactly HF's fields, so transformers.TrainerState.load_from_json reads our trainer_state.json. The count
     # of skipped steps lives in the loss scaler's record (saved with the scaler) and in each log entry.
+
+    def compute_steps(self, args: Any, max_steps: int) -> None:
+        """``logging_steps``/``eval_steps``/``save_steps`` from ``args`` for a run of ``max_steps`` optimizer
+        steps: an integer as it is, a float below 1 a ratio of the run, rounded up (HF's rule and name)."""
+        for kind in ("logging", "eval", "save"):
+            value = getattr(args, f"{kind}_steps", None)
+            if value is not None:
+                setattr(self, f"{kind}_steps", resolve_steps(value, max_steps))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

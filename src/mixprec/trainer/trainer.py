@@ -164,6 +164,13 @@ class Trainer:
     def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         self.callback_handler.remove_callback(callback)
 
+    def _load_callback_state(self) -> None:
+        """With ``restore_callback_states_from_checkpoint``, rebuild the stateful callbacks and the control from
+        ``state.stateful_callbacks`` (a resume calls it after loading the checkpoint's state; HF's name)."""
+        if self.args.restore_callback_states_from_checkpoint:
+            saved = self.state.stateful_callbacks
+            self.control = restore_callback_states(self.callback_handler, self.control, saved)
+
     def event(self, name: str, **kwargs: Any) -> TrainerControl:
         """Run callback event ``name``; a callback may replace ``self.control``."""
         return self.events.fire(name, **kwargs)
@@ -181,6 +188,18 @@ class Trainer:
         return self.accelerator.is_main_process
 
     # -- the model and its loss ----------------------------------------------------------------------
+
+    @property
+    def model_wrapped(self) -> torch.nn.Module:
+        """The module training calls (HF's name). mixprec keeps the user's module object when it prepares it:
+        under DDP its forward runs through DDP, FSDP2 shards it in place; so this is ``self.model``, wrapped
+        once however many times ``train()`` runs."""
+        return self.model
+
+    def get_num_trainable_parameters(self) -> int:
+        """How many parameter elements training updates (``requires_grad``), counted on the unwrapped model."""
+        model = self.accelerator.unwrap_model(self.model)
+        return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     def _prepared_model(self) -> torch.nn.Module:
         if is_prepared(self.model) and not self.accelerator.prepared_here(self.model):
@@ -302,6 +321,8 @@ class Trainer:
         if self._trained and hasattr(loader, "set_epoch"):
             loader.set_epoch(0)  # the data from its start, as HF, and in step with the fresh state's position
         checkpoint = ckpt.agree_on_resume(acc, resume_from_checkpoint, args.output_dir)
+        if checkpoint is None:
+            self._loaders.reseed(loader)
         plan = Plan.for_dataset(self.train_dataset, loader, args)
         if checkpoint is None:
             self.record_event("train_begin", 0, resumed_from=None, precision=acc.mixed_precision)
@@ -327,9 +348,7 @@ class Trainer:
             start = ckpt.load_trainer_checkpoint(run, checkpoint)
             if self._loaders.train_stream is not None:  # a stream cannot seek: read past what was trained
                 self._loaders.train_stream.skip_batches(start.batches_consumed)
-            if args.restore_callback_states_from_checkpoint:
-                saved = self.state.stateful_callbacks
-                self.control = restore_callback_states(handler, self.control, saved)
+            self._load_callback_state()
             step = self.state.global_step
             self.record_event("train_begin", step, resumed_from=step, precision=acc.mixed_precision)
         plan.apply_to(self.state, args)
