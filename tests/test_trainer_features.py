@@ -5,6 +5,7 @@ checkpoint folders."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -339,3 +340,38 @@ def test_cli_train_gradient_checkpointing_flag(tmp_path, monkeypatch):
     assert seen == [{"gradient_checkpointing_kwargs": None}]
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["training_arguments"]["gradient_checkpointing"] is True
+
+
+# -- logging_nan_inf_filter -------------------------------------------------------------------------------------
+
+
+class PoisonedSteps(Trainer):
+    """Training losses are real, except on the listed optimizer steps, where the loss is made NaN."""
+
+    def __init__(self, *args, poisoned, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.poisoned = set(poisoned)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs)
+        if model.training and self.state.global_step + 1 in self.poisoned:
+            loss = loss * float("nan")
+        return loss
+
+
+@pytest.mark.parametrize("nan_filter", [True, False])
+def test_nan_inf_filter_keeps_non_finite_losses_out_of_the_logs_and_says_so(tmp_path, nan_filter):
+    # steps 1-2 NaN (the first window has no finite loss), step 5 NaN (a window with a finite one)
+    args = quiet_args(tmp_path, max_steps=6, logging_steps=2, logging_nan_inf_filter=nan_filter)
+    trainer = PoisonedSteps(make_model(), args, train_dataset=make_examples(48), poisoned=[1, 2, 5])
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    losses = [e["loss"] for e in logged]
+    if nan_filter:
+        assert all(math.isfinite(x) for x in losses)
+        assert [e.get("nonfinite_losses", 0) for e in logged] == [2, 0, 1]
+        assert losses[0] == 0.0  # no finite loss yet: HF's stand-in, marked by the count above
+        assert losses[2] > 0.0  # step 6's loss alone (step 5's NaN left out)
+    else:
+        assert math.isnan(losses[0]) and math.isnan(losses[2]) and math.isfinite(losses[1])
+        assert all("nonfinite_losses" not in e for e in logged)

@@ -273,10 +273,13 @@ class TrainingLoop:
 
     def _log_training(self) -> None:
         ctx = self.run_ctx
-        loss = ctx.meter.take_window()  # a host sync, on logging steps only
-        if loss is None:
+        window = ctx.meter.take_window()  # a host sync, on logging steps only
+        if window is None:
             return
+        loss, filtered = window
         logs: dict[str, Any] = {"loss": loss}
+        if filtered:  # logging_nan_inf_filter left these inf/NaN micro-batch losses out of the mean
+            logs["nonfinite_losses"] = filtered
         if self._grad_norm is not None:
             logs["grad_norm"] = float(self._grad_norm)
         logs["learning_rate"] = float(ctx.lr_scheduler.get_last_lr()[0])

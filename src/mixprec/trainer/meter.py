@@ -59,33 +59,34 @@ class StepMeter:
         total, finite = torch.stack([self._window_sum, self._window_finite.float()]).tolist()
         return total, int(finite)
 
+    def _mean(self, total: float, count: int) -> float:
+        if count:
+            return total / count
+        # every loss of the window was filtered out (inf/NaN): the run's mean so far, and 0.0 before any finite
+        # loss (HF's arithmetic: its filter adds the window's running mean, which starts at 0); the log entry
+        # says how many losses were filtered, so a stand-in is never mistaken for a measured loss
+        return self.total_loss / self.total_count if self.total_count else 0.0
+
     def window_mean(self) -> float | None:
         """Mean loss since the last :meth:`take_window` (one host sync), or None if nothing was added."""
         window = self._window()
-        if window is None:
-            return None
-        total, count = window
-        if count:
-            return total / count
-        # every loss of the window was filtered out (inf/NaN): log the run's mean so far, as HF does
-        return self.total_loss / self.total_count if self.total_count else float("nan")
+        return None if window is None else self._mean(*window)
 
-    def take_window(self) -> float | None:
-        """The window's mean loss (one host sync), folded into the totals; the window starts again."""
-        window = self._window()
+    def take_window(self) -> tuple[float, int] | None:
+        """The window's mean loss and how many of its losses the filter left out (one host sync), folded into
+        the totals; the window starts again. None if nothing was added."""
+        window, added = self._window(), self._window_count
         self._window_sum, self._window_finite, self._window_count = None, None, 0
         if window is None:
             return None
         total, count = window
         self.total_loss += total
         self.total_count += count
-        if count:
-            return total / count
-        # every loss of the window was filtered out (inf/NaN): log the run's mean so far, as HF does
-        return self.total_loss / self.total_count if self.total_count else float("nan")
+        return self._mean(total, count), added - count
 
     def mean_loss(self) -> float:
-        """Mean loss over every micro-batch of the run (reads what is left in the window)."""
+        """Mean loss over every micro-batch of the run (reads what is left in the window); nan when no finite
+        loss was seen."""
         self.take_window()
         return self.total_loss / self.total_count if self.total_count else float("nan")
 
