@@ -375,3 +375,36 @@ def test_nan_inf_filter_keeps_non_finite_losses_out_of_the_logs_and_says_so(tmp_
     else:
         assert math.isnan(losses[0]) and math.isnan(losses[2]) and math.isfinite(losses[1])
         assert all("nonfinite_losses" not in e for e in logged)
+
+
+# -- memory metrics (skip_memory_metrics=False) ---------------------------------------------------------------
+
+
+class HoldsMemory(Trainer):
+    """Keeps a 64 MiB buffer alive from its first evaluation batch on: a planted allocation of the eval stage."""
+
+    held = None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not model.training and HoldsMemory.held is None:
+            HoldsMemory.held = torch.ones(16 * 1024 * 1024)  # 64 MiB, touched (resident)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="the CPU peak needs Linux's clear_refs")
+def test_memory_metrics_per_stage_as_hf_names_them(tmp_path):
+    data = make_examples(16)
+    trainer = HoldsMemory(make_model(), quiet_args(tmp_path, max_steps=2, skip_memory_metrics=False),
+                          train_dataset=data, eval_dataset=data)  # fmt: skip
+    metrics = trainer.train().metrics
+    for stage in ("init", "train"):  # init's are reported with the first train()
+        assert isinstance(metrics[f"{stage}_mem_cpu_alloc_delta"], int)
+        assert metrics[f"{stage}_mem_cpu_peaked_delta"] >= 0
+    assert "train_mem_cpu_alloc_delta" in trainer.state.log_history[-1]  # logged with the run's last entry
+    ev = trainer.evaluate()
+    assert ev["eval_mem_cpu_alloc_delta"] >= 60 * 2**20  # the planted 64 MiB stays held
+    assert "init_mem_cpu_alloc_delta" not in trainer.train().metrics  # only with the first train()
+    assert "test_mem_cpu_alloc_delta" in trainer.predict(data).metrics
+    HoldsMemory.held = None
+    quiet = Trainer(make_model(), quiet_args(tmp_path, max_steps=1), train_dataset=data, eval_dataset=data)
+    assert not any("_mem_" in k for k in [*quiet.train().metrics, *quiet.evaluate()])  # HF's default: off

@@ -47,7 +47,7 @@ CPU_SOURCE = (
 )
 
 
-def _proc_status(key: str) -> int | None:
+def proc_status_bytes(key: str) -> int | None:
     """A ``kB`` field of /proc/self/status in bytes, or None off Linux."""
     try:
         with open("/proc/self/status") as f:
@@ -59,7 +59,7 @@ def _proc_status(key: str) -> int | None:
     return None
 
 
-def _reset_peak_rss() -> bool:
+def reset_peak_rss() -> bool:
     """Reset VmHWM to the current RSS (Linux >= 4.0). False where that is not possible."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -81,7 +81,7 @@ def _trim_heap() -> None:
 
 def cpu_memory_supported() -> bool:
     """Whether :func:`measure_run` can measure on a CPU here (a resettable peak RSS: Linux)."""
-    return _proc_status("VmHWM") is not None and _reset_peak_rss()
+    return proc_status_bytes("VmHWM") is not None and reset_peak_rss()
 
 
 def measure_run(prepare: Prepare, device: torch.device | str) -> MemoryMeasurement | None:
@@ -105,10 +105,10 @@ def measure_run(prepare: Prepare, device: torch.device | str) -> MemoryMeasureme
     run = prepare()
     gc.collect()
     _trim_heap()
-    _reset_peak_rss()
-    baseline = _proc_status("VmRSS") or 0
+    reset_peak_rss()
+    baseline = proc_status_bytes("VmRSS") or 0
     run()
-    peak = _proc_status("VmHWM") or 0
+    peak = proc_status_bytes("VmHWM") or 0
     del run
     gc.collect()
     return MemoryMeasurement(max(0, peak - baseline), baseline, CPU_SOURCE)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from mixprec.trainer.args import TrainingArguments
     from mixprec.trainer.callbacks import TrainerControl
     from mixprec.trainer.events import RunEvents
+    from mixprec.trainer.memory_metrics import MemoryMetrics
     from mixprec.trainer.meter import StepMeter
     from mixprec.trainer.state import TrainerState
 
@@ -51,6 +52,8 @@ class RunContext:
     """How the user continues this run, for the stop and disk-full messages."""
     diagnosis: Any = None
     """The ``diagnose_at_start`` report, if one ran."""
+    memory: MemoryMetrics | None = None
+    """HF's memory metrics (``skip_memory_metrics=False``); the summary ends the "train" stage."""
 
     @property
     def state(self) -> TrainerState:

@@ -56,6 +56,9 @@ class HFCompatFields:
         "its DataLoader keys (dispatch_batches, even_batches, use_seedable_sampler, non_blocking; split_batches "
         "refused): Accelerator(dataloader_config=...); its other keys only at their defaults",
     )
+    skip_memory_metrics: bool = _f(
+        True, IMPLEMENTED, "False: <stage>_mem_cpu/gpu_alloc/peaked_delta in the train/eval/predict metrics"
+    )
     eval_on_start: bool = _f(False, IMPLEMENTED, "one evaluation before the first step")
     eval_delay: float = _f(0, IMPLEMENTED, "no evaluation before this many steps (or epochs, by eval_strategy)")
     tf32: bool | None = _f(None, IMPLEMENTED, "sets torch.backends.cuda.matmul/cudnn.allow_tf32 (CUDA only)")
@@ -106,7 +109,6 @@ class HFCompatFields:
         True, IMPLEMENTED, "a skipped step's inf/NaN loss is left out of the logged and summary means"
     )
     include_num_input_tokens_seen: str | bool = _f("no", IGNORED, "tokens/s is in the end-of-run summary instead")
-    skip_memory_metrics: bool = _f(True, IGNORED, "peak memory is in the end-of-run summary regardless")
     torch_empty_cache_steps: int | None = _f(None, IGNORED, "a memory-hygiene knob; the allocator caches as usual")
     use_cache: bool = _f(False, IGNORED, "the model's KV cache setting is left as the model has it")
     length_column_name: str = _f("length", IGNORED, "only read by train_sampling_strategy='group_by_length'")

@@ -128,9 +128,13 @@ def finish_run(run: RunContext, steps_before: int) -> TrainOutput:
         metric_name=args.evaluation.metric_key() if state.best_metric is not None else None,
         device=acc.device,
     )
+    memory: dict[str, int] = {}
+    if run.memory is not None:  # HF's <stage>_mem_* metrics: in the returned metrics and the last log entry
+        run.memory.stop("train", memory)
+        summary.update(memory)
     # HF's last log entry, which scripts read from log_history[-1]
-    run.log({k: summary[k] for k in ("train_runtime", "train_samples_per_second", "train_steps_per_second",
-                                        "train_loss")})  # fmt: skip
+    run.log({**{k: summary[k] for k in ("train_runtime", "train_samples_per_second", "train_steps_per_second",
+                                          "train_loss")}, **memory})  # fmt: skip
     if acc.is_main_process:
         write_summary(summary, args.output_dir)
         if args.save_plots and events.metrics_path is not None:

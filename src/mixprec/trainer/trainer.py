@@ -47,6 +47,7 @@ from mixprec.trainer.events import RunEvents
 from mixprec.trainer.loaders import TrainerLoaders, check_datasets
 from mixprec.trainer.logging import make_reporters
 from mixprec.trainer.loop import Plan, TrainingLoop
+from mixprec.trainer.memory_metrics import MemoryMetrics
 from mixprec.trainer.meter import StepMeter
 from mixprec.trainer.optim import build_optimizer, build_scheduler
 from mixprec.trainer.seeding import enable_full_determinism, seed_run, set_seed
@@ -79,6 +80,8 @@ class Trainer:
         preprocess_logits_for_metrics: Any = None,
     ) -> None:
         self.args = args if args is not None else TrainingArguments()
+        self._memory = MemoryMetrics(not self.args.skip_memory_metrics, self.args.device)
+        self._memory.start("init")
         # model_init (HF): a fresh model at every train(); also the model when none is given
         self.model_init = model_init
         if model_init is not None and optimizers != (None, None):
@@ -132,6 +135,7 @@ class Trainer:
         """Callbacks, log_history, metrics.jsonl and the progress bar; owns ``state`` and ``control``."""
         self.callback_handler.model = self.model
         self.event("on_init_end")
+        self._memory.stop("init")
 
     # -- callbacks -----------------------------------------------------------------------------------
 
@@ -301,8 +305,10 @@ class Trainer:
         a second run into it is refused (FolderInUseError) naming the process that holds it."""
         with ckpt.lock_output_dir(self.accelerator, self.args.output_dir):
             try:
+                self._memory.start("train")
                 return self._train(resume_from_checkpoint)
             except BaseException as err:
+                self._memory.abandon("train")
                 self.events.close_progress()  # end the bar's line, so that the error is printed on its own
                 explained = self.accelerator.explain_failure(err)
                 if explained is not err:  # a peer died or went silent: one line naming it, not gloo's trace
@@ -342,7 +348,8 @@ class Trainer:
         handler.optimizer, handler.lr_scheduler, handler.train_dataloader = self.optimizer, self.lr_scheduler, loader
         run = RunContext(acc, args, self.events, self.meter, model, self.optimizer, self.lr_scheduler, loader,
                          compute_loss=self.compute_loss, evaluate=self.evaluate, log=self.log,
-                         resume_command=self.resume_command, diagnosis=self.diagnosis)  # fmt: skip
+                         resume_command=self.resume_command, diagnosis=self.diagnosis,
+                         memory=self._memory)  # fmt: skip
         start = DataPosition()
         if checkpoint is not None:
             start = ckpt.load_trainer_checkpoint(run, checkpoint)
@@ -399,14 +406,26 @@ class Trainer:
         """Loss and ``compute_metrics`` over the evaluation set, logged with prefix ``eval_``."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         want = self.compute_metrics is not None and not self.args.prediction_loss_only
-        metrics = self._run_eval(dataset, metric_key_prefix, want).metrics
+        self._memory.start("eval")
+        try:
+            metrics = self._run_eval(dataset, metric_key_prefix, want).metrics
+        except BaseException:
+            self._memory.abandon("eval")
+            raise
         self.log(metrics)
         self.event("on_evaluate", metrics=metrics)
+        self._memory.stop("eval", metrics)  # HF's eval_mem_* (returned, not logged)
         return metrics
 
     def predict(self, test_dataset: Any, ignore_keys: Any = None, metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (everything the model returns but the loss), labels and metrics, as HF's."""
-        result = self._run_eval(test_dataset, metric_key_prefix, want_predictions=True)
+        self._memory.start("test")
+        try:
+            result = self._run_eval(test_dataset, metric_key_prefix, want_predictions=True)
+        except BaseException:
+            self._memory.abandon("test")
+            raise
+        self._memory.stop("test", result.metrics)
         self.event("on_predict", metrics=result.metrics)
         return PredictionOutput(result.predictions, result.label_ids, result.metrics)
 
