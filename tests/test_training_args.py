@@ -210,7 +210,6 @@ def test_an_hf_scripts_arguments_construct_unchanged(tmp_path):
         ("push_to_hub", True),
         ("deepspeed", "ds.json"),
         ("auto_find_batch_size", True),
-        ("neftune_noise_alpha", 5.0),
         ("bf16_full_eval", True),
         ("include_for_metrics", ["inputs"]),
         ("train_sampling_strategy", "group_by_length"),

@@ -247,6 +247,10 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding (HF's name; NEFTune adds its noise to this module's output)."""
+        return self.transformer.wte
+
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict[str, Any] | None = None) -> None:
         """Recompute each block's activations in the backward pass instead of keeping them (HF's method name).
 

@@ -59,6 +59,9 @@ class HFCompatFields:
     skip_memory_metrics: bool = _f(
         True, IMPLEMENTED, "False: <stage>_mem_cpu/gpu_alloc/peaked_delta in the train/eval/predict metrics"
     )
+    neftune_noise_alpha: float | None = _f(
+        None, IMPLEMENTED, "NEFTune: noise on model.get_input_embeddings()'s output while training"
+    )
     eval_on_start: bool = _f(False, IMPLEMENTED, "one evaluation before the first step")
     eval_delay: float = _f(0, IMPLEMENTED, "no evaluation before this many steps (or epochs, by eval_strategy)")
     tf32: bool | None = _f(None, IMPLEMENTED, "sets torch.backends.cuda.matmul/cudnn.allow_tf32 (CUDA only)")
@@ -138,7 +141,6 @@ class HFCompatFields:
     optim_target_modules: str | list[str] | None = _f(None, REFUSED, "GaLore-style optimizers are not built in")
     use_liger_kernel: bool = _f(False, REFUSED, "Liger kernels are not applied")
     liger_kernel_config: dict[str, bool] | None = _f(None, REFUSED, "Liger kernels are not applied")
-    neftune_noise_alpha: float | None = _f(None, REFUSED, "NEFTune embedding noise is not implemented")
     auto_find_batch_size: bool = _f(False, REFUSED, "no retry on out-of-memory: lower per_device_train_batch_size")
     eval_use_gather_object: bool = _f(False, REFUSED, "evaluation gathers tensors only")
     include_for_metrics: list[str] = _f([], REFUSED, "EvalPrediction carries predictions and label_ids only")
@@ -177,6 +179,9 @@ class HFCompatFields:
                 self.train_sampling_strategy,
                 "choose 'random' or 'sequential' (group_by_length is not implemented)",
             )
+        alpha = self.neftune_noise_alpha
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0):
+            fail("neftune_noise_alpha", alpha, "must be a number > 0 (HF's papers use 5 to 15), or None")
         if not (isinstance(self.eval_delay, (int, float)) and self.eval_delay >= 0):
             fail("eval_delay", self.eval_delay, "must be a number >= 0")
 

@@ -49,6 +49,7 @@ from mixprec.trainer.logging import make_reporters
 from mixprec.trainer.loop import Plan, TrainingLoop
 from mixprec.trainer.memory_metrics import MemoryMetrics
 from mixprec.trainer.meter import StepMeter
+from mixprec.trainer.neftune import input_embeddings, neftune
 from mixprec.trainer.optim import build_optimizer, build_scheduler
 from mixprec.trainer.seeding import enable_full_determinism, seed_run, set_seed
 from mixprec.trainer.signals import TrainingInterrupted
@@ -99,6 +100,8 @@ class Trainer:
         self.args.validate()
         args = self.args
         check_datasets(args, train_dataset, eval_dataset)
+        if args.neftune_noise_alpha is not None:
+            input_embeddings(model)  # refused now, naming the fix, if the model has no embeddings to add noise to
         # the reporters' packages are checked before joining any process group, so a missing one fails fast
         reporters = make_reporters(args.report_to, args.logging_dir) if self._is_main_launch() else []
         seed_run(self.args.seed, self.args.full_determinism)
@@ -364,7 +367,8 @@ class Trainer:
             self.evaluate()
         loop = TrainingLoop(run, plan, start)
         steps_before = self.state.global_step
-        loop.run()
+        with neftune(acc.unwrap_model(model), args.neftune_noise_alpha):  # embedding noise while training only
+            loop.run()
         interrupted = loop.interrupted
         if interrupted is None and args.load_best_model_at_end:
             weights.load_best_model(acc, model, args, self.state)
