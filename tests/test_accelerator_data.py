@@ -193,3 +193,18 @@ def test_dataloader_configuration_accepts_mixprecs_split_and_refuses_the_others_
         DataLoaderConfiguration(data_seed=3)
     with pytest.raises(TypeError, match="dataloader_config=.*expected a DataLoaderConfiguration, got dict"):
         Accelerator(dataloader_config={"dispatch_batches": False}, verbose=False)
+
+
+def test_one_split_rule_for_samples_split_between_processes_and_dispatched_batches():
+    from mixprec.accelerator.process_state import split_share
+    from mixprec.accelerator.sharding import share_bounds
+
+    for n in range(0, 12):
+        for count in range(1, 5):
+            bounds = [share_bounds(n, i, count) for i in range(count)]
+            assert [b[0] for b in bounds] == [0] + [b[1] for b in bounds[:-1]] and bounds[-1][1] == n  # tiles
+            sizes = [hi - lo for lo, hi in bounds]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+            assert [split_share(list(range(n)), i, count) for i in range(count)] == [
+                list(range(lo, hi)) for lo, hi in bounds
+            ]

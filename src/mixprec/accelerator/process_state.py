@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from mixprec.accelerator.distributed import LaunchEnv, make_strategy, select_device
+from mixprec.accelerator.sharding import share_bounds
 
 if TYPE_CHECKING:
     from mixprec.accelerator.distributed import DistributedStrategy
@@ -179,10 +180,9 @@ def split_share(inputs: Any, index: int, count: int, apply_padding: bool = False
             f"split_between_processes(inputs=...): got {type(inputs).__name__}; pass a list, tuple, tensor or "
             "a dict of those"
         )
-    per, extra = divmod(len(inputs), count)
-    start = index * per + min(index, extra)
-    share = inputs[start : start + per + (1 if index < extra else 0)]
-    longest = per + (1 if extra else 0)
+    start, end = share_bounds(len(inputs), index, count)
+    share = inputs[start:end]
+    longest = -(-len(inputs) // count)  # the first share's size
     if apply_padding and len(share) < longest and len(inputs) > 0:
         last = inputs[-1:] if len(share) == 0 else share[-1:]
         missing = longest - len(share)

@@ -89,14 +89,21 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         order = self.order(self.epoch)
         for first, end in self._steps[self.start :]:
-            base, extra = divmod(end - first, self.num_processes)
-            r = self.process_index
-            lo = first + r * base + min(r, extra)
-            yield order[lo : lo + base + (1 if r < extra else 0)]
+            lo, hi = share_bounds(end - first, self.process_index, self.num_processes)
+            yield order[first + lo : first + hi]
 
     def __len__(self) -> int:
         """Batches in a full epoch (the same on every process)."""
         return len(self._steps)
+
+
+def share_bounds(n: int, index: int, count: int) -> tuple[int, int]:
+    """``(start, end)`` of process ``index``'s contiguous share of ``n`` items among ``count`` processes: sizes
+    differ by at most one, the first ``n % count`` processes taking one more. The one split rule of mixprec's
+    data (a global step's samples here, ``split_between_processes`` and dispatched batches)."""
+    per, extra = divmod(n, count)
+    start = index * per + min(index, extra)
+    return start, start + per + (1 if index < extra else 0)
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
