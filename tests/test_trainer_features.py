@@ -408,3 +408,52 @@ def test_memory_metrics_per_stage_as_hf_names_them(tmp_path):
     HoldsMemory.held = None
     quiet = Trainer(make_model(), quiet_args(tmp_path, max_steps=1), train_dataset=data, eval_dataset=data)
     assert not any("_mem_" in k for k in [*quiet.train().metrics, *quiet.evaluate()])  # HF's default: off
+
+
+# -- include_num_input_tokens_seen ------------------------------------------------------------------------------
+
+
+class MaskedLM(torch.nn.Module):
+    """trainer_utils' model, taking HF's attention_mask (so the Trainer keeps it in the batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = make_model(dropout=0.0)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return self.inner(input_ids, labels=labels)
+
+
+def padded_examples(n: int) -> list[dict[str, torch.Tensor]]:
+    examples = make_examples(n)
+    for i, ex in enumerate(examples):
+        ex["attention_mask"] = (torch.arange(SEQ) < SEQ - i % 3).long()  # 0, 1 or 2 padding positions
+    return examples
+
+
+@pytest.mark.parametrize("mode", ["all", "non_padding", "no"])
+def test_num_input_tokens_seen_counts_as_hf_and_survives_a_resume(tmp_path, mode):
+    data = padded_examples(24)
+    kwargs = dict(per_device_train_batch_size=4, include_num_input_tokens_seen=mode, logging_steps=2)
+    trainer = Trainer(MaskedLM(), quiet_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, **kwargs),
+                      train_dataset=data)  # fmt: skip
+    trainer.train()
+    seen = trainer.state.num_input_tokens_seen
+    if mode == "no":
+        assert seen == 0 and all("num_input_tokens_seen" not in e for e in trainer.state.log_history)
+        return
+    if mode == "all":
+        assert seen == 4 * 4 * SEQ
+    else:
+        assert 4 * 4 * (SEQ - 2) <= seen < 4 * 4 * SEQ  # the padding is left out
+    logged = [e["num_input_tokens_seen"] for e in trainer.state.log_history if "loss" in e]
+    assert logged[-1] == seen and logged == sorted(logged)
+    resumed = Trainer(MaskedLM(), quiet_args(tmp_path, max_steps=4, **kwargs), train_dataset=data)
+    state = json.loads((tmp_path / "out" / "checkpoint-2" / "trainer_state.json").read_text())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert 0 < state["num_input_tokens_seen"] < seen and resumed.state.num_input_tokens_seen == seen
+
+
+def test_an_unknown_token_count_mode_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"TrainingArguments\(include_num_input_tokens_seen='some'"):
+        TrainingArguments(include_num_input_tokens_seen="some")

@@ -219,6 +219,18 @@ def count_tokens(batch: Any) -> int:
     return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
 
 
+def count_input_tokens(batch: Any, mode: str, main_input_name: str = "input_ids") -> int | torch.Tensor:
+    """Input tokens of a batch for HF's ``include_num_input_tokens_seen``: ``"all"`` counts the elements of
+    ``batch[main_input_name]`` (host metadata), ``"non_padding"`` sums ``attention_mask`` (a device tensor:
+    reading it is a sync) or, without a mask, counts every element. 0 when the batch has no such input."""
+    if not isinstance(batch, Mapping) or not isinstance(batch.get(main_input_name), torch.Tensor):
+        return 0
+    mask = batch.get("attention_mask")
+    if mode == "non_padding" and isinstance(mask, torch.Tensor):
+        return mask.sum()
+    return int(batch[main_input_name].numel())
+
+
 def count_samples(batch: Any) -> int:
     """Examples in a batch: the leading dimension of its first tensor (no device sync)."""
     values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else [batch]

@@ -62,6 +62,12 @@ class HFCompatFields:
     neftune_noise_alpha: float | None = _f(
         None, IMPLEMENTED, "NEFTune: noise on model.get_input_embeddings()'s output while training"
     )
+    include_num_input_tokens_seen: str | bool = _f(
+        "no",
+        IMPLEMENTED,
+        "'all' / True (input_ids elements) or 'non_padding' (attention_mask sum): state.num_input_tokens_seen, "
+        "summed over processes, and in each training log entry",
+    )
     eval_on_start: bool = _f(False, IMPLEMENTED, "one evaluation before the first step")
     eval_delay: float = _f(0, IMPLEMENTED, "no evaluation before this many steps (or epochs, by eval_strategy)")
     tf32: bool | None = _f(None, IMPLEMENTED, "sets torch.backends.cuda.matmul/cudnn.allow_tf32 (CUDA only)")
@@ -111,7 +117,6 @@ class HFCompatFields:
     logging_nan_inf_filter: bool = _f(
         True, IMPLEMENTED, "a skipped step's inf/NaN loss is left out of the logged and summary means"
     )
-    include_num_input_tokens_seen: str | bool = _f("no", IGNORED, "tokens/s is in the end-of-run summary instead")
     torch_empty_cache_steps: int | None = _f(None, IGNORED, "a memory-hygiene knob; the allocator caches as usual")
     use_cache: bool = _f(False, IGNORED, "the model's KV cache setting is left as the model has it")
     length_column_name: str = _f("length", IGNORED, "only read by train_sampling_strategy='group_by_length'")
@@ -160,6 +165,9 @@ class HFCompatFields:
                 setattr(self, name, json.loads(value))
         if isinstance(self.include_num_input_tokens_seen, bool):
             self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+        if self.include_num_input_tokens_seen not in ("no", "all", "non_padding"):
+            fail("include_num_input_tokens_seen", self.include_num_input_tokens_seen,
+                 "choose 'all' (or True), 'non_padding' or 'no' (or False)")  # fmt: skip
         steps = self.torch_empty_cache_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             fail("torch_empty_cache_steps", steps, "must be a positive integer or None")

@@ -24,7 +24,7 @@ import torch
 from mixprec.scaling.scaler import ConsecutiveSkipsError
 from mixprec.trainer import checkpointing as ckpt  # by module: tests wrap save_trainer_checkpoint
 from mixprec.trainer.callbacks import export_callback_states
-from mixprec.trainer.data import DataPosition, count_samples, count_tokens, is_stream
+from mixprec.trainer.data import DataPosition, count_input_tokens, count_samples, count_tokens, is_stream
 from mixprec.trainer.signals import GracefulStop
 
 if TYPE_CHECKING:
@@ -172,11 +172,23 @@ class TrainingLoop:
             loss = ctx.compute_loss(ctx.model, batch)
             acc.backward(loss)
             ctx.meter.add(loss, count_samples(batch), count_tokens(batch))
+            if ctx.args.include_num_input_tokens_seen != "no":
+                self._count_input_tokens(batch)
             if not acc.sync_gradients:
                 return False
             self._optimizer_step()
         self._micro_in_step = 0
         return True
+
+    def _count_input_tokens(self, batch: Any) -> None:
+        """HF's ``state.num_input_tokens_seen``, summed over processes (as HF: one collective per micro-batch
+        under several processes, and a sync per micro-batch for "non_padding"; free otherwise)."""
+        ctx, acc = self.run_ctx, self.run_ctx.accelerator
+        main_input = getattr(acc.unwrap_model(ctx.model), "main_input_name", "input_ids")
+        seen = count_input_tokens(batch, ctx.args.include_num_input_tokens_seen, main_input)
+        if acc.num_processes > 1:
+            seen = acc.reduce(torch.as_tensor(seen, dtype=torch.int64, device=acc.device))
+        ctx.state.num_input_tokens_seen += int(seen)
 
     def _settle_precision(self, batch: Any) -> None:
         """precision="auto": race the candidate modes on this first batch through the Trainer's own
@@ -283,6 +295,8 @@ class TrainingLoop:
         if self._grad_norm is not None:
             logs["grad_norm"] = float(self._grad_norm)
         logs["learning_rate"] = float(ctx.lr_scheduler.get_last_lr()[0])
+        if ctx.args.include_num_input_tokens_seen != "no":
+            logs["num_input_tokens_seen"] = ctx.state.num_input_tokens_seen
         scaler = ctx.accelerator.scaler
         if scaler.is_enabled():
             logs["loss_scale"] = scaler.get_scale()
