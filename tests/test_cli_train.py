@@ -219,10 +219,13 @@ def test_torchrun_trains_on_two_processes_into_one_run_folder(tmp_path, corpus):
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
     argv = ["-m", "mixprec.cli.main", "train", "--data", corpus, *FAST, "--max-steps", "2"]
     proc = subprocess.run([*launch, *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    # both processes exit 0, including the one that finishes first: it used to abort at interpreter exit 3 runs
+    # in 30 (SIGABRT, "terminate called without an active exception": see mixprec.accelerator.distributed)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
     # no --output-dir: both processes must still agree on one runs/<launch time> folder
     runs = list((tmp_path / "runs").iterdir())
-    assert len(runs) == 1 and (runs[0] / "checkpoint-2").is_dir()
+    assert len(runs) == 1 and (runs[0] / "checkpoint-2").is_dir() and (runs[0] / "run.json").is_file()
     assert proc.stdout.count("mixprec train: summary") == 1  # printed by the main process only
     assert "tokens/s (all 2 processes together)" in proc.stdout
 

@@ -14,7 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
+
+from mixprec import Accelerator
 
 pytestmark = [
     pytest.mark.distributed,
@@ -170,3 +173,34 @@ def test_auto_races_once_and_every_rank_trains_in_the_main_ones_choice(ranks: li
 def test_auto_races_in_lockstep_under_fsdp(ranks: list[dict]) -> None:
     a, b = ranks[0]["auto-fsdp"], ranks[1]["auto-fsdp"]
     assert a["chosen"] == b["chosen"] and (a["source"], b["source"]) == ("measured", "main process")
+
+
+def test_leaving_the_group_waits_until_the_backend_holds_no_tensor_of_ours(monkeypatch: pytest.MonkeyPatch) -> None:
+    # In process, a one-process gloo group (the same collectives and worker threads as under torchrun). gloo's
+    # worker thread drops its reference to a collective's tensors only after wait() has returned; if that
+    # reference is the tensor's last, the thread must free its Python object, and doing so while the interpreter
+    # shuts down aborted finished workers (SIGABRT, "terminate called without an active exception"). The strategy
+    # lends the backend aliases it keeps until the backend lets go, and end_training destroys the group only
+    # once none is lent.
+    acc = Accelerator(cpu=True, distributed="ddp", verbose=False)
+    strategy = acc._strategy
+    try:
+        lent = []
+        for i in range(200):
+            total = acc.reduce(torch.tensor([float(i), 1.0]), reduction="sum")  # the caller drops it at once
+            lent.append(len(strategy._handed))
+        assert total.tolist() == [199.0, 1.0]  # results land in the caller's tensor, not only in the alias
+        assert acc.gather(torch.arange(3)).tolist() == [0, 1, 2]
+        assert max(lent) <= 6  # let go of as the backend does: not one kept per collective for the whole run
+        at_destroy: list[list[int]] = []
+        destroy = dist.destroy_process_group
+
+        def watched(*args, **kwargs):
+            at_destroy.append([alias._use_count() for alias in strategy._handed])
+            return destroy(*args, **kwargs)
+
+        monkeypatch.setattr(dist, "destroy_process_group", watched)
+    finally:
+        acc.end_training()
+    assert at_destroy == [[]]  # nothing lent when the group went
+    assert not dist.is_initialized()

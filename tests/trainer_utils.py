@@ -79,7 +79,12 @@ def leave(accelerator) -> None:
     """End a torchrun test worker once its results are written: leave the process group (every process
     waits for the others first), then exit without the interpreter's teardown. Why: a finished 2-process gloo
     worker has aborted there (SIGABRT, "terminate called without an active exception": 3 CI runs of 8 in the
-    session that wrote this, 1 in 8 by hand), which the launcher reports as a failed job."""
+    session that wrote this, 1 in 8 by hand), which the launcher reports as a failed job. The cause: a gloo
+    worker thread freeing a collective's tensor after the interpreter began shutting down (it needs the GIL,
+    and Python ends the thread inside a C++ destructor). end_training() now waits for the backend to let go
+    of every tensor mixprec's own collectives lent it (mixprec.accelerator.distributed), but collectives
+    inside torch (distributed checkpoints, broadcast_object_list) create and drop tensors of their own, which
+    these workers also run: hence still the exit without teardown."""
     import os
     import sys
 

@@ -10,13 +10,27 @@ One small object per kind, each overriding only what differs (the facade never b
 The process group is set up from the launcher's environment (``torchrun`` sets RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR and MASTER_PORT), so a script needs no ``init_process_group`` of its own. Its collectives
 wait at most ``timeout`` seconds for a peer (:mod:`mixprec.accelerator.peers`: 5 minutes by default).
+
+Leaving the group (``close``, from ``Accelerator.end_training()`` or at exit) must not leave a backend
+thread holding a tensor that Python has let go of. gloo runs each collective on a worker thread of its own,
+which drops its reference to the collective's tensors only *after* the caller's ``wait`` has returned. If
+the caller has dropped the tensor by then, torch hands the tensor's Python object to that last C++
+reference, so the worker thread must take the GIL to free it; when that happens after the interpreter has
+begun shutting down, Python ends the thread (``pthread_exit``) in the middle of a C++ destructor and the
+process dies with "terminate called without an active exception" (SIGABRT) after its work is done
+(seen 3 runs in 30 of a 2-process ``mixprec train`` under torchrun: the rank that finished first, right
+after an ``Accelerator.reduce``). So every collective here hands the backend an alias of its tensors
+(``detach()``: the same storage, so results land in the caller's tensor) that this object keeps until the
+backend has let go of it, and ``close`` waits for that before it destroys the group.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -31,7 +45,12 @@ from mixprec.precision.base import default_device
 if TYPE_CHECKING:
     from mixprec.precision.base import Precision
 
+logger = logging.getLogger("mixprec.accelerator")
+
 _REQUIRED = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+DRAIN_S = 5.0
+"""Seconds ``close`` waits for the backend's threads to let go of the tensors of finished collectives
+(they normally do within microseconds; only a collective still stuck in the backend takes longer)."""
 KINDS = ("ddp", "fsdp")
 
 
@@ -214,6 +233,7 @@ class ProcessGroupStrategy(DistributedStrategy):
     def __init__(self, env: LaunchEnv, device: torch.device, timeout: float | None = None) -> None:
         super().__init__(env, device)
         self._owns_group = False
+        self._handed: list[torch.Tensor] = []  # aliases a backend thread may still hold (see the module doc)
         delta = timeout_delta(timeout)
         self.timeout_s = delta.total_seconds()
         if not dist.is_initialized():
@@ -247,7 +267,8 @@ class ProcessGroupStrategy(DistributedStrategy):
         return f"{self.num_processes} processes ({self.name}, {dist.get_backend()})"
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        dist.all_reduce(tensor, op=_reduce_op(op))
+        reduce_op = _reduce_op(op)
+        dist.all_reduce(*self._to_backend(tensor), op=reduce_op)
         if op == "mean":
             tensor /= self.num_processes
         return tensor
@@ -257,18 +278,18 @@ class ProcessGroupStrategy(DistributedStrategy):
         tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
         size = torch.tensor([tensor.shape[0]], device=tensor.device)
         sizes = [torch.zeros_like(size) for _ in range(self.num_processes)]
-        dist.all_gather(sizes, size)
+        dist.all_gather(self._to_backend(*sizes), *self._to_backend(size))
         counts = [int(s.item()) for s in sizes]
         longest = max(counts)
         if tensor.shape[0] < longest:
             pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
             tensor = torch.cat([tensor, pad])
         parts = [torch.empty_like(tensor) for _ in counts]
-        dist.all_gather(parts, tensor)
+        dist.all_gather(self._to_backend(*parts), *self._to_backend(tensor))
         return torch.cat([part[:count] for part, count in zip(parts, counts)])
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        dist.broadcast(tensor, src=src)
+        dist.broadcast(*self._to_backend(tensor), src=src)
         return tensor
 
     def barrier(self) -> None:
@@ -276,14 +297,14 @@ class ProcessGroupStrategy(DistributedStrategy):
 
     def all_true(self, flag: bool) -> bool:
         value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        dist.all_reduce(*self._to_backend(value), op=dist.ReduceOp.MIN)
         return bool(value.item())
 
     def found_inf_reducer(self) -> Callable[[torch.Tensor], None] | None:
         # DDP's all-reduced gradients would already agree, but a gradient edited on one process (a hook,
         # clipping of a local copy) would not: one scalar all-reduce per step makes the agreement certain.
         def reduce_max(found_inf: torch.Tensor) -> None:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+            dist.all_reduce(*self._to_backend(found_inf), op=dist.ReduceOp.MAX)
 
         return reduce_max
 
@@ -293,14 +314,52 @@ class ProcessGroupStrategy(DistributedStrategy):
         return explain(err, self.process_index, self.num_processes, self.timeout_s)
 
     def close(self, *, wait_for_peers: bool = False) -> None:
+        # In this order: every process done with its collectives; the backend's threads done with this
+        # process's tensors (else one may free a tensor's Python object during the interpreter's shutdown:
+        # SIGABRT, see the module doc); only then the group destroyed.
+        if self._owns_group and dist.is_initialized() and wait_for_peers and dist.get_world_size() > 1:
+            with contextlib.suppress(Exception):  # after a failure, a peer may be gone: leave anyway
+                dist.barrier()
+        self._drain(DRAIN_S)
         if self._owns_group and dist.is_initialized():
-            if wait_for_peers and dist.get_world_size() > 1:
-                # no process tears its connections down while another still works over them: with gloo, a
-                # peer closing early has been seen to abort the slower process at its own exit (SIGABRT)
-                with contextlib.suppress(Exception):
-                    dist.barrier()
             dist.destroy_process_group()
+        if self._owns_group:
+            atexit.unregister(self.close)
         self._owns_group = False
+
+    # -- tensors lent to the backend -----------------------------------------------------------------
+
+    def _to_backend(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Aliases of ``tensors`` for one collective (the same storage, so its results land in them), kept
+        here until the backend has let go of them: so no backend thread ever frees a tensor's Python
+        object (it would need the GIL, which it cannot take once the interpreter is shutting down)."""
+        self._release_finished()
+        aliases = [tensor.detach() for tensor in tensors]
+        self._handed.extend(aliases)
+        return aliases
+
+    def _release_finished(self) -> None:
+        """Drop the aliases no backend thread holds any more (a use count of 1: only their Python object);
+        Python then frees them here, on this thread."""
+        if self._handed:
+            self._handed = [alias for alias in self._handed if _held_elsewhere(alias)]
+
+    def _drain(self, timeout_s: float) -> None:
+        """Wait (up to ``timeout_s``, GIL released) until no backend thread holds a tensor lent to it."""
+        deadline = time.monotonic() + timeout_s
+        self._release_finished()
+        while self._handed and time.monotonic() < deadline:
+            time.sleep(0.001)
+            self._release_finished()
+        if self._handed:  # a collective still stuck in the backend: keep its tensors alive (never free them)
+            logger.debug("%d tensors still held by a collective after %.0f s", len(self._handed), timeout_s)
+
+
+def _held_elsewhere(tensor: torch.Tensor) -> bool:
+    """Whether anything but ``tensor``'s Python object references its C++ tensor (a backend's work, a view).
+    ``Tensor._use_count`` is torch's (2.x); without it, nothing can be known, and nothing is waited for."""
+    use_count = getattr(tensor, "_use_count", None)
+    return use_count is not None and use_count() > 1
 
 
 def _reduce_op(op: str) -> Any:

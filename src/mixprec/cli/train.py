@@ -315,8 +315,31 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         last_eval = (float(trainer.evaluate()["eval_loss"]), trainer.state.global_step)
     eval_loss = last_eval[0]
 
-    if not _rundir.is_main():
-        return 0
+    if _rundir.is_main():
+        _report(args, trainer, summary, eval_loss, baseline, info, training_args, train_dataset, eval_dataset,
+                run_dir, wall_start)  # fmt: skip
+    # every process, once the main one has written the run: leave the process group together (wait for the
+    # others, let the backend's threads finish, then destroy it), not at interpreter exit (see
+    # mixprec.accelerator.distributed: a gloo worker thread racing the shutdown aborted 3 runs in 30)
+    trainer.accelerator.end_training()
+    return 0
+
+
+def _report(
+    args: argparse.Namespace,
+    trainer: Any,
+    summary: dict[str, Any],
+    eval_loss: float,
+    baseline: float,
+    info: DataModelInfo,
+    training_args: Any,
+    train_dataset: EpochChunks,
+    eval_dataset: Any,
+    run_dir: Path,
+    wall_start: float,
+) -> None:
+    """The main process's end of a run: the sample, run.json and the summary table."""
+    history = trainer.state.log_history
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     device = next(unwrapped.parameters()).device
     try:
@@ -351,4 +374,3 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     _emit()
     _emit(f"sample from the trained model (prompt {SAMPLE_PROMPT!r}, temperature 0.8):")
     _emit(sample)
-    return 0
