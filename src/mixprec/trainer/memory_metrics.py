@@ -16,6 +16,8 @@ start). Resetting the peak marks means the end-of-run summary's peak is the trai
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -63,10 +65,19 @@ class MemoryMetrics:
             self._init_metrics = None
         metrics.update(measured)
 
-    def abandon(self, stage: str) -> None:
-        """Forget ``stage`` when it ended with an error (the next one is measured normally)."""
-        if self._stage == stage:
-            self._stage = None
+    @contextlib.contextmanager
+    def measure(self, stage: str) -> Iterator[dict[str, int]]:
+        """``stage`` while the block runs: the dict it yields holds the stage's metrics after the block (empty
+        when disabled, nested, or already ended by :meth:`stop` inside it). An error ends the stage unmeasured."""
+        measured: dict[str, int] = {}
+        self.start(stage)
+        try:
+            yield measured
+        except BaseException:
+            if self._stage == stage:
+                self._stage = None
+            raise
+        self.stop(stage, measured)
 
     def _measure(self, stage: str) -> dict[str, int]:
         from mixprec.bench.memory import proc_status_bytes

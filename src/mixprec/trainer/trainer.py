@@ -308,10 +308,9 @@ class Trainer:
         a second run into it is refused (FolderInUseError) naming the process that holds it."""
         with ckpt.lock_output_dir(self.accelerator, self.args.output_dir):
             try:
-                self._memory.start("train")
-                return self._train(resume_from_checkpoint)
+                with self._memory.measure("train"):  # ended by the summary, which logs its metrics
+                    return self._train(resume_from_checkpoint)
             except BaseException as err:
-                self._memory.abandon("train")
                 self.events.close_progress()  # end the bar's line, so that the error is printed on its own
                 explained = self.accelerator.explain_failure(err)
                 if explained is not err:  # a peer died or went silent: one line naming it, not gloo's trace
@@ -410,26 +409,18 @@ class Trainer:
         """Loss and ``compute_metrics`` over the evaluation set, logged with prefix ``eval_``."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         want = self.compute_metrics is not None and not self.args.prediction_loss_only
-        self._memory.start("eval")
-        try:
+        with self._memory.measure("eval") as memory:
             metrics = self._run_eval(dataset, metric_key_prefix, want).metrics
-        except BaseException:
-            self._memory.abandon("eval")
-            raise
-        self.log(metrics)
-        self.event("on_evaluate", metrics=metrics)
-        self._memory.stop("eval", metrics)  # HF's eval_mem_* (returned, not logged)
+            self.log(metrics)
+            self.event("on_evaluate", metrics=metrics)
+        metrics.update(memory)  # HF's eval_mem_* (returned, not logged)
         return metrics
 
     def predict(self, test_dataset: Any, ignore_keys: Any = None, metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (everything the model returns but the loss), labels and metrics, as HF's."""
-        self._memory.start("test")
-        try:
+        with self._memory.measure("test") as memory:
             result = self._run_eval(test_dataset, metric_key_prefix, want_predictions=True)
-        except BaseException:
-            self._memory.abandon("test")
-            raise
-        self._memory.stop("test", result.metrics)
+        result.metrics.update(memory)
         self.event("on_predict", metrics=result.metrics)
         return PredictionOutput(result.predictions, result.label_ids, result.metrics)
 
