@@ -457,3 +457,42 @@ def test_num_input_tokens_seen_counts_as_hf_and_survives_a_resume(tmp_path, mode
 def test_an_unknown_token_count_mode_is_refused_by_name():
     with pytest.raises(ValueError, match=r"TrainingArguments\(include_num_input_tokens_seen='some'"):
         TrainingArguments(include_num_input_tokens_seen="some")
+
+
+# -- log_level ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def restore_mixprec_logger():
+    import logging
+
+    logger = logging.getLogger("mixprec")
+    level = logger.level
+    yield logger
+    logger.setLevel(level)
+
+
+def test_log_level_sets_the_mixprec_loggers_level_as_hf_sets_transformers(tmp_path, caplog, restore_mixprec_logger):
+    import logging
+
+    from mixprec import TrainerCallback
+
+    class Twice(TrainerCallback):
+        pass
+
+    def build(**kwargs):  # a second callback of one class: mixprec warns, as HF does
+        return Trainer(
+            make_model(), quiet_args(tmp_path, **kwargs), train_dataset=make_examples(8), callbacks=[Twice, Twice]
+        )
+
+    with caplog.at_level(logging.DEBUG):
+        build(log_level="error")
+        assert not [r for r in caplog.records if "second Twice" in r.getMessage()]
+        assert restore_mixprec_logger.level == logging.ERROR
+        build(log_level="warning")
+        assert [r for r in caplog.records if "second Twice" in r.getMessage()]
+    restore_mixprec_logger.setLevel(logging.INFO)
+    build()  # "passive" (the default) leaves the level as the application set it
+    assert restore_mixprec_logger.level == logging.INFO
+    with pytest.raises(ValueError, match=r"TrainingArguments\(log_level='loud'"):
+        TrainingArguments(log_level="loud")

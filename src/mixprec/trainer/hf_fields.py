@@ -19,6 +19,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 IMPLEMENTED, IGNORED, REFUSED = "implemented", "ignored", "refused"
+LOG_LEVELS = ("passive", "debug", "info", "warning", "error", "critical")
+"""HF's ``log_level`` names ("passive": the logger's level is left as the application set it)."""
 
 
 def _f(default: Any, kind: str, note: str) -> Any:
@@ -68,6 +70,10 @@ class HFCompatFields:
         "'all' / True (input_ids elements) or 'non_padding' (attention_mask sum): state.num_input_tokens_seen, "
         "summed over processes, and in each training log entry",
     )
+    log_level: str = _f(
+        "passive", IMPLEMENTED, "the 'mixprec' logger's level on the main process ('passive': left as it is)"
+    )
+    log_level_replica: str = _f("warning", IMPLEMENTED, "the 'mixprec' logger's level on the other processes")
     eval_on_start: bool = _f(False, IMPLEMENTED, "one evaluation before the first step")
     eval_delay: float = _f(0, IMPLEMENTED, "no evaluation before this many steps (or epochs, by eval_strategy)")
     tf32: bool | None = _f(None, IMPLEMENTED, "sets torch.backends.cuda.matmul/cudnn.allow_tf32 (CUDA only)")
@@ -111,8 +117,6 @@ class HFCompatFields:
     eval_accumulation_steps: int | None = _f(
         None, IGNORED, "predictions already move to the host after every batch (eval_accumulation_steps=1)"
     )
-    log_level: str = _f("passive", IGNORED, "set the 'mixprec' logger's level with the logging module instead")
-    log_level_replica: str = _f("warning", IGNORED, "only the main process logs")
     log_on_each_node: bool = _f(True, IGNORED, "only the main process logs")
     logging_nan_inf_filter: bool = _f(
         True, IMPLEMENTED, "a skipped step's inf/NaN loss is left out of the logged and summary means"
@@ -165,6 +169,9 @@ class HFCompatFields:
                 setattr(self, name, json.loads(value))
         if isinstance(self.include_num_input_tokens_seen, bool):
             self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+        for name in ("log_level", "log_level_replica"):
+            if getattr(self, name) not in LOG_LEVELS:
+                fail(name, getattr(self, name), f"choose one of: {', '.join(map(repr, LOG_LEVELS))}")
         if self.include_num_input_tokens_seen not in ("no", "all", "non_padding"):
             fail("include_num_input_tokens_seen", self.include_num_input_tokens_seen,
                  "choose 'all' (or True), 'non_padding' or 'no' (or False)")  # fmt: skip

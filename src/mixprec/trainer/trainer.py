@@ -106,6 +106,9 @@ class Trainer:
         reporters = make_reporters(args.report_to, args.logging_dir) if self._is_main_launch() else []
         seed_run(self.args.seed, self.args.full_determinism)
         self.accelerator = self._build_accelerator()
+        level = args.log_level if self.accelerator.is_main_process else args.log_level_replica
+        if level != "passive":  # HF's log_level: the library's logger (here mixprec's), as HF sets transformers'
+            logging.getLogger("mixprec").setLevel(level.upper())
         self.model = model.to(self.accelerator.device)  # prepared (forward patched) when first used
         self._model_prepared = False
         self._created_scheduler = False
