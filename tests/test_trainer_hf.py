@@ -76,3 +76,23 @@ def test_hf_gpt2_trains_in_low_precision_on_a_datasets_split(tmp_path, flag, dty
     reloaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "final"))
     for (name, a), b in zip(model.state_dict().items(), reloaded.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_text_columns_are_removed_before_the_collator_for_models_whose_forward_takes_kwargs(tmp_path):
+    # transformers 5's forward(..., **kwargs): remove_unused_columns keeps its named parameters (HF's rule), so the
+    # raw "text" column never reaches DataCollatorWithPadding (which failed on it: "Unable to create tensor")
+    words = ["good", "bad", "movie", "plot"]
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]))
+    tok = transformers.BertTokenizerFast(str(tmp_path / "vocab.txt"))
+    texts = [" ".join(words[: 1 + i % 4]) for i in range(32)]
+    data = datasets.Dataset.from_dict({"text": texts, "label": [i % 2 for i in range(32)]})
+    data = data.map(lambda b: tok(b["text"]), batched=True)
+    config = transformers.BertConfig(vocab_size=tok.vocab_size, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=32, num_labels=2)  # fmt: skip
+    args = TrainingArguments(str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8, report_to="none",
+                             disable_tqdm=True, save_plots=False, save_strategy="no")  # fmt: skip
+    trainer = Trainer(transformers.BertForSequenceClassification(config), args, train_dataset=data,
+                      eval_dataset=data, data_collator=transformers.DataCollatorWithPadding(tok))  # fmt: skip
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] > 0 and metrics["eval_steps_per_second"] > 0 and metrics["epoch"] > 0  # HF's keys

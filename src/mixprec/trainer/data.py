@@ -104,14 +104,15 @@ def _stack(key: str, values: list[Any]) -> torch.Tensor:
 
 
 def forward_arg_names(model: torch.nn.Module) -> set[str] | None:
-    """Keyword names ``model.forward`` accepts, or None when it takes ``**kwargs`` (accept everything)."""
+    """The names ``model.forward`` takes, which ``remove_unused_columns`` keeps (HF's rule: its named
+    parameters, even beside a ``**kwargs``, as transformers 5's models all have one for attention options);
+    None, keep everything, when it names none (``forward(**batch)``)."""
     try:
         params = inspect.signature(model.forward).parameters.values()
     except (TypeError, ValueError):
         return None
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named or None
 
 
 class ColumnFilter:
@@ -119,8 +120,8 @@ class ColumnFilter:
 
     def __init__(self, collator: Callable[[list[Any]], Any], keep: set[str] | None) -> None:
         self.collator = collator
-        # "label" and "label_ids" are kept because the default collator renames them "labels".
-        self.keep = None if keep is None else keep | ({"label", "label_ids"} if "labels" in keep else set())
+        self.keep = keep
+        """The keys kept (the Trainer's: the forward's names and the label columns); None keeps every key."""
 
     def __call__(self, features: list[Any]) -> Any:
         if self.keep is not None and features and isinstance(features[0], Mapping):

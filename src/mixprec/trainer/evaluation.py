@@ -147,7 +147,7 @@ def evaluation_loop(
     model.eval()
     world = accelerator.num_processes
     loss_sum: torch.Tensor | None = None
-    counted = 0
+    counted = batches = 0
     preds, labels = [], []
     batch_result: dict[str, Any] | None = None
     try:
@@ -159,6 +159,7 @@ def evaluation_loop(
                     weighted = loss.detach().float() * n  # batch means weighted by size: a mean over examples
                     loss_sum = weighted if loss_sum is None else loss_sum + weighted
                 counted += n
+                batches += 1
                 if want_predictions:
                     label = _labels_of(batch, label_names)
                     if preprocess_logits_for_metrics is not None and logits is not None:
@@ -196,6 +197,7 @@ def evaluation_loop(
     metrics[f"{prefix}_runtime"] = round(runtime, 4)
     samples = dataset_size if dataset_size is not None else counted  # a stream: what this process read
     metrics[f"{prefix}_samples_per_second"] = round(samples / max(runtime, 1e-9), 3)
+    metrics[f"{prefix}_steps_per_second"] = round(batches / max(runtime, 1e-9), 3)
     return EvalResult(metrics, predictions, label_ids)
 
 

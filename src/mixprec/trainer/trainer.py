@@ -124,10 +124,12 @@ class Trainer:
                     "argument (True on the last batch, when it returns the metrics)"
                 )
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self._label_names = list(args.label_names or ["labels"])
         keep = forward_arg_names(model) if args.remove_unused_columns else None
+        if keep is not None:  # HF keeps the label columns too ("label"/"label_ids": collators rename them)
+            keep |= {*self._label_names, "label", "label_ids"}
         self.data_collator = ColumnFilter(data_collator or default_collator, keep)
         self.optimizer, self.lr_scheduler = optimizers
-        self._label_names = list(args.label_names or ["labels"])
         self._trained = False
         self.diagnosis: Any = None
         self.resume_command = "trainer.train(resume_from_checkpoint=True)"
@@ -417,6 +419,8 @@ class Trainer:
             self.log(metrics)
             self.event("on_evaluate", metrics=metrics)
         metrics.update(memory)  # HF's eval_mem_* (returned, not logged)
+        if self.state.epoch is not None:
+            metrics["epoch"] = self.state.epoch  # as HF's, whose log() adds it to the dict it is given
         return metrics
 
     def predict(self, test_dataset: Any, ignore_keys: Any = None, metric_key_prefix: str = "test") -> PredictionOutput:
