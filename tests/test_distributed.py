@@ -163,6 +163,14 @@ def test_gather_accepts_different_row_counts(ranks: list[dict]) -> None:
     assert ranks[0]["uneven_gather"] == ranks[1]["uneven_gather"] == [0, 0, 1]
 
 
+def test_pad_across_processes_makes_ragged_sequences_gatherable(ranks: list[dict]) -> None:
+    # accelerate's pad_across_processes: rank 0 holds 3 columns, rank 1 holds 4
+    for rank in ranks:
+        assert rank["padded"]["after"] == [[1, 1, 1, -100]] * 2 + [[2, 2, 2, 2]] * 2
+        assert rank["padded"]["first"] == [[-100, 1, 1, 1]] * 2 + [[2, 2, 2, 2]] * 2
+    assert ranks[0]["padded"]["nested"] == [[2, 4], [1, 1, 1]] and ranks[1]["padded"]["nested"] == [[2, 4], [2] * 4]
+
+
 def test_auto_races_once_and_every_rank_trains_in_the_main_ones_choice(ranks: list[dict]) -> None:
     a, b = ranks[0]["auto"], ranks[1]["auto"]
     assert a["chosen"] == b["chosen"] in ("fp32", "fp16", "bf16")

@@ -186,6 +186,7 @@ def main() -> None:
     first = Accelerator(verbose=False)  # finds the group initialised
     results["world"] = {"num_processes": first.num_processes, "backend": dist.get_backend()}
     results["uneven_gather"] = first.gather(torch.arange(first.process_index + 1)).tolist()
+    results["padded"] = padded_across(first)
     results["dispatched"] = dispatched()
     results["no_sync"] = no_sync_grads()
     results["accumulated"] = {"ddp": accumulated(None), "fsdp": accumulated("fsdp")}
@@ -201,6 +202,17 @@ def main() -> None:
     results["seconds"] = time.perf_counter() - start
     (out / f"rank{first.process_index}.json").write_text(json.dumps(results))
     leave(first)
+
+
+def padded_across(acc: Accelerator) -> dict:
+    """Rank r holds a (2, 3 + r) tensor of r + 1s: padded along dim 1 to 4 columns, then gathered."""
+    t = torch.full((2, 3 + acc.process_index), acc.process_index + 1)
+    nested = acc.pad_across_processes({"a": t, "b": [t[0]]}, dim=1, pad_index=-1)
+    return {
+        "after": acc.gather(acc.pad_across_processes(t, dim=1, pad_index=-100)).tolist(),
+        "first": acc.gather(acc.pad_across_processes(t, dim=1, pad_index=-100, pad_first=True)).tolist(),
+        "nested": [list(nested["a"].shape), nested["b"][0].tolist()],  # a 1-D tensor has no dim 1: as it is
+    }
 
 
 class Counting(torch.utils.data.IterableDataset):

@@ -43,6 +43,16 @@ def run(tmp_path_factory) -> tuple[Path, list[dict]]:
     return out, [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
 
 
+def test_token_predictions_of_different_lengths_per_process_are_padded_and_gathered(run):
+    # dynamic padding makes rank 0's sequences shorter than rank 1's: HF's Trainer pads them across processes
+    # with -100 before gathering; every example comes back once, in order, its labels intact
+    _, ranks = run
+    for rank in ranks:
+        ragged = rank["ragged"]
+        assert ragged["predictions_shape"][:2] == [7, 6]
+        assert [[t for t in row if t != -100] for row in ragged["labels"]] == ragged["expected_labels"]
+
+
 def test_every_process_trains_to_identical_parameters(run):
     _, ranks = run
     assert [r["num_processes"] for r in ranks] == [2, 2]

@@ -540,6 +540,28 @@ class Accelerator:
 
     gather_for_metrics = gather  # the prepared DataLoaders repeat no sample, so there is nothing to drop
 
+    def pad_across_processes(self, data: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
+        """Pad tensors (nested) along ``dim`` to the longest any process holds, with ``pad_index`` (at the start
+        with ``pad_first``), so that they can be gathered: accelerate's, for token-level predictions whose
+        sequence lengths differ between processes. Collective (one all-reduce per tensor); a tensor with fewer
+        than ``dim + 1`` dimensions is returned as it is, as everything is in one process."""
+
+        def pad(tensor: torch.Tensor) -> torch.Tensor:
+            if self.num_processes == 1 or tensor.dim() <= dim:
+                return tensor
+            length = tensor.shape[dim]
+            size = torch.tensor([length], dtype=torch.int64, device=self.device)
+            longest = int(self._strategy.all_reduce(size, "max").item())
+            if longest == length:
+                return tensor
+            shape = [*tensor.shape[:dim], longest, *tensor.shape[dim + 1 :]]
+            padded = tensor.new_full(shape, pad_index)
+            start = longest - length if pad_first else 0
+            padded.narrow(dim, start, length).copy_(tensor)
+            return padded
+
+        return pytree.tree_map(lambda x: pad(x) if isinstance(x, torch.Tensor) else x, data)
+
     def reduce(self, data: Any, reduction: str = "sum") -> Any:
         """All-reduce tensors (nested) across processes: "sum", "mean", "max" or "min". Returns new tensors."""
         return _map_tensors(data, lambda t: self._strategy.all_reduce(t.clone(), reduction), self.device)

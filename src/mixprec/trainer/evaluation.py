@@ -224,10 +224,14 @@ def _optional_loss(outputs: Any, required: bool) -> torch.Tensor | None:
 
 
 def _gather(accelerator: Any, x: Any) -> Any:
+    """Every process's rows of ``x``; later axes (a sequence length that differs between processes, with
+    dynamic padding) padded with -100 to the longest first, as HF's Trainer does."""
     if x is None:
         return None
     if isinstance(x, tuple):
         return tuple(_gather(accelerator, v) for v in x)
+    for dim in range(1, x.dim()):
+        x = accelerator.pad_across_processes(x, dim=dim, pad_index=-100)
     return accelerator.gather(x)
 
 
