@@ -49,6 +49,7 @@ from mixprec.accelerator.restarts import agree_on_number, restarted_anywhere
 from mixprec.accelerator.saving import save_model
 from mixprec.accelerator.state import Registry, RunState
 from mixprec.accelerator.step_in_backward import REFUSALS, BackwardStepper
+from mixprec.accelerator.trackers import Trackers
 from mixprec.precision.base import Precision
 from mixprec.precision.race import AutoDecision
 from mixprec.precision.registry import make_precision
@@ -95,6 +96,7 @@ class Accelerator:
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         dataloader_config: DataLoaderConfiguration | None = None,
         step_in_backward: bool = False,
+        log_with: str | list[str] | None = None,
     ) -> None:
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
             raise ValueError(
@@ -150,6 +152,7 @@ class Accelerator:
         if project_dir is not None and project.project_dir is None:
             project.set_directories(project_dir)
         self._checkpoints = StateCheckpoints(project)
+        self._trackers = Trackers(log_with, project.logging_dir, self._strategy.is_main_process)
         self.state = AcceleratorState(self._strategy, self._precision)
         # The precision watch (mixprec.watch): None when off; attaches to the model in prepare_model.
         self.watch: PrecisionWatch | None = PrecisionWatch.build(watch, "Accelerator(watch=...)")
@@ -597,9 +600,33 @@ class Accelerator:
         """``print`` on the main process only."""
         self.state.print(*args, **kwargs)
 
+    # -- experiment trackers (accelerate's log_with) --------------------------------------------------
+
+    def init_trackers(
+        self, project_name: str, config: dict[str, Any] | None = None, init_kwargs: dict[str, Any] | None = None
+    ) -> None:
+        """Start the ``log_with`` trackers on the main process: TensorBoard under ``logging_dir/project_name``,
+        MLflow's experiment or W&B's project named ``project_name``; ``config`` is stored as the run's
+        hyperparameters; ``init_kwargs={"wandb": {...}}`` goes to that tracker."""
+        self._trackers.init(project_name, config, init_kwargs)
+
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
+        """Log ``values`` to every tracker (main process only)."""
+        self._trackers.log(values, step, log_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The tracker ``name`` ("tensorboard", "mlflow", "wandb"), or with ``unwrap`` what it wraps (the
+        SummaryWriter, the mlflow module, the wandb run)."""
+        return self._trackers.get(name, unwrap)
+
+    @property
+    def trackers(self) -> list[Any]:
+        return list(self._trackers.active)
+
     def end_training(self) -> None:
-        """Leave the process group this Accelerator joined (call at the end of a distributed script), once
-        every process has reached this call."""
+        """Finish the trackers, then leave the process group this Accelerator joined (call at the end of a
+        distributed script), once every process has reached this call."""
+        self._trackers.finish()
         self._strategy.close(wait_for_peers=True)
 
     def __repr__(self) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 
 from torch.utils import _pytree as pytree
 
+from mixprec.accelerator.trackers import MLflowTracker, TensorBoardTracker, WandbTracker, require
 from mixprec.trainer.callbacks import TrainerCallback
 
 METRICS_FILE = "metrics.jsonl"
@@ -103,12 +104,9 @@ def _numeric(logs: dict[str, Any] | None) -> dict[str, float]:
     return {k: float(v) for k, v in (logs or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def _require(module: str, reporter: str, package: str) -> None:
-    if importlib.util.find_spec(module) is None:
-        raise ValueError(
-            f"report_to={reporter!r} needs the {package} package: pip install {package} "
-            "(or leave it out of report_to; metrics.jsonl is written either way)"
-        )
+def _split_tag(key: str) -> str:
+    """HF's reporters' names: "eval_loss" -> "eval/loss", "loss" -> "train/loss"."""
+    return f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
 
 
 class MLflowLogger(TrainerCallback):
@@ -118,35 +116,19 @@ class MLflowLogger(TrainerCallback):
     logger started it (an active run the script opened is used and left open)."""
 
     def __init__(self) -> None:
-        _require("mlflow", "mlflow", "mlflow")
-        import mlflow
-
-        self._mlflow = mlflow
-        self._started = False
+        self.tracker: MLflowTracker | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        ml = self._mlflow
-        if ml.active_run() is None:
-            experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME")
-            if experiment:
-                ml.set_experiment(experiment)
-            ml.start_run(run_name=args.run_name)
-            self._started = True
-        # MLflow caps a parameter value's length; long lists (label_names, report_to) are cut, as in HF.
-        params = {k: str(v)[:250] for k, v in args.to_dict().items()}
-        names = list(params)
-        for i in range(0, len(names), 100):  # MLflow takes at most 100 params per call
-            ml.log_params({k: params[k] for k in names[i : i + 100]})
+        self.tracker = MLflowTracker(os.environ.get("MLFLOW_EXPERIMENT_NAME"), run_name=args.run_name)
+        self.tracker.store_init_configuration(args.to_dict())
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        metrics = {k.replace("/", "_"): v for k, v in _numeric(logs).items() if math.isfinite(v)}
-        if metrics:
-            self._mlflow.log_metrics(metrics, step=state.global_step)
+        if self.tracker is not None:
+            self.tracker.log({k.replace("/", "_"): v for k, v in _numeric(logs).items()}, step=state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._started and self._mlflow.active_run() is not None:
-            self._mlflow.end_run()
-            self._started = False
+        if self.tracker is not None:
+            self.tracker.finish()
 
 
 class WandbLogger(TrainerCallback):
@@ -155,33 +137,21 @@ class WandbLogger(TrainerCallback):
     WANDB_PROJECT names the project (default "huggingface", HF's)."""
 
     def __init__(self) -> None:
-        _require("wandb", "wandb", "wandb")
-        import wandb
-
-        self._wandb = wandb
-        self._run: Any = None
+        self.tracker: WandbTracker | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self._wandb.run is None:
-            self._run = self._wandb.init(
-                project=os.environ.get("WANDB_PROJECT", "huggingface"), name=args.run_name, dir=args.output_dir
-            )
-        run = self._wandb.run
-        run.config.update({k: v for k, v in args.to_dict().items() if _plain(v)}, allow_val_change=True)
+        project = os.environ.get("WANDB_PROJECT", "huggingface")
+        self.tracker = WandbTracker(project, run_name=args.run_name, dir=args.output_dir)
+        self.tracker.store_init_configuration(args.to_dict())
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        metrics = {(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v for k, v in _numeric(logs).items()}
-        if metrics and self._wandb.run is not None:
-            self._wandb.log({**metrics, "train/global_step": state.global_step})
+        metrics = {_split_tag(k): v for k, v in _numeric(logs).items()}
+        if metrics and self.tracker is not None:
+            self.tracker.log({**metrics, "train/global_step": state.global_step})
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._run is not None:
-            self._run.finish()
-            self._run = None
-
-
-def _plain(value: Any) -> bool:
-    return value is None or isinstance(value, (str, int, float, bool, list, tuple, dict))
+        if self.tracker is not None:
+            self.tracker.finish()
 
 
 def make_reporters(report_to: list[str], logging_dir: str | Path) -> list[TrainerCallback]:
@@ -192,32 +162,22 @@ def make_reporters(report_to: list[str], logging_dir: str | Path) -> list[Traine
         "mlflow": MLflowLogger,
         "wandb": WandbLogger,
     }
+    for name in report_to:
+        if name == "tensorboard" and not tensorboard_available():
+            raise ValueError("report_to='tensorboard' needs the tensorboard package: pip install tensorboard "
+                             "(or leave it out of report_to; metrics.jsonl is written either way)")  # fmt: skip
+        require(name, "report_to")
     return [factories[name]() for name in report_to]
 
 
 class TensorBoardLogger(TrainerCallback):
-    """Numeric log values as TensorBoard scalars under ``logging_dir`` (tags "train/loss", "eval/loss", ...).
-
-    torch.utils.tensorboard is imported here, lazily: it needs the optional ``tensorboard`` package.
-    """
+    """Numeric log values as TensorBoard scalars under ``logging_dir`` (tags "train/loss", "eval/loss", ...)."""
 
     def __init__(self, logging_dir: str | Path) -> None:
-        if not tensorboard_available():
-            raise ValueError(
-                "report_to='tensorboard' needs the tensorboard package: pip install tensorboard "
-                "(or use report_to='none'; metrics.jsonl is written either way)"
-            )
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(log_dir=str(logging_dir))
+        self.tracker = TensorBoardTracker(logging_dir)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        for key, value in (logs or {}).items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            tag = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
-            self.writer.add_scalar(tag, value, state.global_step)
-        self.writer.flush()
+        self.tracker.log({_split_tag(k): v for k, v in _numeric(logs).items()}, step=state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.writer.close()
+        self.tracker.finish()
