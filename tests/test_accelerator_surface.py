@@ -216,3 +216,45 @@ def test_prepared_objects_carry_accelerates_flag_and_lists_until_freed() -> None
 
     release(model)  # a model released for another Accelerator is no longer marked prepared
     assert not getattr(model, "_is_accelerate_prepared", False)
+
+
+def test_process_decorators_trigger_and_save_as_accelerate(tmp_path) -> None:
+    acc = Accelerator(cpu=True, verbose=False)
+    assert acc.on_main_process(lambda: "main")() == "main" and acc.on_last_process(lambda: "last")() == "last"
+    assert acc.on_local_main_process(lambda: "local")() == "local"
+    assert acc.on_process(lambda: "one", process_index=1)() is None  # there is no process 1 here
+    assert acc.on_process(process_index=0)(lambda: "zero")() == "zero"  # the decorator-factory form
+    with pytest.raises(ValueError, match="process_index"):
+        acc.on_process(lambda: None)
+    assert acc.is_last_process and not acc.use_distributed
+    assert acc.check_trigger() is False
+    acc.set_trigger()
+    assert acc.check_trigger() is True and acc.check_trigger() is False  # lowered once seen
+    weights = {"w": torch.arange(4.0)}
+    acc.save(weights, tmp_path / "w.pt")
+    acc.save(weights, tmp_path / "w.safetensors", safe_serialization=True)
+    from safetensors.torch import load_file
+
+    assert torch.equal(torch.load(tmp_path / "w.pt")["w"], weights["w"])
+    assert torch.equal(load_file(tmp_path / "w.safetensors")["w"], weights["w"])
+
+
+def test_unscale_gradients_gives_the_true_gradients_once_per_step() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    reference = torch.nn.Linear(4, 1)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(8, 4)
+    reference(x).pow(2).mean().backward()
+    acc = Accelerator(mixed_precision="fp16", cpu=True, verbose=False, scaler_kwargs={"init_scale": 256.0})
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.backward(model(x).float().pow(2).mean())
+    assert model.weight.grad.abs().sum() > 100 * reference.weight.grad.abs().sum()  # still scaled (x256)
+    acc.unscale_gradients()
+    unscaled = model.weight.grad.clone()
+    torch.testing.assert_close(unscaled, reference.weight.grad, rtol=2e-2, atol=1e-3)  # fp16 forward
+    acc.unscale_gradients(opt)  # a second call in the same step changes nothing
+    assert torch.equal(model.weight.grad, unscaled)
+    before = model.weight.detach().clone()
+    opt.step()
+    torch.testing.assert_close(model.weight.detach(), before - 0.1 * unscaled)  # not unscaled twice

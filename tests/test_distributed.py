@@ -163,6 +163,10 @@ def test_gather_accepts_different_row_counts(ranks: list[dict]) -> None:
     assert ranks[0]["uneven_gather"] == ranks[1]["uneven_gather"] == [0, 0, 1]
 
 
+def test_a_trigger_set_on_one_process_is_seen_by_every_process(ranks: list[dict]) -> None:
+    assert ranks[0]["trigger"] == ranks[1]["trigger"] == [False, True, False]
+
+
 def test_pad_across_processes_makes_ragged_sequences_gatherable(ranks: list[dict]) -> None:
     # accelerate's pad_across_processes: rank 0 holds 3 columns, rank 1 holds 4
     for rank in ranks:

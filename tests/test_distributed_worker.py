@@ -187,6 +187,10 @@ def main() -> None:
     results["world"] = {"num_processes": first.num_processes, "backend": dist.get_backend()}
     results["uneven_gather"] = first.gather(torch.arange(first.process_index + 1)).tolist()
     results["padded"] = padded_across(first)
+    quiet = first.check_trigger()
+    if first.process_index == 1:
+        first.set_trigger()  # only rank 1 raises it: every rank sees it, then it is lowered everywhere
+    results["trigger"] = [quiet, first.check_trigger(), first.check_trigger()]
     results["dispatched"] = dispatched()
     results["no_sync"] = no_sync_grads()
     results["accumulated"] = {"ddp": accumulated(None), "fsdp": accumulated("fsdp")}

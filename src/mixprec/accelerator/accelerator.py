@@ -153,6 +153,7 @@ class Accelerator:
             project.set_directories(project_dir)
         self._checkpoints = StateCheckpoints(project)
         self._trackers = Trackers(log_with, project.logging_dir, self._strategy.is_main_process)
+        self._trigger = False
         self.state = AcceleratorState(self._strategy, self._precision)
         # The precision watch (mixprec.watch): None when off; attaches to the model in prepare_model.
         self.watch: PrecisionWatch | None = PrecisionWatch.build(watch, "Accelerator(watch=...)")
@@ -595,6 +596,57 @@ class Accelerator:
     def on_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
         """Decorator: run ``function`` on the main process only."""
         return self.state.on_main_process(function)
+
+    def on_local_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: run ``function`` on each machine's first process only."""
+        return self.state.on_local_main_process(function)
+
+    def on_last_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: run ``function`` on the last process only."""
+        return self.state.on_last_process(function)
+
+    def on_process(self, function: Callable[..., Any] | None = None, process_index: int | None = None) -> Any:
+        """Decorator: run ``function`` on process ``process_index`` only."""
+        return self.state.on_process(function, process_index=process_index)
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.state.is_last_process
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.state.use_distributed
+
+    # -- a flag any process can raise (accelerate's trigger: stop every process together) ---------------
+
+    def set_trigger(self) -> None:
+        """Raise this process's flag; the next :meth:`check_trigger` on every process sees it."""
+        self._trigger = True
+
+    def check_trigger(self) -> bool:
+        """Whether any process called :meth:`set_trigger` since the last check (then lowered everywhere).
+        Collective: every process must call it."""
+        raised = not self._strategy.all_true(not self._trigger)
+        self._trigger = False
+        return raised
+
+    def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
+        """Save ``obj`` on the main process only (accelerate's): ``torch.save``, or safetensors for a dict of
+        tensors with ``safe_serialization=True``."""
+        if not self.is_main_process:
+            return
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
+        else:
+            torch.save(obj, f)
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Unscale the gradients of ``optimizer`` (a prepared one, or a list; default: every prepared one) for
+        a custom clip or inspection; at most once per step, and the step then does not unscale again."""
+        chosen = None if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
+        self._gradients.unscale_optimizers(chosen)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""

@@ -172,10 +172,14 @@ class GradientState:
                 f"clip_grad_norm_: {orphans} of these parameters belong to no prepared optimizer, so their "
                 "gradients cannot be unscaled before clipping; pass the optimizer to accelerator.prepare()"
             )
-        for key, optimizer in found.items():
-            if key not in self._unscaled:
+        self.unscale_optimizers(list(found.values()))
+
+    def unscale_optimizers(self, optimizers: list[PreparedOptimizer] | None = None) -> None:
+        """Unscale the gradients of ``optimizers`` (default: every prepared one), each at most once per step."""
+        for optimizer in self.optimizers if optimizers is None else optimizers:
+            if id(optimizer) not in self._unscaled:
                 self.precision.unscale(optimizer.optimizer)
-                self._unscaled.add(key)
+                self._unscaled.add(id(optimizer))
 
     def _owner_map(self) -> dict[int, PreparedOptimizer]:
         if self._owners is None:

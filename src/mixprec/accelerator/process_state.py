@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -124,9 +125,30 @@ class PartialState:
 
     def on_main_process(self, function: F) -> F:
         """Decorator: run ``function`` on the main process only (None elsewhere)."""
+        return self._only_where(function, lambda: self.is_main_process)
 
+    def on_local_main_process(self, function: F) -> F:
+        """Decorator: run ``function`` on each machine's first process only (None elsewhere)."""
+        return self._only_where(function, lambda: self.is_local_main_process)
+
+    def on_last_process(self, function: F) -> F:
+        """Decorator: run ``function`` on the last process only (None elsewhere)."""
+        return self._only_where(function, lambda: self.is_last_process)
+
+    def on_process(self, function: F | None = None, process_index: int | None = None) -> Any:
+        """Decorator: run ``function`` on process ``process_index`` only (``@state.on_process(process_index=1)``
+        or ``state.on_process(f, process_index=1)``, as accelerate)."""
+        if process_index is None:
+            raise ValueError("on_process(...): pass process_index=<the process that runs the function>")
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+        return self._only_where(function, lambda: self.process_index == process_index)
+
+    @staticmethod
+    def _only_where(function: F, runs_here: Callable[[], bool]) -> F:
+        @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.is_main_process else None
+            return function(*args, **kwargs) if runs_here() else None
 
         return wrapper  # type: ignore[return-value]
 
