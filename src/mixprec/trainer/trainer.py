@@ -28,7 +28,7 @@ from mixprec.accelerator.accelerator import Accelerator
 from mixprec.accelerator.prepared import is_prepared, release
 from mixprec.models.outputs import extract_loss  # one loss rule, shared with the diagnosis
 from mixprec.trainer import checkpointing as ckpt
-from mixprec.trainer import weights
+from mixprec.trainer import results, weights
 from mixprec.trainer.activation_checkpointing import enable_activation_checkpointing
 from mixprec.trainer.args import TrainingArguments
 from mixprec.trainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl, restore_callback_states
@@ -53,7 +53,7 @@ from mixprec.trainer.neftune import input_embeddings, neftune
 from mixprec.trainer.optim import build_optimizer, build_scheduler
 from mixprec.trainer.seeding import enable_full_determinism, seed_run, set_seed
 from mixprec.trainer.signals import TrainingInterrupted
-from mixprec.trainer.state import PredictionOutput, TrainerState, TrainOutput
+from mixprec.trainer.state import STATE_FILE, PredictionOutput, TrainerState, TrainOutput
 from mixprec.trainer.summary import finish_run
 
 __all__ = ["Trainer", "enable_full_determinism", "set_seed"]
@@ -199,6 +199,76 @@ class Trainer:
     def is_world_process_zero(self) -> bool:
         return self.accelerator.is_main_process
 
+    def is_local_process_zero(self) -> bool:
+        return self.accelerator.is_local_main_process
+
+    # -- what HF's example scripts write at their end ------------------------------------------------
+
+    def metrics_format(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """HF's readable forms of ``metrics`` (runtimes as h:mm:ss, memory in MB, floats to 4 decimals)."""
+        return results.metrics_format(metrics)
+
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """Print ``metrics`` as HF's aligned ``***** <split> metrics *****`` table (main process)."""
+        if self.is_world_process_zero():
+            print(results.metrics_table(split, metrics), flush=True)
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """Write ``<split>_results.json`` (and merge into ``all_results.json``) in output_dir (main process)."""
+        if self.is_world_process_zero():
+            results.save_metrics(self.args.output_dir, split, metrics, combined)
+
+    def save_state(self) -> None:
+        """Write the trainer state as output_dir/trainer_state.json (main process), as HF."""
+        if self.is_world_process_zero():
+            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+            self.state.save_to_json(Path(self.args.output_dir) / STATE_FILE)
+
+    def create_model_card(
+        self,
+        language: Any = None,
+        license: str | None = None,
+        tags: Any = None,
+        model_name: str | None = None,
+        finetuned_from: str | None = None,
+        tasks: Any = None,
+        dataset_tags: Any = None,
+        dataset: Any = None,
+        dataset_args: Any = None,
+    ) -> None:
+        """Write output_dir/README.md: what was trained, in which precision, with which hyperparameters, and
+        the evaluation results of this run (main process; HF's arguments)."""
+        if not self.is_world_process_zero():
+            return
+        args = self.args
+        hyperparameters = {
+            "learning_rate": args.learning_rate,
+            "train_batch_size": args.per_device_train_batch_size,
+            "eval_batch_size": args.per_device_eval_batch_size,
+            "seed": args.seed,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "total_train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+            * self.accelerator.num_processes,
+            "optimizer": args.optim,
+            "lr_scheduler_type": args.lr_scheduler_type,
+            "training_steps" if args.max_steps > 0 else "num_epochs": args.max_steps if args.max_steps > 0
+            else args.num_train_epochs,
+        }  # fmt: skip
+        card = results.model_card(
+            model_name=model_name or Path(args.output_dir).name,
+            precision=self.accelerator.mixed_precision,
+            hyperparameters=hyperparameters,
+            log_history=self.state.log_history,
+            language=language,
+            license=license,
+            tags=tags,
+            finetuned_from=finetuned_from,
+            tasks=tasks,
+            dataset=dataset if dataset is not None else dataset_tags,
+        )
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.output_dir) / "README.md").write_text(card, encoding="utf-8")
+
     # -- the model and its loss ----------------------------------------------------------------------
 
     @property
@@ -281,6 +351,14 @@ class Trainer:
             raise ValueError("Trainer: training needs a train_dataset; pass Trainer(train_dataset=...)")
         return self._train_loader
 
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        """The prepared loader ``predict(test_dataset)`` reads."""
+        return self.get_eval_dataloader(test_dataset)
+
+    def num_examples(self, dataloader: Any) -> int:
+        """Examples in ``dataloader``'s dataset (HF's helper)."""
+        return len(dataloader.dataset)
+
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
@@ -289,13 +367,27 @@ class Trainer:
 
     # -- training ------------------------------------------------------------------------------------
 
-    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
-        """Build AdamW (or SGD) and the LR schedule from the arguments, unless given to ``Trainer``."""
+    def create_optimizer(self) -> Any:
+        """The optimizer from the arguments (``optim``, ``learning_rate``, ``weight_decay``...), unless one was
+        given to ``Trainer``; HF's override point."""
         if self.optimizer is None:
             self.optimizer = build_optimizer(self.model, self.args.optimization)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """The LR schedule from the arguments over ``num_training_steps``, unless one was given; HF's override
+        point."""
         if self.lr_scheduler is None:
-            self.lr_scheduler = build_scheduler(self.optimizer, self.args.schedule, num_training_steps)
+            optimizer = optimizer if optimizer is not None else self.optimizer
+            self.lr_scheduler = build_scheduler(optimizer, self.args.schedule, num_training_steps)
             self._created_scheduler = True
+        return self.lr_scheduler
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        """Build AdamW (or SGD) and the LR schedule from the arguments, unless given to ``Trainer``."""
+        self.create_optimizer()
+        if self.lr_scheduler is None:
+            self.create_scheduler(num_training_steps, self.optimizer)
         elif self._created_scheduler and self._trained:
             # a later train() (HF): the schedule this Trainer made restarts for the new run's length, inside
             # the prepared scheduler the Accelerator already holds (so its saved state keeps one scheduler)
