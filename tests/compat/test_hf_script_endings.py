@@ -111,3 +111,38 @@ def test_test_dataloader_and_num_examples(tmp_path):
     loader = trainer.get_test_dataloader(Regression(10, 2))
     assert len(loader) == 3 and trainer.num_examples(loader) == 10
     assert trainer.is_local_process_zero() and trainer.is_world_process_zero()
+
+
+def test_training_step_is_an_override_point_called_per_micro_batch(tmp_path):
+    calls = []
+
+    class Counting(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            calls.append(1)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    class Penalised(Trainer):  # backpropagates an extra loss of its own, through the accelerator
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.accelerator.backward(sum(p.pow(2).sum() for p in model.parameters()))
+            return loss
+
+    class PenaltyInLoss(Trainer):  # the same penalty inside compute_loss, which training_step divides by 2
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True)
+            loss = loss + 2.0 * sum(p.pow(2).sum() for p in model.parameters())
+            return (loss, outputs) if return_outputs else loss
+
+    plain_sgd = {"gradient_accumulation_steps": 2, "learning_rate": 0.02, "optim": "sgd", "max_grad_norm": 0.0}
+    counting = trainer_for(tmp_path / "a", cls=Counting, **plain_sgd)
+    counting.train()
+    assert len(calls) == 8  # 4 steps x 2 micro-batches
+    # HF's rule: training_step divides its loss by the accumulation steps; a loss an override backpropagates
+    # through accelerator.backward is taken as given (not divided again)
+    penalised = trainer_for(tmp_path / "b", cls=Penalised, **plain_sgd)
+    penalised.train()
+    in_loss = trainer_for(tmp_path / "c", cls=PenaltyInLoss, **plain_sgd)
+    in_loss.train()
+    for name in ("a", "b"):
+        torch.testing.assert_close(getattr(penalised.model, name), getattr(in_loss.model, name))
+        assert abs(float(getattr(penalised.model, name))) < abs(float(getattr(counting.model, name)))

@@ -70,6 +70,10 @@ class GradientState:
         self.adjust_scheduler = plugin.adjust_scheduler
         self.sync_with_dataloader = plugin.sync_with_dataloader
         self.sync_each_batch = plugin.sync_each_batch
+        self.divide_loss = True
+        """``backward`` divides the loss by the accumulation steps (accelerate's rule for a hand-written loop).
+        The Trainer turns it off and divides in ``training_step`` instead, as HF's Trainer does, so a loss a
+        ``training_step`` override backpropagates itself is taken as it is given there."""
         self.micro_step = 0  # micro-batches since the last sync
         self.sync_gradients = True
         self.end_of_dataloader = False
@@ -103,8 +107,9 @@ class GradientState:
     # -- backward and accumulation -------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Scale the loss (fp16), divide it by the accumulation steps, backpropagate. No host sync."""
-        if self.accumulation_steps > 1:
+        """Scale the loss (fp16), divide it by the accumulation steps (see ``divide_loss``), backpropagate.
+        No host sync."""
+        if self.accumulation_steps > 1 and self.divide_loss:
             if not self._in_accumulate and not self._warned_outside:
                 self._warned_outside = True
                 warnings.warn(

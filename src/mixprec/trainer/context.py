@@ -3,7 +3,8 @@
 The Trainer builds a :class:`RunContext` once the model, optimizer and scheduler are prepared, and passes it
 down; the helpers take it (or only the pieces they use), never the Trainer, so control flows one way:
 Trainer -> loop -> checkpointing/summary. The three functions in it that come from the Trainer,
-``compute_loss``, ``evaluate`` and ``log``, are HF's override points: a subclass's override runs, as in HF.
+``training_step``, ``compute_loss``, ``evaluate`` and ``log``, are HF's override points: a subclass's override
+runs, as in HF.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class RunContext:
     """The prepared training DataLoader."""
     compute_loss: Callable[[torch.nn.Module, Any], torch.Tensor]
     """The loss of one batch (``Trainer.compute_loss``, an override included)."""
+    training_step: Callable[[torch.nn.Module, Any], torch.Tensor]
+    """Loss and backward of one micro-batch, returning the detached loss (``Trainer.training_step``)."""
     evaluate: Callable[[], dict[str, float]]
     """Evaluate on the evaluation set and log the metrics (``Trainer.evaluate``)."""
     log: Callable[[dict[str, Any]], None]

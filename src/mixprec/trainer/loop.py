@@ -169,8 +169,9 @@ class TrainingLoop:
         if acc.precision_pending:
             self._settle_precision(batch)
         with acc.accumulate(ctx.model):
-            loss = ctx.compute_loss(ctx.model, batch)
-            acc.backward(loss)
+            # training_step returns the loss divided by the accumulation steps (HF's); the meter averages the
+            # micro-batches' own losses
+            loss = ctx.training_step(ctx.model, batch) * ctx.args.gradient_accumulation_steps
             ctx.meter.add(loss, count_samples(batch), count_tokens(batch))
             if ctx.args.include_num_input_tokens_seen != "no":
                 self._count_input_tokens(batch)

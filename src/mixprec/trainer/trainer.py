@@ -303,6 +303,11 @@ class Trainer:
         return int(os.environ.get("RANK", "0")) == 0
 
     def _build_accelerator(self) -> Accelerator:
+        accelerator = self._new_accelerator()
+        accelerator.gradient_state.divide_loss = False  # training_step divides, as HF's (see GradientState)
+        return accelerator
+
+    def _new_accelerator(self) -> Accelerator:
         args = self.args
         return Accelerator(
             mixed_precision=args.precision,
@@ -337,6 +342,18 @@ class Trainer:
         outputs = call_model(model, inputs)
         loss = extract_loss(outputs)
         return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """One micro-batch, as HF's: its loss (``compute_loss``), divided by ``gradient_accumulation_steps``,
+        backpropagated through the Accelerator (which scales it for fp16 and, in the Trainer, does not divide
+        again); returns that divided loss, detached. HF's override point: a subclass may add to it
+        (``super().training_step(...)``) or replace it, calling ``self.accelerator.backward(loss)``."""
+        loss = self.compute_loss(model, inputs)
+        steps = self.args.gradient_accumulation_steps
+        if steps > 1:
+            loss = loss / steps
+        self.accelerator.backward(loss)
+        return loss.detach()
 
     def _current_lr(self) -> float:
         return float(self.lr_scheduler.get_last_lr()[0]) if self.lr_scheduler is not None else 0.0
@@ -446,7 +463,8 @@ class Trainer:
         handler = self.callback_handler
         handler.optimizer, handler.lr_scheduler, handler.train_dataloader = self.optimizer, self.lr_scheduler, loader
         run = RunContext(acc, args, self.events, self.meter, model, self.optimizer, self.lr_scheduler, loader,
-                         compute_loss=self.compute_loss, evaluate=self.evaluate, log=self.log,
+                         compute_loss=self.compute_loss, training_step=self.training_step,
+                         evaluate=self.evaluate, log=self.log,
                          resume_command=self.resume_command, diagnosis=self.diagnosis,
                          memory=self._memory)  # fmt: skip
         start = DataPosition()
