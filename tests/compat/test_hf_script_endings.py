@@ -146,3 +146,19 @@ def test_training_step_is_an_override_point_called_per_micro_batch(tmp_path):
     for name in ("a", "b"):
         torch.testing.assert_close(getattr(penalised.model, name), getattr(in_loss.model, name))
         assert abs(float(getattr(penalised.model, name))) < abs(float(getattr(counting.model, name)))
+
+
+def test_prediction_step_is_an_override_point_for_evaluate_and_predict(tmp_path):
+    class Doubled(Trainer):
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            loss = None if loss is None else torch.full_like(loss, 7.0)
+            return loss, (None if logits is None else logits * 2), labels
+
+    plain, doubled = trainer_for(tmp_path / "a"), trainer_for(tmp_path / "b", cls=Doubled)
+    data = Regression(8, 3)
+    assert doubled.evaluate()["eval_loss"] == pytest.approx(7.0)
+    expected = plain.predict(data)
+    got = doubled.predict(data)
+    assert torch.allclose(torch.as_tensor(got.predictions), 2 * torch.as_tensor(expected.predictions))
+    assert torch.equal(torch.as_tensor(got.label_ids), torch.as_tensor(expected.label_ids))

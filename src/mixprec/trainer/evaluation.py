@@ -88,6 +88,21 @@ def _to_host(x: Any) -> Any:
 ComputeLoss = Callable[..., Any]  # compute_loss(model, batch, return_outputs=True) -> (loss, outputs)
 
 
+PredictionStep = Callable[[torch.nn.Module, Any, bool], tuple[Any, Any, Any]]
+"""``step(model, batch, prediction_loss_only) -> (loss, logits, labels)``: HF's ``Trainer.prediction_step``."""
+
+
+def prediction_step(
+    compute_loss: ComputeLoss, model: torch.nn.Module, batch: Any, label_names: Sequence[str], loss_only: bool
+) -> tuple[torch.Tensor | None, Any, Any]:
+    """One evaluation batch, HF's ``prediction_step``: ``(loss, logits, labels)``, each None when absent;
+    with ``loss_only`` the logits and labels are None."""
+    loss, logits = eval_step(compute_loss, model, batch, label_names, need_loss=loss_only)
+    if loss_only:
+        return loss, None, None
+    return loss, logits, _labels_of(batch, label_names)
+
+
 def eval_step(
     compute_loss: ComputeLoss, model: torch.nn.Module, batch: Any, label_names: Sequence[str], need_loss: bool
 ) -> tuple[torch.Tensor | None, Any]:
@@ -124,9 +139,8 @@ def evaluation_loop(
     loader: Any,
     accelerator: Any,
     *,
-    compute_loss: ComputeLoss,
+    step: PredictionStep,
     dataset_size: int | None,
-    label_names: Sequence[str],
     want_predictions: bool,
     compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None,
     preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None,
@@ -154,14 +168,13 @@ def evaluation_loop(
         with torch.no_grad():
             for batch, is_last in _with_last(loader):
                 n = count_samples(batch)
-                loss, logits = eval_step(compute_loss, model, batch, label_names, need_loss=not want_predictions)
+                loss, logits, label = step(model, batch, not want_predictions)
                 if loss is not None:
                     weighted = loss.detach().float() * n  # batch means weighted by size: a mean over examples
                     loss_sum = weighted if loss_sum is None else loss_sum + weighted
                 counted += n
                 batches += 1
                 if want_predictions:
-                    label = _labels_of(batch, label_names)
                     if preprocess_logits_for_metrics is not None and logits is not None:
                         logits = preprocess_logits_for_metrics(logits, label)
                     if world > 1:

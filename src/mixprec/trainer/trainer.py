@@ -28,7 +28,7 @@ from mixprec.accelerator.accelerator import Accelerator
 from mixprec.accelerator.prepared import is_prepared, release
 from mixprec.models.outputs import extract_loss  # one loss rule, shared with the diagnosis
 from mixprec.trainer import checkpointing as ckpt
-from mixprec.trainer import results, weights
+from mixprec.trainer import evaluation, results, weights
 from mixprec.trainer.activation_checkpointing import enable_activation_checkpointing
 from mixprec.trainer.args import TrainingArguments
 from mixprec.trainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl, restore_callback_states
@@ -509,9 +509,8 @@ class Trainer:
             self._prepared_model(),
             loader,
             self.accelerator,
-            compute_loss=self.compute_loss,  # the function training uses, an override included
+            step=lambda model, batch, loss_only: self.prediction_step(model, batch, loss_only),
             dataset_size=None if is_stream(dataset) else len(dataset),
-            label_names=self._label_names,
             want_predictions=want_predictions,
             compute_metrics=self.compute_metrics,
             preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
@@ -519,6 +518,14 @@ class Trainer:
             on_batch=lambda: self.event("on_prediction_step"),
             batch_metrics=self.args.batch_eval_metrics,
         )
+
+    def prediction_step(
+        self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None
+    ) -> tuple[torch.Tensor | None, Any, Any]:
+        """One evaluation batch, HF's override point: ``(loss, logits, labels)``, each None when absent (and
+        logits and labels None with ``prediction_loss_only``). The loss is ``compute_loss``'s, the function
+        training uses, an override included."""
+        return evaluation.prediction_step(self.compute_loss, model, inputs, self._label_names, prediction_loss_only)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:
         """Loss and ``compute_metrics`` over the evaluation set, logged with prefix ``eval_``."""
