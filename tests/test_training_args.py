@@ -339,3 +339,14 @@ def test_accelerator_config_sets_the_accelerators_data_loading_and_refuses_the_r
     transformers = pytest.importorskip("transformers")
     hf = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none").accelerator_config
     assert TrainingArguments(output_dir=str(tmp_path), accelerator_config=hf).dataloader_configuration() is not None
+
+
+def test_seq2seq_arguments_add_hfs_generation_fields_and_refuse_bad_values():
+    from mixprec import Seq2SeqTrainingArguments
+
+    args = Seq2SeqTrainingArguments("out", predict_with_generate=True, generation_max_length=32, generation_num_beams=2)
+    assert args.to_dict()["generation_max_length"] == 32 and args.learning_rate == 5e-5  # a TrainingArguments too
+    with pytest.raises(ValueError, match=r"\(sortish_sampler=True\)"):
+        Seq2SeqTrainingArguments("out", sortish_sampler=True)
+    with pytest.raises(ValueError, match=r"\(generation_num_beams=0\)"):
+        Seq2SeqTrainingArguments("out", generation_num_beams=0)

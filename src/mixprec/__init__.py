@@ -33,6 +33,8 @@ _EXPORTS: dict[str, str] = {
     # high level
     "Trainer": "mixprec.trainer.trainer",
     "TrainingArguments": "mixprec.trainer.args",
+    "Seq2SeqTrainer": "mixprec.trainer.seq2seq",
+    "Seq2SeqTrainingArguments": "mixprec.trainer.seq2seq",
     "TrainerCallback": "mixprec.trainer.callbacks",
     "TrainerControl": "mixprec.trainer.callbacks",
     "EarlyStoppingCallback": "mixprec.trainer.callbacks",
@@ -91,6 +93,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         TrainerControl,
     )
     from mixprec.trainer.progress import PrinterCallback, ProgressCallback
+    from mixprec.trainer.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments
     from mixprec.trainer.signals import TrainingInterrupted
     from mixprec.trainer.state import EvalPrediction, TrainerState
     from mixprec.trainer.trainer import Trainer
