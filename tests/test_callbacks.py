@@ -202,3 +202,20 @@ def test_callback_states_are_saved_and_restored_on_resume(tmp_path):
     plain = run([EarlyStoppingCallback()], restore=False, resume=checkpoint)
     early = [cb for cb in plain.callback_handler.callbacks if isinstance(cb, EarlyStoppingCallback)][0]
     assert early.early_stopping_patience == 1  # without restore_callback_states_from_checkpoint: as constructed
+
+
+def test_a_saved_callback_state_with_no_callback_to_take_it_is_a_warning_naming_it(tmp_path, caplog):
+    from mixprec import EarlyStoppingCallback
+
+    def args(**kwargs):
+        return _args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2, eval_strategy="steps",
+                     eval_steps=2, **kwargs)  # fmt: skip
+
+    data = make_examples(16)
+    Trainer(make_model(), args(load_best_model_at_end=True), train_dataset=data, eval_dataset=data,
+            callbacks=[EarlyStoppingCallback()]).train()  # fmt: skip
+    resumed = Trainer(make_model(), args(restore_callback_states_from_checkpoint=True), train_dataset=data,
+                      eval_dataset=data)  # fmt: skip
+    with caplog.at_level("WARNING", logger="mixprec"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert any("EarlyStoppingCallback" in r.getMessage() for r in caplog.records)
