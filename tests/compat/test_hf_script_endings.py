@@ -162,3 +162,42 @@ def test_prediction_step_is_an_override_point_for_evaluate_and_predict(tmp_path)
     got = doubled.predict(data)
     assert torch.allclose(torch.as_tensor(got.predictions), 2 * torch.as_tensor(expected.predictions))
     assert torch.equal(torch.as_tensor(got.label_ids), torch.as_tensor(expected.label_ids))
+
+
+class Line(torch.nn.Module):
+    """y = a x + b; the loss only when given labels (a model for compute_loss_func, which takes them away)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.tensor(0.0))
+        self.b = torch.nn.Parameter(torch.tensor(0.0))
+
+    def forward(self, input_x, labels=None):
+        y = input_x * self.a + self.b
+        return (y,) if labels is None else (torch.nn.functional.mse_loss(y, labels), y)
+
+
+def test_compute_loss_func_and_optimizer_cls_and_kwargs(tmp_path):
+    seen = []
+
+    def l1(outputs, labels, num_items_in_batch=None):
+        seen.append(labels.shape)
+        return (outputs[0] - labels).abs().mean()
+
+    extra = {"save_plots": False} if IMPL == "mixprec" else {}
+    args = TrainingArguments(str(tmp_path / "out"), report_to="none", disable_tqdm=True, max_steps=4, logging_steps=1,
+                             save_strategy="no", per_device_train_batch_size=8, **extra)  # fmt: skip
+    trainer = Trainer(Line(), args, train_dataset=Regression(), eval_dataset=Regression(8, 1), compute_loss_func=l1,
+                      optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))  # fmt: skip
+    trainer.train()
+    assert seen and seen[0] == torch.Size([8])  # the function got the labels; the model did not (no mse)
+    assert isinstance(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer,
+                      torch.optim.SGD)  # fmt: skip
+    first = next(e for e in trainer.state.log_history if "loss" in e)
+    data = Regression()
+    assert first["loss"] == pytest.approx(float(data.y[:8].abs().mean()), rel=0.5)  # an L1 loss at a = b = 0
+    ev = trainer.evaluate()
+    assert ev["eval_loss"] > 0  # evaluation's loss is the function's too
+    with pytest.raises((ValueError, RuntimeError), match="optimizer"):  # HF: RuntimeError; mixprec: ValueError
+        Trainer(Line(), args, train_dataset=Regression(), optimizers=(torch.optim.SGD(Line().parameters(), 0.1), None),
+                optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))  # fmt: skip

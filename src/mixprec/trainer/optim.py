@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 
@@ -17,8 +18,11 @@ from mixprec.trainer.configs import OptimConfig, ScheduleConfig
 from mixprec.trainer.optimizers import make_optimizer
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """``cfg.optim`` over the model's trainable parameters, in a decayed and a not-decayed group."""
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimConfig, cls_and_kwargs: tuple[Any, dict[str, Any]] | None = None
+) -> torch.optim.Optimizer:
+    """``cfg.optim`` over the model's trainable parameters, in a decayed and a not-decayed group; or, with
+    ``cls_and_kwargs`` (HF's ``optimizer_cls_and_kwargs``), ``cls(groups, **kwargs)`` over the same groups."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no parameters with requires_grad=True: there is nothing to train")
@@ -29,6 +33,9 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
         for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
         if g["params"]
     ]
+    if cls_and_kwargs is not None:
+        cls, kwargs = cls_and_kwargs
+        return cls(groups, **(kwargs or {}))
     return make_optimizer(groups, cfg)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +80,19 @@ class Trainer:
         callbacks: list[TrainerCallback | type[TrainerCallback]] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
         preprocess_logits_for_metrics: Any = None,
+        compute_loss_func: Any = None,
+        optimizer_cls_and_kwargs: tuple[Any, dict[str, Any]] | None = None,
     ) -> None:
         self.args = args if args is not None else TrainingArguments()
+        if optimizer_cls_and_kwargs is not None and optimizers[0] is not None:
+            raise ValueError(
+                "Trainer(optimizers=..., optimizer_cls_and_kwargs=...): pass one of them (an optimizer, or the "
+                "class and keyword arguments the Trainer builds it from)"
+            )
+        self.compute_loss_func = compute_loss_func
+        """HF's ``compute_loss_func(outputs, labels, num_items_in_batch=...)``: the loss from the model's
+        outputs and the batch's labels, which are then not passed to the model."""
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self._memory = MemoryMetrics(not self.args.skip_memory_metrics, self.args.device)
         self._memory.start("init")
         # model_init (HF): a fresh model at every train(); also the model when none is given
@@ -88,7 +100,8 @@ class Trainer:
         if model_init is not None and optimizers != (None, None):
             raise ValueError(
                 "Trainer(model_init=..., optimizers=...): a model built by model_init needs its own optimizer; "
-                "leave optimizers out, or subclass Trainer and override create_optimizer_and_scheduler"
+                "leave optimizers out (optimizer_cls_and_kwargs=(cls, kwargs) builds one for each model), or "
+                "subclass Trainer and override create_optimizer"
             )
         if model is None and model_init is not None:
             seed_run(self.args.seed, self.args.full_determinism)
@@ -337,10 +350,18 @@ class Trainer:
         self.optimizer, self.lr_scheduler, self._created_scheduler = None, None, False
         self.callback_handler.model = self.model
 
-    def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False) -> Any:
-        """The loss of one batch (override to customise, as in HF). Raises ValueError if there is none."""
-        outputs = call_model(model, inputs)
-        loss = extract_loss(outputs)
+    def compute_loss(
+        self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """The loss of one batch (override to customise, as in HF): the model's own, or with
+        ``compute_loss_func`` that function's on the outputs and the labels. Raises ValueError if there is none."""
+        if self.compute_loss_func is not None and isinstance(inputs, Mapping) and "labels" in inputs:
+            labels = inputs["labels"]
+            outputs = call_model(model, {k: v for k, v in inputs.items() if k != "labels"})
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        else:
+            outputs = call_model(model, inputs)
+            loss = extract_loss(outputs)
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -388,7 +409,7 @@ class Trainer:
         """The optimizer from the arguments (``optim``, ``learning_rate``, ``weight_decay``...), unless one was
         given to ``Trainer``; HF's override point."""
         if self.optimizer is None:
-            self.optimizer = build_optimizer(self.model, self.args.optimization)
+            self.optimizer = build_optimizer(self.model, self.args.optimization, self.optimizer_cls_and_kwargs)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
