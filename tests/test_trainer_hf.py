@@ -96,3 +96,13 @@ def test_text_columns_are_removed_before_the_collator_for_models_whose_forward_t
     trainer.train()
     metrics = trainer.evaluate()
     assert metrics["eval_loss"] > 0 and metrics["eval_steps_per_second"] > 0 and metrics["epoch"] > 0  # HF's keys
+
+
+def test_trainer_and_training_step_signatures_are_hfs():
+    # a script passing arguments positionally, or overriding these methods, sees HF's names in HF's order
+    import inspect
+
+    for name in ("__init__", "compute_loss", "training_step", "prediction_step", "evaluate", "predict"):
+        ours = list(inspect.signature(getattr(Trainer, name)).parameters)
+        theirs = list(inspect.signature(getattr(transformers.Trainer, name)).parameters)
+        assert ours == theirs[: len(ours)], name

@@ -73,16 +73,15 @@ class Trainer:
         data_collator: Any = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
-        *,
         processing_class: Any = None,
         model_init: Any = None,
+        compute_loss_func: Any = None,
         compute_metrics: Any = None,
         callbacks: list[TrainerCallback | type[TrainerCallback]] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
-        preprocess_logits_for_metrics: Any = None,
-        compute_loss_func: Any = None,
         optimizer_cls_and_kwargs: tuple[Any, dict[str, Any]] | None = None,
-    ) -> None:
+        preprocess_logits_for_metrics: Any = None,
+    ) -> None:  # HF's arguments, in HF's order (transformers 5)
         self.args = args if args is not None else TrainingArguments()
         if optimizer_cls_and_kwargs is not None and optimizers[0] is not None:
             raise ValueError(
