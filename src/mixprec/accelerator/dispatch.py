@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from mixprec.accelerator.process_state import split_share
@@ -52,9 +51,7 @@ class DispatchingLoader:
         while True:
             # the main process's verdict travels with the batches: an error there must end every process's
             # loop, not leave the others waiting in the next broadcast
-            payload = [reader.next_message() if reader is not None else None]
-            dist.broadcast_object_list(payload, src=0, device=_object_device(self.strategy))
-            kind, body = payload[0]
+            kind, body = self.strategy.broadcast_object(reader.next_message() if reader is not None else None)
             if kind == "end":
                 return
             if kind == "error":
@@ -135,8 +132,3 @@ def _pooled_share(batches: list[Any], rank: int, world: int) -> Any:
         raise TypeError("DataLoaderConfiguration(dispatch_batches=True): batches of one epoch differ in structure")
     pooled = [torch.cat(parts) for parts in zip(*(leaves for leaves, _ in flat))]
     return pytree.tree_unflatten([split_share(t, rank, world) for t in pooled], spec)
-
-
-def _object_device(strategy: DistributedStrategy) -> torch.device | None:
-    # nccl moves the pickled payload through the GPU; gloo through host memory
-    return strategy.device if strategy.device.type == "cuda" else None

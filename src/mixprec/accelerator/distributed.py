@@ -30,6 +30,7 @@ import atexit
 import contextlib
 import logging
 import os
+import pickle
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -184,6 +185,10 @@ class DistributedStrategy:
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         return tensor
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Process ``src``'s ``obj`` on every process (pickled; only between processes of one job)."""
+        return obj
+
     def barrier(self) -> None:
         """Wait until every process reaches this point."""
 
@@ -291,6 +296,20 @@ class ProcessGroupStrategy(DistributedStrategy):
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         dist.broadcast(*self._to_backend(tensor), src=src)
         return tensor
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        # torch's broadcast_object_list, through this strategy's broadcast: its tensors are lent to the backend
+        # the safe way (see the module doc), which broadcast_object_list's own are not
+        sending = self.process_index == src
+        data = pickle.dumps(obj) if sending else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        self.broadcast(size, src=src)
+        if sending:
+            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        else:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self.broadcast(payload, src=src)
+        return obj if sending else pickle.loads(payload.cpu().numpy().tobytes())
 
     def barrier(self) -> None:
         dist.barrier()
