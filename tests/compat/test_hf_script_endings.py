@@ -35,7 +35,9 @@ class Regression(torch.utils.data.Dataset):
         return {"input_x": self.x[i], "labels": self.y[i]}
 
 
-class Model(torch.nn.Module):
+class Line(torch.nn.Module):
+    """y = a x + b; the loss only when given labels (a model for compute_loss_func, which takes them away)."""
+
     def __init__(self):
         super().__init__()
         self.a = torch.nn.Parameter(torch.tensor(0.0))
@@ -43,14 +45,14 @@ class Model(torch.nn.Module):
 
     def forward(self, input_x, labels=None):
         y = input_x * self.a + self.b
-        return (torch.nn.functional.mse_loss(y, labels), y)
+        return (y,) if labels is None else (torch.nn.functional.mse_loss(y, labels), y)
 
 
 def trainer_for(tmp_path, cls=Trainer, **kwargs):
     extra = {"save_plots": False} if IMPL == "mixprec" else {}
     args = TrainingArguments(str(tmp_path / "out"), report_to="none", disable_tqdm=True, max_steps=4,
                              eval_strategy="steps", eval_steps=2, save_strategy="no", **extra, **kwargs)  # fmt: skip
-    return cls(Model(), args, train_dataset=Regression(), eval_dataset=Regression(8, 1))
+    return cls(Line(), args, train_dataset=Regression(), eval_dataset=Regression(8, 1))
 
 
 def test_a_run_clm_style_ending_writes_what_the_script_expects(tmp_path, capsys):
@@ -162,19 +164,6 @@ def test_prediction_step_is_an_override_point_for_evaluate_and_predict(tmp_path)
     got = doubled.predict(data)
     assert torch.allclose(torch.as_tensor(got.predictions), 2 * torch.as_tensor(expected.predictions))
     assert torch.equal(torch.as_tensor(got.label_ids), torch.as_tensor(expected.label_ids))
-
-
-class Line(torch.nn.Module):
-    """y = a x + b; the loss only when given labels (a model for compute_loss_func, which takes them away)."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Parameter(torch.tensor(0.0))
-        self.b = torch.nn.Parameter(torch.tensor(0.0))
-
-    def forward(self, input_x, labels=None):
-        y = input_x * self.a + self.b
-        return (y,) if labels is None else (torch.nn.functional.mse_loss(y, labels), y)
 
 
 def test_compute_loss_func_and_optimizer_cls_and_kwargs(tmp_path):
