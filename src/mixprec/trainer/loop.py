@@ -101,6 +101,8 @@ class TrainingLoop:
         self._grad_norm: torch.Tensor | None = None
         self._scaling = False
         self._last_scale: float | None = None
+        model = run.accelerator.unwrap_model(run.model)
+        self._main_input = getattr(model, "main_input_name", "input_ids")  # HF's, for the token count
 
     # -- the loop ------------------------------------------------------------------------------------
 
@@ -171,7 +173,9 @@ class TrainingLoop:
         with acc.accumulate(ctx.model):
             # training_step returns the loss divided by the accumulation steps (HF's); the meter averages the
             # micro-batches' own losses
-            loss = ctx.training_step(ctx.model, batch) * ctx.args.gradient_accumulation_steps
+            loss = ctx.training_step(ctx.model, batch)
+            if ctx.args.gradient_accumulation_steps > 1:
+                loss = loss * ctx.args.gradient_accumulation_steps
             ctx.meter.add(loss, count_samples(batch), count_tokens(batch))
             if ctx.args.include_num_input_tokens_seen != "no":
                 self._count_input_tokens(batch)
@@ -185,8 +189,7 @@ class TrainingLoop:
         """HF's ``state.num_input_tokens_seen``, summed over processes (as HF: one collective per micro-batch
         under several processes, and a sync per micro-batch for "non_padding"; free otherwise)."""
         ctx, acc = self.run_ctx, self.run_ctx.accelerator
-        main_input = getattr(acc.unwrap_model(ctx.model), "main_input_name", "input_ids")
-        seen = count_input_tokens(batch, ctx.args.include_num_input_tokens_seen, main_input)
+        seen = count_input_tokens(batch, ctx.args.include_num_input_tokens_seen, self._main_input)
         if acc.num_processes > 1:
             seen = acc.reduce(torch.as_tensor(seen, dtype=torch.int64, device=acc.device))
         ctx.state.num_input_tokens_seen += int(seen)

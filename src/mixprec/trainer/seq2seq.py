@@ -18,7 +18,6 @@ import torch
 
 from mixprec.trainer.args import TrainingArguments
 from mixprec.trainer.configs import fail
-from mixprec.trainer.evaluation import prediction_step as plain_prediction_step
 from mixprec.trainer.trainer import Trainer
 
 
@@ -96,5 +95,5 @@ class Seq2SeqTrainer(Trainer):
         tokens = model.generate(**generation_inputs, **kwargs)  # the prepared model: its forwards run autocast
         loss = None
         if labels is not None:
-            loss, _, _ = plain_prediction_step(self.compute_loss, model, inputs, ["labels"], True)
+            loss, _, _ = super().prediction_step(model, inputs, True, ignore_keys)  # the Trainer's loss
         return loss, tokens, labels
