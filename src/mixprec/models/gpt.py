@@ -88,6 +88,8 @@ GPT_PRESETS: dict[str, GPTConfig] = {
     "small": GPTConfig(block_size=256, n_layer=4, n_head=4, n_embd=128),
     # GPT-2 124M shape, for GPU benchmarks only (its vocabulary does not match the byte corpus)
     "gpt2": GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    # near 1B (0.91B parameters) for GPU benchmarks: GPT-2's vocabulary and context, 16 layers x 2048 (issue 28)
+    "gpt-1b": GPTConfig(vocab_size=50257, block_size=1024, n_layer=16, n_head=16, n_embd=2048),
 }
 
 
