@@ -54,6 +54,10 @@ def count_syncs():
     found.extend(str(w.message) for w in caught if SYNC_WARNING in str(w.message))
 
 
+def _fp8_layers(model: torch.nn.Module) -> int:
+    return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+
+
 def _linear_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
     seen: set[torch.dtype] = set()
     for m in model.modules():
@@ -65,10 +69,15 @@ def _linear_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
 @pytest.mark.parametrize(("precision", "dtype"), LOW_PRECISIONS, ids=[p for p, _ in LOW_PRECISIONS])
 def test_accelerator_trains_on_cuda_in(precision, dtype):
     _needs(precision)
-    model = make_tiny_lm()  # widths 32 and 16: fp8 takes both Linear layers
-    seen = _linear_dtypes(model)
+    model = make_tiny_lm()  # widths 32 and 16: aligned for fp8, but under its size thresholds
     acc = Accelerator(mixed_precision=precision, verbose=False)
+    if precision == "fp8":
+        from mixprec.precision.fp8_layers import Fp8LayerFilter
+
+        acc.precision.layer_filter = Fp8LayerFilter(skip_small=False)  # fp8 on these small layers, to test it
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert _fp8_layers(model) == (2 if precision == "fp8" else 0)
+    seen = _linear_dtypes(model)  # after prepare: fp8 swapped the Linear modules for torchao's
     losses = []
     for batch in make_batches(30):
         out = model(batch["input_ids"].to(acc.device), labels=batch["labels"].to(acc.device))
@@ -86,15 +95,19 @@ def test_accelerator_trains_on_cuda_in(precision, dtype):
 @pytest.mark.parametrize(("precision", "dtype"), LOW_PRECISIONS, ids=[p for p, _ in LOW_PRECISIONS])
 def test_trainer_trains_on_cuda_in(tmp_path, precision, dtype):
     _needs(precision)
-    model = make_model(dropout=0.0)
+    # fp8: a hidden layer wide enough for the default layer filter (1088 > 1024 outputs); the head stays bf16
+    # (the dtype hooks see the modules that stay nn.Linear: fp8 replaces the others)
+    model = make_model(dropout=0.0, width=1088 if precision == "fp8" else 32)
     seen = _linear_dtypes(model)
-    args = TrainingArguments(output_dir=str(tmp_path), precision=precision, max_steps=40, learning_rate=3e-2,
+    lr = 3e-3 if precision == "fp8" else 3e-2
+    args = TrainingArguments(output_dir=str(tmp_path), precision=precision, max_steps=40, learning_rate=lr,
                              logging_steps=10, disable_tqdm=True, save_plots=False, save_strategy="no",
                              report_to="none")  # fmt: skip
     trainer = Trainer(model, args, train_dataset=make_examples(128))
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert seen == {dtype} and next(model.parameters()).device.type == "cuda"
+    assert _fp8_layers(model) == (1 if precision == "fp8" else 0)
     assert losses[-1] < 0.7 * losses[0], losses
 
 
