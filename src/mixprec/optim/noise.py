@@ -49,7 +49,7 @@ class RoundingNoise:
             raise RuntimeError("RoundingNoise.bits() before reseed(): draw the step's key first")
         x, tmp = self._out[:n], self._tmp[:n]
         # key + counter + index, wrapping in int32 as the hash's 32-bit arithmetic does
-        torch.add(self._index[:n], _as_int32(self.counter), out=x).add_(self._key)
+        torch.add(self._index[:n], self._key + _as_int32(self.counter), out=x)  # one pass; the 0-d add is tiny
         self.counter = (self.counter + n) & 0xFFFFFFFF
         for shift, mask, multiplier in ((16, 0xFFFF, _M1), (15, 0x1FFFF, _M2), (16, 0xFFFF, None)):
             # x ^= x >> shift, as a logical shift (torch shifts int32 arithmetically, so mask the sign copies)
