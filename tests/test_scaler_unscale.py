@@ -124,3 +124,22 @@ def test_scaler_with_bf16_gradients_where_the_kernel_refuses_them_matches_the_fu
     for key, s in want_state["state"].items():
         for name, value in s.items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(state["state"][key][name])), name
+
+
+def test_fsdp2s_dtensor_gradients_are_staged_through_their_local_shards():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        grad = distribute_tensor(torch.tensor([2.0, NAN, 6.0]).to(torch.bfloat16), init_device_mesh("cpu", (1,)),
+                                 [Shard(0)])  # fmt: skip
+        flag = torch.zeros(())
+        staged_check_and_unscale_([grad], flag, torch.tensor(0.5))
+        full = grad.full_tensor()
+        assert flag.item() == 1.0 and full[0].item() == 1.0 and full[2].item() == 3.0 and full[1].isnan()
+    finally:
+        dist.destroy_process_group()

@@ -48,6 +48,8 @@ def staged_check_and_unscale_(
     at most ``stage_elements`` values (a larger single gradient is a batch of its own). No host sync."""
     batch: list[torch.Tensor] = []
     size = 0
+    # FSDP2's gradients are DTensors: stage their local shards (in place; the inf check is all-reduced after)
+    grads = [g.to_local() if callable(getattr(g, "to_local", None)) else g for g in grads]
     for grad in grads:
         if batch and size + grad.numel() > stage_elements:
             _stage(batch, found_inf, inv_scale)
