@@ -90,6 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (compilation)")
     p.add_argument("--loss-chunk", type=int, default=4096, help="tokens per chunk of mixprec+chunked's loss")
     p.add_argument("--no-compile", action="store_true", help="eager models (torch.compile by default)")
+    p.add_argument(
+        "--compile-mode",
+        default=None,
+        help="torch.compile's mode for every variant (e.g. reduce-overhead: CUDA graphs; max-autotune-no-cudagraphs)",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--profile", metavar="DIR", default=None, help="write a torch.profiler trace per variant")
     p.add_argument("--json", metavar="PATH", default=None)
@@ -159,7 +164,7 @@ def build(name: str, a: argparse.Namespace, nanogpt: Any, device: torch.device) 
         model = GPT(GPTConfig(**shape, dropout=0.0, bias=False, **extra))
     model = model.to(device).train()
     optimizer = torch.optim.AdamW(decay_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), fused=fused)
-    runnable = model if a.no_compile else torch.compile(model)
+    runnable = model if a.no_compile else torch.compile(model, mode=a.compile_mode)
 
     if name.startswith("nanogpt"):
 
@@ -232,7 +237,7 @@ def run(a: argparse.Namespace) -> tuple[list[Row], str]:
     if a.profile:
         profile(arms, batches[0], Path(a.profile), device)
     name = torch.cuda.get_device_name() if cuda else "cpu"
-    mode = "eager" if a.no_compile else "torch.compile"
+    mode = "eager" if a.no_compile else f"torch.compile (mode {a.compile_mode or 'default'})"
     header = (f"vs_nanogpt: {a.preset} (batch {a.batch_size} x {a.seq_len}), bf16 autocast, {mode}, "
               f"fused AdamW={cuda}; {name}; torch {torch.__version__}; {a.warmup} warm-up steps per variant, "
               f"{a.steps} interleaved rounds; peak bf16 {peak.source}")  # fmt: skip
