@@ -112,3 +112,20 @@ def test_a_padded_vocabulary_is_the_same_model_with_aligned_shapes():
     assert padded.generate(ids[:, :4], 3, temperature=1.0).max() < 50  # never a padded id
     with pytest.raises(ValueError, match="vocab_multiple"):
         GPTConfig(vocab_multiple=0)
+
+
+@pytest.mark.gpu
+def test_on_cuda_under_bf16_and_compile_the_chunked_gpt_matches_the_plain_one():
+    ids = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(1)).cuda()
+    plain, chunked = _gpt().cuda(), _gpt(loss_chunk_size=16, vocab_multiple=64).cuda()
+    with torch.no_grad():  # the same weights: the padded head's real rows are the plain head
+        for p, q in zip(plain.parameters(), chunked.parameters()):
+            q[: p.shape[0]].copy_(p)
+    compiled = torch.compile(chunked)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        a, b = plain(ids, labels=ids).loss, compiled(ids, labels=ids).loss
+    assert math.isclose(a.item(), b.item(), rel_tol=1e-3)
+    a.backward()
+    b.backward()
+    for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
+        assert _close(q.grad[: p.shape[0]], p.grad, 1e-2), name
