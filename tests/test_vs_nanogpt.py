@@ -10,7 +10,7 @@ import math
 import pytest
 from benchmarks import vs_nanogpt_gpu
 
-STAND_IN = '''
+STAND_IN = """
 from dataclasses import dataclass
 import torch
 import torch.nn as nn
@@ -38,7 +38,7 @@ class GPT(nn.Module):
         logits = self.lm_head(torch.relu(self.mix(self.wte(idx))))
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
-'''
+"""
 
 
 def test_every_variant_runs_side_by_side_on_the_cpu(tmp_path, monkeypatch):
