@@ -235,3 +235,20 @@ def test_the_watch_adds_no_host_sync_between_samples_and_one_on_a_sample():
     assert _syncs_per_step(PrecisionWatch(every=1000)) == plain
     sampled = _syncs_per_step(PrecisionWatch(every=1))
     assert all(s <= p + 1 for s, p in zip(sampled, plain)), (sampled, plain)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_bf16_pure_optimizer_step_makes_no_host_sync(rounding):
+    # issue 28: a host copy of each parameter's step count and a host read of the rounding key were syncs
+    from mixprec.optim import Bf16AdamW
+
+    params = [torch.nn.Parameter(torch.randn(n, device=CUDA).to(torch.bfloat16)) for n in (3000, 5, 700)]
+    opt = Bf16AdamW(params, lr=1e-3, rounding=rounding, bucket_elements=1024)  # several buckets, one split
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # state made
+    before = [p.detach().clone() for p in params]
+    with count_syncs() as syncs:
+        opt.step()
+    assert syncs == []
+    assert all(not torch.equal(a, p) for a, p in zip(before, params))
