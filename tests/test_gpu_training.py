@@ -243,7 +243,7 @@ def test_bf16_pure_optimizer_step_makes_no_host_sync(rounding):
     from mixprec.optim import Bf16AdamW
 
     params = [torch.nn.Parameter(torch.randn(n, device=CUDA).to(torch.bfloat16)) for n in (3000, 5, 700)]
-    opt = Bf16AdamW(params, lr=1e-3, rounding=rounding, bucket_elements=1024)  # several buckets, one split
+    opt = Bf16AdamW(params, lr=0.1, rounding=rounding, bucket_elements=1024)  # several buckets, one split
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()  # state made
