@@ -355,7 +355,8 @@ class GPT(nn.Module):
         to -100. ``attention_mask`` (1 = token, 0 = padding) keeps queries from attending to padded keys;
         positions are still 0..T-1. Without a mask the causal flash path is used. Token ids are not range
         checked (that would sync): an id >= vocab_size is an index error on CPU, a device assert on CUDA.
-        No host sync; the loss is an fp32 tensor even under fp16/bf16 autocast.
+        No host sync; the loss is an fp32 tensor even under fp16/bf16 autocast. With ``loss_chunk_size`` set, in
+        training mode with labels, the loss is computed chunk by chunk and the logits are None.
         """
         h = self._hidden_states(input_ids, attention_mask)
         if labels is not None and labels.shape != input_ids.shape:
