@@ -24,9 +24,14 @@ downloaded. Planned for well under 5 minutes on an H200 (most of it compiling):
     python -m benchmarks.gpu_suite --variants bf16+compile,fp8+compile,bf16-pure          # issue 11: fp8
     python -m benchmarks.gpu_suite --model gpt-1b --batch-size 8 --variants bf16+compile,fp8+compile
 
-The fp8 rows train the Linear layers in fp8 through torchao (mixprec's "fp8" precision: layers whose shapes
-fp8 cannot take, such as GPT-2's 50257-wide head, stay bf16 and the precision says which); their MFU is
-against the bf16 peak, so fp8's speed-up shows as an MFU above bf16's.
+The fp8 rows train the Linear layers in fp8 through torchao (mixprec's "fp8" precision: layers fp8 cannot take
+or that are too small to pay, and the head, stay bf16: precision/fp8_layers.py; ``fp8-all+compile`` converts
+every aligned layer, to measure that choice); their MFU is against the bf16 peak, so fp8's speed-up shows as
+an MFU above bf16's. ``bf16+compile+chunked``: the GPT with ``vocab_multiple=64`` and ``loss_chunk_size=4096``.
+
+Issue 28's whole GPU run, one command, sections in order under ``--time-limit`` (benchmarks/_gpu_plan.py):
+
+    python -m benchmarks.gpu_suite --plan issue28 --out $OUT --nanogpt nanogpt/ --baseline bf16_before/
 """
 
 from __future__ import annotations
@@ -36,26 +41,40 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 
+
+class Variant(NamedTuple):
+    """One row: the precision, whether the model is compiled, GPTConfig overrides, and fp8's layer choice."""
+
+    precision: str
+    compiled: bool
+    model: dict = {}  # noqa: RUF012 (read only)
+    fp8_every_layer: bool = False  # fp8 on every aligned layer, the small ones too (fp8_layers.py's skip_small off)
+
+
+FAST_GPT = {"vocab_multiple": 64, "loss_chunk_size": 4096}  # issue 28: aligned head, no full fp32 logits
 VARIANTS = {
-    "fp32": ("fp32", False),
-    "bf16": ("bf16", False),
-    "bf16+compile": ("bf16", True),
+    "fp32": Variant("fp32", False),
+    "bf16": Variant("bf16", False),
+    "bf16+compile": Variant("bf16", True),
+    "bf16+compile+chunked": Variant("bf16", True, FAST_GPT),
     # issue 11's GPU rows: fp8 training of the Linear layers (torchao float8; compiled, as torchao advises)
     # and pure bf16; not in the default run: --variants bf16+compile,fp8+compile,bf16-pure
-    "fp8": ("fp8", False),
-    "fp8+compile": ("fp8", True),
-    "bf16-pure": ("bf16-pure", False),
+    "fp8": Variant("fp8", False),
+    "fp8+compile": Variant("fp8", True),
+    "fp8-all+compile": Variant("fp8", True, fp8_every_layer=True),
+    "fp8-rowwise+compile": Variant("fp8-rowwise", True),
+    "bf16-pure": Variant("bf16-pure", False),
+    "bf16-pure+compile": Variant("bf16-pure", True),
 }
 DEFAULT_VARIANTS = ("fp32", "bf16", "bf16+compile")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # the peak each precision's MFU is measured against: fp8 against bf16's (the model's other matmuls are
 # bf16, and torch has no portable fp8 matmul to time), so an fp8 MFU above bf16's is the fp8 speed-up
-PEAK_OF = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16", "bf16-pure": "bf16"}
-# shapes beyond the built-in presets: a ~1B GPT (GPT-2 vocabulary and context, 16 x 2048: 0.91B parameters)
-SUITE_MODELS = {"gpt-1b": {"vocab_size": 50257, "block_size": 1024, "n_layer": 16, "n_head": 16, "n_embd": 2048}}
+PEAK_OF = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16", "fp8-rowwise": "bf16", "bf16-pure": "bf16"}
 
 
 @dataclass
@@ -97,6 +116,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", default=None)
+    p.add_argument(
+        "--plan",
+        choices=["variants", "issue28"],
+        default="variants",
+        help="variants: the table above (default); issue28: every figure issue 28's goals need (see below)",
+    )
+    p.add_argument("--out", metavar="DIR", default="gpu_suite_out", help="issue28: where each section's JSON goes")
+    p.add_argument("--nanogpt", metavar="PATH", default=None, help="issue28: a nanoGPT checkout (else no comparison)")
+    p.add_argument("--baseline", metavar="REV|DIR", default=None, help="issue28: bf16-pure's step before the rewrite")
+    p.add_argument("--sections", default=None, help="issue28: a comma-separated subset of the plan's sections")
+    p.add_argument("--time-limit", type=float, default=540.0, help="issue28: seconds; later sections are not started")
     # a CPU dry run (tests, and checking the script before a GPU session): same code path, tiny model
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -112,14 +142,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def build_model(name: str) -> torch.nn.Module:
-    """A built-in preset (``GPT.from_preset``) or one of :data:`SUITE_MODELS`."""
+def build_model(name: str, **overrides: object) -> torch.nn.Module:
+    """A built-in preset (``GPT.from_preset``: gpt2, gpt-1b, ...) with GPTConfig overrides."""
     from mixprec.models import GPT
-    from mixprec.models.gpt import GPTConfig
 
-    if name in SUITE_MODELS:
-        return GPT(GPTConfig(**SUITE_MODELS[name]))
-    return GPT.from_preset(name)
+    return GPT.from_preset(name, **overrides)
 
 
 def make_batches(seq_len: int, batch_size: int, count: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -135,7 +162,8 @@ def run_variant(name: str, a: argparse.Namespace, batches: list, peaks: dict) ->
     from mixprec.bench import make_timer, summarize, train_step
     from mixprec.precision import resolve_precision
 
-    precision_name, compiled = VARIANTS[name]
+    variant = VARIANTS[name]
+    precision_name, compiled = variant.precision, variant.compiled
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     if cuda:
@@ -144,9 +172,14 @@ def run_variant(name: str, a: argparse.Namespace, batches: list, peaks: dict) ->
         torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated() if cuda else 0
     torch.manual_seed(a.seed)
-    model = build_model(a.model).to(device).train()
-    flops_per_token = float(model.estimate_flops_per_token(a.seq_len))
+    model = build_model(a.model, **variant.model).to(device).train()
+    with torch.device("meta"):  # useful flops: the unpadded model's, the same for every variant
+        flops_per_token = float(build_model(a.model).estimate_flops_per_token(a.seq_len))
     precision = resolve_precision(precision_name, device)
+    if variant.fp8_every_layer:
+        from mixprec.precision.fp8_layers import Fp8LayerFilter
+
+        precision.layer_filter = Fp8LayerFilter(precision.recipe, skip_small=False)
     model = precision.convert_module(model)  # fp8: Linear layers to torchao's; bf16-pure: the weights to bf16
     optimizer = precision.convert_optimizer(torch.optim.AdamW(model.parameters(), lr=a.lr, fused=True))
     scaler = precision.make_scaler()
@@ -212,6 +245,37 @@ def format_report(results: list[VariantResult], header: str) -> str:
     return "\n".join(lines)
 
 
+def run_variants(a: argparse.Namespace) -> tuple[list[VariantResult], str]:
+    """Every variant of ``a.variants`` on ``a.model``, one after another; the results and the table's header."""
+    from mixprec.bench import measure_peak_flops
+
+    started = time.perf_counter()
+    name = torch.cuda.get_device_name() if a.device == "cuda" else a.device
+    print(f"[gpu_suite] {name}, torch {torch.__version__}, CUDA {torch.version.cuda}", file=sys.stderr, flush=True)
+    needed = sorted({PEAK_OF[VARIANTS[v].precision] for v in a.variants})
+    peaks = {p: measure_peak_flops(DTYPES[p], a.device, repeats=10) for p in needed}
+    for p, peak in peaks.items():
+        print(f"[gpu_suite] peak {p}: {peak.source}", file=sys.stderr, flush=True)
+    batches = make_batches(a.seq_len, a.batch_size, min(a.warmup + a.steps, 16), a.seed)
+    results = []
+    for v in a.variants:
+        if getattr(a, "deadline", None) is not None and time.perf_counter() > a.deadline:
+            print(f"[gpu_suite] {v}: not run (the time limit was reached)", file=sys.stderr, flush=True)
+            continue
+        print(f"[gpu_suite] running {v}", file=sys.stderr, flush=True)
+        results.append(run_variant(v, a, batches, peaks))
+        r = results[-1]
+        print(f"[gpu_suite] {v}: {r.step_time_s * 1e3:.1f} ms/step, MFU {r.mfu:.1%}", file=sys.stderr, flush=True)
+        if VARIANTS[v].compiled:
+            torch._dynamo.reset()  # the compiled graphs of one variant hold no memory into the next
+    header = (
+        f"gpu_suite: GPT {a.model!r} (batch {a.batch_size} x {a.seq_len}), fused AdamW, {a.warmup} warm-up + "
+        f"{a.steps} timed steps per variant; {name}; torch {torch.__version__} (CUDA {torch.version.cuda}); took "
+        f"{time.perf_counter() - started:.0f} s"
+    )
+    return results, header
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -220,29 +284,14 @@ def main(argv: list[str] | None = None) -> int:
             with open(a.json, "w") as f:
                 json.dump({"skipped": "no CUDA device"}, f)
         return 0
-    from mixprec.bench import measure_peak_flops
+    if a.plan == "issue28":
+        from benchmarks._gpu_plan import run_plan
 
-    started = time.perf_counter()
-    name = torch.cuda.get_device_name() if a.device == "cuda" else a.device
-    print(f"[gpu_suite] {name}, torch {torch.__version__}, CUDA {torch.version.cuda}", file=sys.stderr, flush=True)
-    needed = sorted({PEAK_OF[VARIANTS[v][0]] for v in a.variants})
-    peaks = {p: measure_peak_flops(DTYPES[p], a.device, repeats=10) for p in needed}
-    for p, peak in peaks.items():
-        print(f"[gpu_suite] peak {p}: {peak.source}", file=sys.stderr, flush=True)
-    batches = make_batches(a.seq_len, a.batch_size, min(a.warmup + a.steps, 16), a.seed)
-    results = []
-    for v in a.variants:
-        print(f"[gpu_suite] running {v}", file=sys.stderr, flush=True)
-        results.append(run_variant(v, a, batches, peaks))
-        r = results[-1]
-        print(f"[gpu_suite] {v}: {r.step_time_s * 1e3:.1f} ms/step, MFU {r.mfu:.1%}", file=sys.stderr, flush=True)
-    header = (
-        f"gpu_suite: GPT {a.model!r} (batch {a.batch_size} x {a.seq_len}), fused AdamW, {a.warmup} warm-up + "
-        f"{a.steps} timed steps per variant; {name}; torch {torch.__version__} (CUDA {torch.version.cuda}); took "
-        f"{time.perf_counter() - started:.0f} s"
-    )
+        return run_plan(a)
+    results, header = run_variants(a)
     print(format_report(results, header))
     if a.json:
+        name = torch.cuda.get_device_name() if a.device == "cuda" else a.device
         doc = {"header": header, "device": name, "argv": sys.argv[1:], "results": [asdict(r) for r in results]}
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=2)

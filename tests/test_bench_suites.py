@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -152,7 +153,7 @@ def test_gpu_suite_refuses_bad_arguments(argv):
 def test_gpu_suite_defaults_are_the_gpt2_shape_in_bf16_with_compile():
     a = gpu_suite.parse_args([])
     assert a.model == "gpt2" and a.seq_len == 1024
-    assert "bf16+compile" in a.variants and gpu_suite.VARIANTS["bf16+compile"] == ("bf16", True)
+    assert "bf16+compile" in a.variants and gpu_suite.VARIANTS["bf16+compile"][:2] == ("bf16", True)
     assert "fp8+compile" not in a.variants  # the lean rows are asked for by name
 
 
@@ -173,9 +174,9 @@ def test_gpu_suite_cpu_dry_run_of_the_lean_rows_converts_the_model(tmp_path, mon
 
 
 def test_the_1b_shape_is_about_a_billion_parameters():
-    from mixprec.models.gpt import GPTConfig
+    from mixprec.models.gpt import GPT_PRESETS, GPTConfig
 
-    c = GPTConfig(**gpu_suite.SUITE_MODELS["gpt-1b"])
+    c = GPTConfig(**{f: getattr(GPT_PRESETS["gpt-1b"], f) for f in ("vocab_size", "n_layer", "n_embd")})
     blocks = c.n_layer * 12 * c.n_embd**2  # attention 4 d^2 + MLP 8 d^2 per block
     assert 0.8e9 < blocks + c.vocab_size * c.n_embd < 1.1e9
 
@@ -210,3 +211,34 @@ def test_gpu_suite_compiled_bf16_on_a_gpu(tmp_path):
     assert gpu_suite.main(argv) == 0
     rows = json.loads(out.read_text())["results"]
     assert all(r["peak_mem_bytes"] > 0 and r["mfu"] > 0 for r in rows)
+
+
+def test_the_issue28_plan_records_failures_skips_what_the_time_limit_leaves_and_states_the_goals(tmp_path, monkeypatch):
+    from benchmarks import _gpu_plan
+
+    def nanogpt(a, out, left):
+        rows = [
+            {"variant": "nanogpt", "tokens_per_s": 400e3, "peak_mem_bytes": 2**31, "mfu": 0.45},
+            {"variant": "mixprec+chunked", "tokens_per_s": 460e3, "peak_mem_bytes": 2**30, "mfu": 0.52},
+        ]
+        return {"rows": rows}
+
+    def broken(a, out, left):
+        raise RuntimeError("planted")
+
+    def slow(a, out, left):
+        time.sleep(0.3)
+        return {"summary": "3 passed"}
+
+    monkeypatch.setattr(_gpu_plan, "RUNNERS", {**_gpu_plan.RUNNERS, "tests": slow, "nanogpt": nanogpt, "gpt2": broken})
+    monkeypatch.setattr(_gpu_plan, "MIN_SECONDS", {**_gpu_plan.MIN_SECONDS, "tests": 0, "nanogpt": 0, "gpt2": 0})
+    a = gpu_suite.parse_args(["--plan", "issue28", "--out", str(tmp_path), "--sections", "tests,nanogpt,gpt2,gpt-1b",
+                              "--time-limit", "100", "--device", "cpu"])  # fmt: skip
+    assert _gpu_plan.run_plan(a) == 0
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    sections = doc["sections"]
+    assert sections["gpt2"]["error"] == "RuntimeError: planted"  # recorded, and the plan went on
+    assert "not started" in sections["gpt-1b"]["not_run"]  # 120 s needed, under 100 left
+    assert "gpu tests: 3 passed" in doc["lines"]
+    assert any(line.startswith("mixprec+chunked vs nanoGPT (bf16 + compile): 1.150x tokens/s") for line in doc["lines"])
+    assert (tmp_path / "nanogpt.json").exists()

@@ -65,6 +65,12 @@ def test_gpt2_preset_has_the_124m_shape():
     assert model.num_parameters(exclude_position_embeddings=True) == 124_439_808 - 1024 * 768
 
 
+def test_the_1b_preset_is_near_a_billion_parameters():
+    with torch.device("meta"):
+        model = GPT.from_preset("gpt-1b")
+    assert 0.9e9 < model.num_parameters() < 0.92e9  # 16 x 12 x 2048^2 in the blocks + 50257 x 2048 tied
+
+
 def test_weights_are_tied_and_counted_once():
     model = tiny_model()
     assert model.lm_head.weight is model.transformer.wte.weight

@@ -3,7 +3,7 @@
 ``add_data_model_args(parser)`` adds --data, --text-field, --model, --seq-len, --batch-size, --seed and
 --precision; ``load_model_and_data(args)`` turns them into ``(model, train_dataset, eval_dataset, info)``:
 
-- the model: a built-in GPT preset (``mixprec.models.GPT_PRESETS``: tiny, small, gpt2), or a local Hugging
+- the model: a built-in GPT preset (``mixprec.models.GPT_PRESETS``: tiny, small, gpt2, gpt-1b), or a local Hugging
   Face model folder / ``config.json`` when transformers is installed (weights are loaded when the folder has
   them, else the model is initialised from the config). Nothing is ever downloaded: a name that is neither
   a preset nor an existing path is an error.

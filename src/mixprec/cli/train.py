@@ -72,6 +72,8 @@ examples:
   mixprec train --diagnose --precision fp16       diagnose gradient ranges first, start at the advised scale
   mixprec train --precision fp16 --watch 20       per-layer headroom every 20 steps, warnings, skip tracing
   mixprec train --precision bf16 --optim adamw_torch_8bit   8-bit Adam states (pip install "mixprec[lean]")
+  mixprec train --model gpt2 --compile --seq-len 1024 --batch-size 16 --max-steps 200   GPT-2 124M on a GPU
+  mixprec train --model gpt-1b --compile --seq-len 1024 --batch-size 8 --max-steps 100  0.91B GPT on a GPU
   torchrun --nproc_per_node=2 -m mixprec.cli.main train --output-dir runs/ddp
 
 an epoch is --epoch-tokens tokens of new chunks drawn from the training split (the whole split if it is

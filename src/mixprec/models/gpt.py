@@ -46,6 +46,13 @@ class GPTConfig:
     """Dropout on embeddings, attention weights and residual branches, in [0, 1)."""
     bias: bool = True
     """Biases in Linear layers and LayerNorms (False is slightly faster, as in nanoGPT)."""
+    vocab_multiple: int = 1
+    """Rows of the embedding and the head rounded up to a multiple of this (64: nanoGPT's 50257 -> 50304), so the
+    head's matmuls run on aligned shapes. The extra rows are cut from the logits before the softmax: the same
+    model as without them, faster (issue 28)."""
+    loss_chunk_size: int | None = None
+    """While training, compute the loss this many tokens at a time without ever holding (tokens x vocab)
+    logits (models/chunked_loss.py); the output's logits are then None. None: the plain path."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -58,8 +65,19 @@ class GPTConfig:
                 f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head} "
                 f"(each head gets n_embd / n_head dimensions)"
             )
+        for name in ("vocab_multiple", "loss_chunk_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.vocab_multiple is None:
+            raise ValueError("GPTConfig.vocab_multiple must be a positive integer (1: no padding), got None")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and the head: ``vocab_size`` rounded up to ``vocab_multiple``."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
 
 GPT_PRESETS: dict[str, GPTConfig] = {
@@ -70,6 +88,8 @@ GPT_PRESETS: dict[str, GPTConfig] = {
     "small": GPTConfig(block_size=256, n_layer=4, n_head=4, n_embd=128),
     # GPT-2 124M shape, for GPU benchmarks only (its vocabulary does not match the byte corpus)
     "gpt2": GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    # near 1B (0.91B parameters) for GPU benchmarks: GPT-2's vocabulary and context, 16 layers x 2048 (issue 28)
+    "gpt-1b": GPTConfig(vocab_size=50257, block_size=1024, n_layer=16, n_head=16, n_embd=2048),
 }
 
 
@@ -180,14 +200,14 @@ class GPT(nn.Module):
         self.config = config
         self.transformer = nn.ModuleDict(
             dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
                 wpe=nn.Embedding(config.block_size, config.n_embd),
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
                 ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
             )
         )
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.gradient_checkpointing = False
         self._checkpoint_kwargs: dict[str, Any] = {}
         # weight tying (Press & Wolf 2017): one matrix embeds and un-embeds, saving vocab * n_embd params
@@ -335,16 +355,19 @@ class GPT(nn.Module):
         to -100. ``attention_mask`` (1 = token, 0 = padding) keeps queries from attending to padded keys;
         positions are still 0..T-1. Without a mask the causal flash path is used. Token ids are not range
         checked (that would sync): an id >= vocab_size is an index error on CPU, a device assert on CUDA.
-        No host sync; the loss is an fp32 tensor even under fp16/bf16 autocast.
+        No host sync; the loss is an fp32 tensor even under fp16/bf16 autocast. With ``loss_chunk_size`` set, in
+        training mode with labels, the loss is computed chunk by chunk and the logits are None.
         """
         h = self._hidden_states(input_ids, attention_mask)
-        logits = self.lm_head(h)
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(
+                f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}"
+            )
+        if labels is not None and self.config.loss_chunk_size and self.training:
+            return CausalLMOutput(loss=self._chunked_loss(h, labels), logits=None)
+        logits = self._logits(h)
         loss = None
         if labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(
-                    f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}"
-                )
             # fp32 cross entropy: log-softmax in fp16 underflows the small probabilities (and its
             # gradient), so the loss a GradScaler scales must be fp32 whatever autocast chose for matmuls
             shift_logits = logits[:, :-1, :].float()
@@ -355,6 +378,26 @@ class GPT(nn.Module):
                 ignore_index=IGNORE_INDEX,
             )
         return CausalLMOutput(loss=loss, logits=logits)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's scores for the real words (a padded vocabulary's extra rows cut off: a view)."""
+        logits = self.lm_head(h)
+        return logits if self.config.vocab_multiple == 1 else logits[..., : self.config.vocab_size]
+
+    def _chunked_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The shifted next-token loss through chunked_loss.py: the head's weight used directly (its module's
+        forward, and hooks on it, do not run)."""
+        from mixprec.models.chunked_loss import linear_cross_entropy
+
+        hidden = h[:, :-1, :].reshape(-1, h.size(-1))
+        return linear_cross_entropy(
+            hidden,
+            self.lm_head.weight,
+            labels[:, 1:].reshape(-1).long(),
+            chunk_size=self.config.loss_chunk_size,
+            vocab_size=self.config.vocab_size,
+            ignore_index=IGNORE_INDEX,
+        )
 
     @torch.no_grad()
     def generate(
@@ -385,7 +428,7 @@ class GPT(nn.Module):
                 context = idx[:, -self.config.block_size :]
                 # only the last position is needed: skip the lm_head matmul for the others
                 h = self._hidden_states(context, None)[:, -1, :]
-                logits = self.lm_head(h).float()
+                logits = self._logits(h).float()
                 if temperature == 0:
                     next_id = logits.argmax(dim=-1, keepdim=True)
                 else:

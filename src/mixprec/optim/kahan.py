@@ -30,3 +30,24 @@ def kahan_update_(
     rounded = new.to(target.dtype)  # t: rounded to nearest
     compensation.copy_(update.sub_(new.copy_(rounded).sub_(weights)))  # y - (t - w): this rounding's loss
     target.copy_(rounded)
+
+
+def kahan_update_buckets_(
+    targets: list[torch.Tensor],
+    weights: torch.Tensor,
+    update: torch.Tensor,
+    compensations: list[torch.Tensor],
+    work: torch.Tensor,
+) -> None:
+    """:func:`kahan_update_` for a bucket of several parameters (Bf16AdamW's): ``weights``, ``update`` and
+    ``work`` are flat fp32 buffers over the concatenated ``targets`` (flat views of low-precision parameters,
+    one dtype) and ``compensations`` (their buffers, likewise). The same arithmetic, elementwise, so the same
+    bits; a few multi-tensor copies instead of one loop per parameter."""
+    sizes = [t.numel() for t in targets]
+    torch._foreach_copy_(list(work.split(sizes)), compensations)  # exact: widening
+    update.add_(work)  # y: this step plus what earlier roundings lost
+    torch.add(weights, update, out=work)
+    rounded = work.to(targets[0].dtype)  # t: rounded to nearest
+    update.sub_(work.copy_(rounded).sub_(weights))  # y - (t - w): this rounding's loss
+    torch._foreach_copy_(compensations, list(update.split(sizes)))
+    torch._foreach_copy_(targets, list(rounded.split(sizes)))

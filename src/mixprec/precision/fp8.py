@@ -8,8 +8,9 @@ no loss scaling is needed: the per-tensor scales do for fp8 what the loss scale 
 Scaling: "fp8" scales per tensor (torchao's default recipe, the fastest); "fp8-rowwise" scales per row
 (more accurate with outliers; power-of-2 scales), as torchtitan offers both.
 
-Layers fp8 cannot take stay in bf16 and :meth:`Fp8Precision.describe` lists them: fp8 matmuls need both
-dimensions divisible by 16 (a GPT-2 head of 50257 words is not).
+Layers fp8 cannot take, or would slow down, stay in bf16 and :meth:`Fp8Precision.describe` lists them with the
+reason (fp8_layers.py: misaligned shapes, the output head, layers too small to pay; ``precision.layer_filter``
+chooses). Under the test-only emulation small layers are converted too: it checks numerics, not speed.
 
 Speed: the casts to fp8 are separate kernels unless ``torch.compile`` fuses them into their neighbours, so
 compile the model (``TrainingArguments(torch_compile=True)``, ``mixprec train --compile``); torchao and
@@ -30,11 +31,11 @@ from typing import Any, ClassVar
 import torch
 
 from mixprec.precision.base import PrecisionNotSupportedError
+from mixprec.precision.fp8_layers import Fp8LayerFilter, embedding_weight_ids
 from mixprec.precision.mixed import Bf16MixedPrecision
 from mixprec.precision.torchao_extra import import_torchao, require_torchao_for_precision
 
 EMULATE_ENV = "MIXPREC_FP8_EMULATE"
-_FP8_ALIGNMENT = 16  # torchao's (and cuBLASLt's) rule for fp8 matmul shapes
 _MIN_CAPABILITY = (8, 9)
 
 
@@ -57,6 +58,8 @@ class Fp8Precision(Bf16MixedPrecision):
         self.emulated = fp8_emulation_requested()
         self.converted: list[str] = []
         self.skipped: dict[str, str] = {}  # layer name -> why it stays in bf16
+        # which layers convert_module converts; set another before it to choose otherwise
+        self.layer_filter = Fp8LayerFilter(recipe=self.recipe, skip_small=not self.emulated)
 
     @classmethod
     def check_supported(cls, device: torch.device) -> None:
@@ -90,16 +93,17 @@ class Fp8Precision(Bf16MixedPrecision):
         from torchao.float8.float8_linear import Float8Linear  # a submodule of the one just imported
 
         self.converted, self.skipped = [], {}
+        embeddings = embedding_weight_ids(module)
         for fqn, layer in module.named_modules():
             if isinstance(layer, Float8Linear):
                 self.converted.append(fqn)
             elif isinstance(layer, torch.nn.Linear):
-                why = _why_not_fp8(fqn, layer)
+                why = self.layer_filter.why_not(fqn, layer, embeddings)
                 if why:
                     self.skipped[fqn or "<root>"] = why
 
         def wanted(layer: torch.nn.Module, fqn: str) -> bool:
-            if isinstance(layer, Float8Linear) or _why_not_fp8(fqn, layer):
+            if isinstance(layer, Float8Linear) or self.layer_filter.why_not(fqn, layer, embeddings):
                 return False
             self.converted.append(fqn)
             return True
@@ -137,14 +141,3 @@ class Fp8RowwisePrecision(Fp8Precision):
 
     name = "fp8-rowwise"
     recipe = "rowwise"
-
-
-def _why_not_fp8(fqn: str, layer: torch.nn.Module) -> str:
-    """Why this Linear must stay in bf16, or "" when fp8 can take it."""
-    if fqn == "":
-        # torchao returns a new object for a root Linear; callers (prepare, optimizers) hold the old one
-        return "the model itself is a Linear: wrap it in a module to convert it"
-    shape = f"{layer.in_features}x{layer.out_features}"
-    if layer.in_features % _FP8_ALIGNMENT or layer.out_features % _FP8_ALIGNMENT:
-        return f"{shape}: fp8 needs both dimensions divisible by {_FP8_ALIGNMENT}"
-    return ""

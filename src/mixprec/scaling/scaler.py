@@ -34,6 +34,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mixprec.scaling.record import ScaleRecord
+from mixprec.scaling.unscale import check_and_unscale_
 
 # The default bounds, used when min_scale / max_scale are not given. 2^24: a larger scale only matters for
 # gradients below fp16's smallest subnormal times 2^-24, and it brings fp32 overflow of the scaled loss closer.
@@ -402,8 +403,8 @@ class GradScaler:
     def _unscale_grads(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, allow_fp16: bool
     ) -> torch.Tensor:
-        """One fused check-and-unscale kernel per (device, dtype) group; returns found_inf on the scale's
-        device. No host sync."""
+        """One check-and-unscale per (device, dtype) group (torch's fused kernel where it takes the dtype,
+        unscale.py otherwise); returns found_inf on the scale's device. No host sync."""
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -428,7 +429,7 @@ class GradScaler:
         with torch.no_grad():
             for (device, _), grads in groups.items():
                 flag = flags.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device))
+                check_and_unscale_(grads, flag, inv_scale.to(device))  # torch's kernel, or exact staging
             home = self._scale.device
             if len(flags) == 1 and next(iter(flags)) == home:  # the usual case: nothing to combine
                 found_inf = next(iter(flags.values()))
