@@ -34,6 +34,7 @@ from mixprec.cli._common import (
 )
 from mixprec.cli._config import add_config_arg, apply_config
 from mixprec.cli._epochs import EpochCallback, EpochChunks, evenly_spaced
+from mixprec.cli._lora import add_lora_args, apply_lora, lora_plan
 from mixprec.cli.main import CliError
 from mixprec.data import decode, encode, unigram_entropy
 from mixprec.models import GPT
@@ -72,6 +73,7 @@ examples:
   mixprec train --diagnose --precision fp16       diagnose gradient ranges first, start at the advised scale
   mixprec train --precision fp16 --watch 20       per-layer headroom every 20 steps, warnings, skip tracing
   mixprec train --precision bf16 --optim adamw_torch_8bit   8-bit Adam states (pip install "mixprec[lean]")
+  mixprec train --model path/to/hf-model --lora-r 8 --precision bf16   LoRA on a frozen bf16 base (needs peft)
   torchrun --nproc_per_node=2 -m mixprec.cli.main train --output-dir runs/ddp
 
 an epoch is --epoch-tokens tokens of new chunks drawn from the training split (the whole split if it is
@@ -167,6 +169,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="watch every layer's range during the run: sample every N steps, warn before an overflow, trace "
         "skipped steps to a layer; 'fallback[:N]' also moves a layer that overflows to fp32 (default: off)",
     )
+    add_lora_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -270,7 +273,10 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         if not restarted_by_launcher() and not deferred_check:
             _rundir.check_new_run_dir(run_dir)
 
+    lora = lora_plan(args)  # a bad --lora-* flag fails before anything is loaded
     model, train_chunks, val_chunks, info = load_model_and_data(args)
+    if lora is not None:
+        model, lora_line = apply_lora(model, lora, info.precision)
     chunks_per_epoch = len(train_chunks) if args.epoch_tokens == 0 else max(1, args.epoch_tokens // info.seq_len)
     train_dataset = EpochChunks(train_chunks, chunks_per_epoch, seed=args.seed)
     eval_dataset = _eval_subset(val_chunks, info.seq_len)
@@ -281,6 +287,8 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
 
     epoch_what = "a full pass" if train_dataset.is_full_pass else f"{len(train_dataset) * info.seq_len:,} tokens"
     _emit(f"mixprec train: {info.model_description}")
+    if lora is not None:
+        _emit(f"  adapters    {lora_line}")
     _emit(f"  data        {info.corpus}; {info.train_tokens:,} training and {info.val_tokens:,} validation bytes")
     _emit(
         f"  epochs      {args.epochs:g} of {epoch_what} ({len(train_dataset):,} chunks of {info.seq_len}), "
