@@ -55,14 +55,9 @@ def test_lora_r_trains_adapters_on_a_frozen_fp16_base_and_resumes(tmp_path, corp
     assert "adapters    LoRA r=4, alpha 8 on c_attn:" in out and "frozen base in float16" in out
     assert "2 (1 epochs), 0 skipped" in out
     saved = load_file(run / "checkpoint-2" / "model.safetensors")
-    lora = {k: v for k, v in saved.items() if "lora_" in k}
-    base = {k: v for k, v in saved.items() if "lora_" not in k}
-    assert lora and {v.dtype for v in lora.values()} == {torch.float32}  # peft's fp32 adapters
-    assert {v.dtype for v in base.values() if v.is_floating_point()} == {torch.float16}  # the frozen base
-    original = load_file(f"{hf_folder}/model.safetensors")
-    wte = next(v for k, v in base.items() if k.endswith("wte.weight"))
-    assert torch.equal(wte, original["transformer.wte.weight"].half())  # frozen: untouched by training
-    assert any(v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k)  # B starts at 0: it learned
+    assert saved and all("lora_" in k for k in saved)  # the adapters only: the frozen base is --model's
+    assert {v.dtype for v in saved.values()} == {torch.float32}  # peft's fp32 adapters
+    assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)  # B starts at 0: it learned
 
     assert main(["train", "--resume", str(run), "--max-steps", "3"]) == 0  # the run's own flags: --lora-r 4
     out = capsys.readouterr().out

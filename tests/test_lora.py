@@ -120,6 +120,12 @@ def test_lora_trains_resumes_exactly_and_saves_the_adapter_at_the_trainer_level(
     assert all(p.dtype == dtype and torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
     straight = adapters(model)
 
+    # the checkpoint holds the adapters, as peft saves them: the frozen base is the model the user loads
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "run" / "checkpoint-3" / "model.safetensors")
+    assert set(saved) == {n for n, p in model.named_parameters() if p.requires_grad}
+
     # resume from the step-3 checkpoint in a fresh process-like setting: a new model, a new Trainer
     again = lora_gpt2(dtype, adapters_in_fp32=precision == "bf16")
     resumed = Trainer(model=again, args=lora_args(tmp_path / "run", precision), train_dataset=rows(24))
@@ -139,3 +145,19 @@ def test_lora_trains_resumes_exactly_and_saves_the_adapter_at_the_trainer_level(
     for name, p in reloaded.named_parameters():
         if "lora_" in name:
             assert torch.equal(p.to(mine[name].dtype), mine[name]), name
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoints_adapters_over_the_frozen_base(tmp_path):
+    from safetensors.torch import load_file
+
+    model = lora_gpt2(torch.bfloat16)
+    frozen = frozen_state(model)
+    args = lora_args(tmp_path, "bf16", eval_strategy="steps", eval_steps=3, load_best_model_at_end=True,
+                     metric_for_best_model="loss", greater_is_better=True)  # fmt: skip  # the worse: checkpoint-3
+    trainer = Trainer(model=model, args=args, train_dataset=rows(24), eval_dataset=rows(8, seed=1))
+    trainer.train()
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-3")
+    best = load_file(tmp_path / "checkpoint-3" / "model.safetensors")
+    for name, p in model.named_parameters():
+        expected = best[name] if p.requires_grad else frozen[name]
+        assert torch.equal(p, expected), name

@@ -94,11 +94,10 @@ def lora_plan(args: argparse.Namespace) -> LoraPlan | None:
 
 def base_dtype(precision: str) -> torch.dtype:
     """The dtype the frozen base is held in: the precision's compute dtype (fp32 for "auto", still undecided)."""
-    from mixprec.precision.registry import AUTO, resolve_precision
+    from mixprec.precision.registry import make_precision
 
-    if precision == AUTO:
-        return torch.float32
-    return resolve_precision(precision).compute_dtype
+    strategy = make_precision(precision)
+    return torch.float32 if strategy.pending else strategy.compute_dtype
 
 
 def apply_lora(model: torch.nn.Module, plan: LoraPlan, precision: str) -> tuple[Any, str]:
