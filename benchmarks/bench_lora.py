@@ -26,6 +26,8 @@ Columns, each from the run itself:
   (:func:`mixprec.bench.memory.measure_run`, after a warm-up variant): states, gradients, activations and
   autocast's cast copies, above the held weights.
 - total: weights + peak growth, and its ratio to the full fine-tune in fp32 masters under the same autocast.
+- checkpoint: the size of the folder ``Accelerator.save_state`` writes after those steps (weights,
+  optimizer state with the masters, scaler, RNG): a peft model's holds its adapters only.
 - step: median wall time of ``--steps`` further steps, each variant's right after its measurement (not
   interleaved: keeping every variant alive to interleave them would hold several GiB at once; the figure this
   script is for is memory).
@@ -38,9 +40,11 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -167,6 +171,9 @@ def measure(variant: Variant, args: argparse.Namespace, data: list[torch.Tensor]
     peak = measure_run(prepare, "cpu")
     run: Run = held.pop("run")
     counts = run.state_bytes()
+    with tempfile.TemporaryDirectory() as tmp:  # what a checkpoint of this run writes (Accelerator.save_state)
+        folder = run.accelerator.save_state(Path(tmp) / "state")
+        counts["checkpoint"] = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
     times = []
     for i in range(args.steps):
         start = time.perf_counter()
@@ -213,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             "masters_mib": r["masters"] / MIB,
             "peak_growth_mib": r["peak_growth"] / MIB,
             "total_mib": total / MIB,
+            "checkpoint_mib": r["checkpoint"] / MIB,
             "vs_full_ft": total / (base["weights"] + base["peak_growth"]),
             "step_ms_median": 1000 * statistics.median(r["times"]) if r["times"] else None,
         })  # fmt: skip
@@ -220,13 +228,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPT-2-like {args.layers} x {args.width}, vocab {args.vocab} ({n / 1e6:.1f}M parameters), batch "
           f"{args.batch} x {args.seq}, {args.precision} autocast, LoRA r={args.rank} on {', '.join(TARGETS)}, "
           f"AdamW, {args.threads} thread(s)")  # fmt: skip
-    print("| variant | trained | weights | training state (masters) | peak growth | total | vs full FT | step |")
-    print("|---|---|---|---|---|---|---|---|")
+    columns = ["variant", "trained", "weights", "training state (masters)", "peak growth", "total", "vs full FT",
+               "checkpoint", "step"]  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
     for row in rows:
         step = f"{row['step_ms_median']:.0f} ms" if row["step_ms_median"] is not None else "-"
-        print(f"| {row['variant']} | {row['trainable_params'] / 1e6:.2f}M | {row['weights_mib']:.1f} MiB | "
-              f"{row['training_state_mib']:.1f} MiB ({row['masters_mib']:.1f}) | {row['peak_growth_mib']:.0f} MiB | "
-              f"{row['total_mib']:.0f} MiB | {row['vs_full_ft']:.2f}x | {step} |")  # fmt: skip
+        cells = [
+            row["variant"],
+            f"{row['trainable_params'] / 1e6:.2f}M",
+            f"{row['weights_mib']:.1f} MiB",
+            f"{row['training_state_mib']:.1f} MiB ({row['masters_mib']:.1f})",
+            f"{row['peak_growth_mib']:.0f} MiB",
+            f"{row['total_mib']:.0f} MiB",
+            f"{row['vs_full_ft']:.2f}x",
+            f"{row['checkpoint_mib']:.1f} MiB",
+            step,
+        ]
+        print("| " + " | ".join(cells) + " |")
     if args.json:
         meta = {"args": vars(args), "parameters": n, "machine": platform.processor() or platform.machine(),
                 "torch": torch.__version__, "cpus": os.cpu_count()}  # fmt: skip
