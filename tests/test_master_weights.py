@@ -216,3 +216,17 @@ def test_fsdp_refuses_a_trainable_half_parameter_by_name() -> None:
 
     with pytest.raises(ValueError, match=r"under FSDP2: parameter 'head.weight' is float16 .* float32"):
         check_no_low_precision_trainable(half_base(), "prepare() under FSDP2", "cast them to float32")
+
+
+@pytest.mark.parametrize("precision", ["fp16", "auto"])
+def test_repeated_overflow_names_the_model_parameter_not_its_master(precision: str) -> None:
+    from mixprec.scaling.scaler import ConsecutiveSkipsError
+
+    model = half_base()
+    accelerator = Accelerator(mixed_precision=precision, scaler_kwargs={"max_consecutive_skips": 2}, verbose=False)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.head.parameters(), lr=0.1))
+    with pytest.raises(ConsecutiveSkipsError, match=r"head\.weight"):  # noqa: PT012
+        for _ in range(3):
+            accelerator.backward(model(**batch()).loss * float("inf"))
+            optimizer.step()
+            optimizer.zero_grad()

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch.utils import _pytree as pytree
 
-from mixprec.precision.master_weights import gather_grads, refresh_params, with_master_weights
+from mixprec.precision.master_weights import gather_grads, master_names, refresh_params, with_master_weights
 
 if TYPE_CHECKING:
     from mixprec.scaling.scaler import GradScaler
@@ -176,8 +176,7 @@ class Precision:
         none."""
         names = {id(p): name for name, p in self._param_names}
         converted = with_master_weights(optimizer, lambda p: names.get(id(p), "<not in a prepared model>"))
-        if converted is not optimizer:  # a skipped step names the parameter, not its master
-            self.register_param_names((names[i], m) for i, m in converted.masters.items() if i in names)
+        self.register_param_names(master_names(converted, list(self._param_names)))
         return converted
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:

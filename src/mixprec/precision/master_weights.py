@@ -59,6 +59,15 @@ def with_master_weights(
     return MasterWeightsOptimizer(optimizer, name_of)
 
 
+def master_names(
+    optimizer: Any, named_parameters: Iterable[tuple[str, torch.Tensor]]
+) -> list[tuple[str, torch.Tensor]]:
+    """``(name, master)`` for each master of ``optimizer`` whose model parameter is named in
+    ``named_parameters``: a skipped step then names the parameter, not "param_groups[0][3]"."""
+    masters = master_map(optimizer)
+    return [(name, masters[id(p)]) for name, p in named_parameters if id(p) in masters]
+
+
 def master_map(optimizer: Any) -> Mapping[int, torch.Tensor]:
     """``id(model parameter) -> its fp32 master`` for an optimizer made by :func:`with_master_weights`;
     empty for any other (clipping and unscaling look up the tensor holding the step's gradient here)."""
