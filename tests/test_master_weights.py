@@ -230,3 +230,27 @@ def test_repeated_overflow_names_the_model_parameter_not_its_master(precision: s
             accelerator.backward(model(**batch()).loss * float("inf"))
             optimizer.step()
             optimizer.zero_grad()
+
+
+def test_accumulated_micro_batches_step_the_master_once_with_their_sum() -> None:
+    """Two micro-batches of 4 rows under accumulate() step as one batch of 8 (SGD, fp16: the half gradients
+    are summed on the model parameter, then copied to the master once, at the sync micro-batch)."""
+
+    def stepped(accumulate: bool) -> torch.Tensor:
+        model = half_base()
+        accelerator = Accelerator(mixed_precision="fp16", gradient_accumulation_steps=2 if accumulate else 1,
+                                  verbose=False)  # fmt: skip
+        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.head.parameters(), lr=1.0))
+        full = batch()
+        parts = [{k: v[:4] for k, v in full.items()}, {k: v[4:] for k, v in full.items()}] if accumulate else [full]
+        for part in parts:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**part).loss)
+                optimizer.step()
+                optimizer.zero_grad()
+        return optimizer.param_groups[0]["params"][0].detach().clone()
+
+    before = half_base().head.weight.float()
+    one, two = stepped(False), stepped(True)
+    assert not torch.equal(one, before)
+    torch.testing.assert_close(two - before, one - before, rtol=2e-2, atol=1e-5)  # fp16 sums of the halves
