@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from mixprec.precision.base import Precision
 
-
-def check_preparable(model: torch.nn.Module, precision: Precision) -> None:
+def check_preparable(model: torch.nn.Module) -> None:
     # fp16/bf16 parameters are welcome: frozen ones stay as they are, trainable ones get fp32 masters when
     # the optimizer is prepared (mixprec.precision.master_weights)
     _check_quantized_placement(model)

@@ -99,7 +99,8 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         self, optimizer: torch.optim.Optimizer, name_of: Callable[[torch.Tensor], str] = lambda p: "<unnamed>"
     ) -> None:
         self.__dict__["optimizer"] = optimizer
-        self.name_of = name_of
+        self._name_of = name_of
+        self.names: list[str] = []  # the model parameters' names, in the masters' order (for messages)
         self.pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.masters: dict[int, torch.Tensor] = {}
         self._gathered = False
@@ -112,6 +113,7 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
             if needs_master(p):
                 master = torch.nn.Parameter(p.detach().to(torch.float32), requires_grad=True)
                 self.pairs.append((p, master))
+                self.names.append(self._name_of(p))
                 self.masters[id(p)] = master
                 p = master
             out.append(p)
@@ -120,7 +122,7 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
 
     def first_name(self) -> str:
         """The first parameter with a master, named (for refusals)."""
-        return self.name_of(self.pairs[0][0])
+        return self.names[0]
 
     def first_dtype(self) -> str:
         return _dtype(self.pairs[0][0])
@@ -219,10 +221,11 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         return getattr(self.optimizer, name)
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__
+        return {k: v for k, v in self.__dict__.items() if k != "_name_of"}  # a closure: not picklable
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._name_of = lambda p: "<unnamed>"
 
     def __repr__(self) -> str:
         return f"MasterWeightsOptimizer({self.optimizer!r}, {len(self.pairs)} fp32 masters)"
