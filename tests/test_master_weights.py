@@ -254,3 +254,22 @@ def test_accumulated_micro_batches_step_the_master_once_with_their_sum() -> None
     one, two = stepped(False), stepped(True)
     assert not torch.equal(one, before)
     torch.testing.assert_close(two - before, one - before, rtol=2e-2, atol=1e-5)  # fp16 sums of the halves
+
+
+def test_a_fused_optimizer_steps_the_masters_with_the_true_gradient() -> None:
+    """AdamW(fused=True) over masters: the scaler unscales the fp32 masters itself (the fused kernel would
+    otherwise step with 65536x gradients), and an overflowing step is skipped."""
+
+    def run(fused: bool) -> torch.Tensor:
+        model = half_base()
+        accelerator = Accelerator(mixed_precision="fp16", verbose=False)
+        optimizer = torch.optim.AdamW(model.head.parameters(), lr=1e-2, fused=fused)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        train(accelerator, model, optimizer, 3)
+        before = model.head.weight.detach().clone()
+        accelerator.backward(model(**batch()).loss * float("inf"))
+        optimizer.step()
+        assert optimizer.step_was_skipped and torch.equal(model.head.weight, before)
+        return optimizer.param_groups[0]["params"][0].detach()
+
+    torch.testing.assert_close(run(fused=True), run(fused=False), rtol=1e-5, atol=1e-6)

@@ -95,6 +95,11 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
     ``Optimizer`` subclass (whose ``__init__`` is not run) so that LR schedulers and the loss scaler take it.
     """
 
+    # A fused optimizer (AdamW(fused=True)) takes the scale and the inf check as attributes set on the object the
+    # scaler steps, which is this one, not the optimizer inside: the scaler unscales the fp32 masters and skips
+    # the step itself instead (one host sync; the fused kernel still does the update).
+    _step_supports_amp_scaling = False
+
     def __init__(  # noqa: D107
         self, optimizer: torch.optim.Optimizer, name_of: Callable[[torch.Tensor], str] = lambda p: "<unnamed>"
     ) -> None:
