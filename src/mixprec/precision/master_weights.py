@@ -12,6 +12,10 @@ fp16 and bf16), and fp16 gradients cannot be unscaled safely. So each mode that 
 - after the step the model parameter is refreshed from its master (rounded to its dtype), skipped or not
   (a skipped step left the master as it was, so the refresh changes nothing).
 
+The true (unscaled) gradient of such a parameter is its master's ``.grad`` during the step; the model
+parameter's ``.grad`` stays as backward left it (scaled, under fp16: unscaled in fp16 a small one would
+underflow, which is what the master is for). ``accelerator.clip_grad_norm_`` clips the masters.
+
 The model keeps the dtypes its author gave it (``state_dict`` and ``save_pretrained`` write them), the frozen
 parameters are never copied, and the forward runs under the mode's autocast as before. Cost: 4 bytes per
 trainable low-precision element for the master, 4 more for its gradient during the step; two elementwise
