@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mixprec.cli._common import positive_float, positive_int
+from mixprec.cli._common import check_precision, positive_float, positive_int
 from mixprec.cli.main import CliError
 
 ALL_LINEAR = "all-linear"
@@ -59,6 +59,8 @@ class LoraPlan:
     alpha: float
     targets: list[str] | str | None
     """Module names, "all-linear", or None for peft's default for the architecture."""
+    base_dtype: torch.dtype
+    """The frozen base's dtype: the precision's compute dtype (fp32 for "auto", still undecided)."""
 
 
 def lora_plan(args: argparse.Namespace) -> LoraPlan | None:
@@ -89,7 +91,7 @@ def lora_plan(args: argparse.Namespace) -> LoraPlan | None:
     elif targets is not None:
         targets = ALL_LINEAR
     alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * r
-    return LoraPlan(r, alpha, targets)
+    return LoraPlan(r, alpha, targets, base_dtype(check_precision(getattr(args, "precision", "auto"))))
 
 
 def base_dtype(precision: str) -> torch.dtype:
@@ -100,8 +102,8 @@ def base_dtype(precision: str) -> torch.dtype:
     return torch.float32 if strategy.pending else strategy.compute_dtype
 
 
-def apply_lora(model: torch.nn.Module, plan: LoraPlan, precision: str) -> tuple[Any, str]:
-    """``model`` frozen, in the precision's compute dtype, under peft LoRA adapters; and one line saying so."""
+def apply_lora(model: torch.nn.Module, plan: LoraPlan) -> tuple[Any, str]:
+    """``model`` (loaded in ``plan.base_dtype``) frozen under peft LoRA adapters; and one line saying so."""
     import peft
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULT_TARGETS
 
@@ -109,8 +111,8 @@ def apply_lora(model: torch.nn.Module, plan: LoraPlan, precision: str) -> tuple[
     if targets is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         targets = DEFAULT_TARGETS.get(model_type, ALL_LINEAR)
-    dtype = base_dtype(precision)
-    model = model.to(dtype)
+    dtype = plan.base_dtype
+    model = model.to(dtype)  # a no-op when loaded in it (load_model_and_data's dtype)
     config = peft.LoraConfig(
         r=plan.r, lora_alpha=plan.alpha, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM"
     )

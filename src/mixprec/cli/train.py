@@ -274,9 +274,9 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
             _rundir.check_new_run_dir(run_dir)
 
     lora = lora_plan(args)  # a bad --lora-* flag fails before anything is loaded
-    model, train_chunks, val_chunks, info = load_model_and_data(args)
+    model, train_chunks, val_chunks, info = load_model_and_data(args, lora.base_dtype if lora else None)
     if lora is not None:
-        model, lora_line = apply_lora(model, lora, info.precision)
+        model, lora_line = apply_lora(model, lora)
     chunks_per_epoch = len(train_chunks) if args.epoch_tokens == 0 else max(1, args.epoch_tokens // info.seq_len)
     train_dataset = EpochChunks(train_chunks, chunks_per_epoch, seed=args.seed)
     eval_dataset = _eval_subset(val_chunks, info.seq_len)
