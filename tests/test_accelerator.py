@@ -304,10 +304,14 @@ def test_bad_settings_name_the_field(kwargs: dict, match: str) -> None:
         Accelerator(**kwargs)
 
 
-def test_half_model_is_refused_for_mixed_precision() -> None:
+def test_half_model_trains_through_fp32_masters() -> None:
+    """A model.half() is no longer refused: its parameters stay fp16, the optimizer steps fp32 masters (the
+    details: test_master_weights.py)."""
     accelerator = Accelerator(mixed_precision="fp16", verbose=False)
-    with pytest.raises(ValueError, match=r"'embed.weight' is float16.*don't call model.half\(\)"):
-        accelerator.prepare(make_tiny_lm().half())
+    model = make_tiny_lm().half()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert {p.dtype for g in optimizer.param_groups for p in g["params"]} == {torch.float32}
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
 
 
 def test_the_resolved_mode_is_reported_once(capsys: pytest.CaptureFixture[str]) -> None:

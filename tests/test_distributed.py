@@ -62,6 +62,14 @@ def test_ddp_ranks_end_with_identical_parameters(ranks: list[dict], kind: str) -
     assert a == b  # exact: every rank applied the same all-reduced update
 
 
+def test_ddp_fp16_steps_fp32_masters_of_a_half_head_identically_on_every_rank(ranks: list[dict]) -> None:
+    a, b = ranks[0]["half-base"], ranks[1]["half-base"]
+    assert a["dtypes"] == ["torch.float16", "torch.float32"]
+    assert a["master"] == b["master"] and a["head"] == b["head"]  # the all-reduced gradient reached both
+    assert a["frozen_unchanged"] and b["frozen_unchanged"]
+    assert a["head"] == [float(torch.tensor(x).half()) for x in a["master"]]  # refreshed from its master
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_sample_seen_exactly_once_per_epoch(ranks: list[dict], kind: str) -> None:
     per_rank = [r[kind]["indices"] for r in ranks]

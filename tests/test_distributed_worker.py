@@ -203,9 +203,36 @@ def main() -> None:
             t0 = time.perf_counter()
             results[f"{distributed or 'ddp'}-{precision}"] = run_kind(distributed, precision, out)
             results[f"{distributed or 'ddp'}-{precision}"]["seconds"] = time.perf_counter() - t0
+    results["half-base"] = half_base_masters()
     results["seconds"] = time.perf_counter() - start
     (out / f"rank{first.process_index}.json").write_text(json.dumps(results))
     leave(first)
+
+
+def half_base_masters() -> dict:
+    """A frozen fp16 base with a trainable fp16 head under DDP fp16: each rank its own batches; the head's
+    gradients are all-reduced on the model parameters, then copied to the fp32 masters (master_weights.py)."""
+    accelerator = Accelerator(mixed_precision="fp16", verbose=False)
+    torch.manual_seed(0)
+    model = TinyLM().half()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("head."))
+    frozen = model.embed.weight.detach().clone()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.head.parameters(), lr=1e-2))
+    g = torch.Generator().manual_seed(100 + accelerator.process_index)
+    for _ in range(3):
+        ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+        accelerator.backward(model(ids, labels=(ids + 1) % VOCAB).loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    master = optimizer.param_groups[0]["params"][0]
+    return {
+        "head": model.head.weight.detach().float().flatten().tolist(),
+        "master": master.detach().flatten().tolist(),
+        "dtypes": [str(model.head.weight.dtype), str(master.dtype)],
+        "frozen_unchanged": bool(torch.equal(model.embed.weight, frozen)),
+    }
 
 
 def padded_across(acc: Accelerator) -> dict:

@@ -355,7 +355,7 @@ class Accelerator:
                 self._registry.models.append(model)
                 return model
             raise ValueError(f"{type(model).__name__} was prepared by another Accelerator")
-        check_preparable(model, self._precision)
+        check_preparable(model)
         model = self._strategy.wrap_model(model, self._precision)
         self._precision.register_param_names(model.named_parameters())
         self._registry.models.append(model)

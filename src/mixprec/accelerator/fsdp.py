@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec.accelerator.distributed import LaunchEnv, ProcessGroupStrategy
+from mixprec.accelerator.model_checks import check_no_low_precision_trainable
 from mixprec.accelerator.prepared import patch_forward
 
 if TYPE_CHECKING:
@@ -66,6 +67,12 @@ class FSDP2Strategy(ProcessGroupStrategy):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         model = precision.convert_module(model.to(self.device))
+        if precision.param_dtype == torch.float32:  # fully_shard replaces the parameters a master would copy
+            check_no_low_precision_trainable(
+                model, "prepare() under FSDP2",
+                "cast the trainable parameters to float32 before prepare (peft: get_peft_model(..., "
+                "autocast_adapter_dtype=True)), or use precision='bf16-pure'",
+            )  # fmt: skip
         # fully_shard, unlike DDP, does not broadcast: make every process start from the main one's weights.
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec.accelerator.distributed import parameters_of
+from mixprec.precision.master_weights import master_map
 
 if TYPE_CHECKING:
     from mixprec.accelerator.distributed import DistributedStrategy
@@ -150,17 +151,19 @@ class GradientState:
         params = parameters_of(parameters)
         if not self.sync_gradients:
             return self.strategy.grad_norm(params, norm_type) / self.precision.scaler.get_scale()
-        self.unscale_for(params)
+        params = self.unscale_for(params)
         return self.strategy.clip_grad_norm_(params, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         params = parameters_of(parameters)
         if self.sync_gradients:
-            self.unscale_for(params)
+            params = self.unscale_for(params)
             torch.nn.utils.clip_grad_value_(params, clip_value)
 
-    def unscale_for(self, params: list[torch.Tensor]) -> None:
-        """Unscale the gradients of every prepared optimizer holding one of ``params``, once per step."""
+    def unscale_for(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Unscale the gradients of every prepared optimizer holding one of ``params``, once per step; return
+        the tensors holding the step's gradients: ``params``, each fp16/bf16 one with an fp32 master replaced
+        by its master (see :mod:`mixprec.precision.master_weights`), so clipping clips what the step uses."""
         owners = self._owner_map()
         found: dict[int, PreparedOptimizer] = {}
         orphans = 0
@@ -178,6 +181,8 @@ class GradientState:
                 "gradients cannot be unscaled before clipping; pass the optimizer to accelerator.prepare()"
             )
         self.unscale_optimizers(list(found.values()))
+        masters = self._master_map()
+        return [masters.get(id(p), p) for p in params] if masters else params
 
     def unscale_optimizers(self, optimizers: list[PreparedOptimizer] | None = None) -> None:
         """Unscale the gradients of ``optimizers`` (default: every prepared one), each at most once per step."""
@@ -191,7 +196,12 @@ class GradientState:
             self._owners = {
                 id(p): opt for opt in self.optimizers for group in opt.param_groups for p in group["params"]
             }
+            # a model parameter stepped through its fp32 master belongs to the master's optimizer
+            self._owners.update({i: opt for opt in self.optimizers for i in master_map(opt.optimizer)})
         return self._owners
+
+    def _master_map(self) -> dict[int, torch.Tensor]:
+        return {i: m for opt in self.optimizers for i, m in master_map(opt.optimizer).items()}
 
     def forget_owners(self) -> None:
         """Call when an optimizer's parameters change (add_param_group)."""

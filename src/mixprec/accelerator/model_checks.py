@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from mixprec.precision.base import Precision
 
-
-def check_preparable(model: torch.nn.Module, precision: Precision) -> None:
+def check_preparable(model: torch.nn.Module) -> None:
+    # fp16/bf16 parameters are welcome: frozen ones stay as they are, trainable ones get fp32 masters when
+    # the optimizer is prepared (mixprec.precision.master_weights)
     _check_quantized_placement(model)
-    _check_master_weights(model, precision)
 
 
 def _check_quantized_placement(model: torch.nn.Module) -> None:
@@ -32,14 +28,14 @@ def _check_quantized_placement(model: torch.nn.Module) -> None:
         )
 
 
-def _check_master_weights(model: torch.nn.Module, precision: Precision) -> None:
-    if precision.compute_dtype == torch.float32 or precision.param_dtype != torch.float32:
-        return  # full precision: parameters in whatever dtype the user chose; pure modes convert them
+def check_no_low_precision_trainable(model: torch.nn.Module, where: str, fix: str) -> None:
+    """Where a trainable fp16/bf16 parameter cannot get its fp32 master (see
+    :mod:`mixprec.precision.master_weights`): refuse it by name, with ``fix``."""
+    from mixprec.precision.master_weights import needs_master
+
     for name, p in model.named_parameters():
-        if p.dtype in (torch.float16, torch.bfloat16):
+        if needs_master(p):
             raise ValueError(
-                f"prepare(): parameter {name!r} is {str(p.dtype).removeprefix('torch.')}, but "
-                f"mixed_precision={precision.name!r} keeps fp32 master weights and computes in "
-                f"{str(precision.compute_dtype).removeprefix('torch.')} under autocast: don't call "
-                "model.half() / model.to(torch.bfloat16) before prepare"
+                f"{where}: parameter {name!r} is {str(p.dtype).removeprefix('torch.')} and trainable, and "
+                f"cannot get an fp32 master copy here; {fix}"
             )

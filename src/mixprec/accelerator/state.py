@@ -3,7 +3,8 @@
 Layout (``_1``, ``_2``... for the second, third object of a kind, in the order they were prepared)::
 
     accelerator.json        format, precision, process count, data positions, accumulation counter
-    model.safetensors       the user's module's state_dict (full, also under FSDP); ``pytorch_model.bin``
+    model.safetensors       the user's module's state_dict (full, also under FSDP; a peft model's trainable
+                            parameters only: model_part.py); ``pytorch_model.bin``
                             instead with ``safe_serialization=False`` (torch.save, read back weights_only)
     optimizer.pt            optimizer state_dict          (torch.load(weights_only=True))
     scheduler.pt            LR scheduler state_dict       (weights_only)
@@ -49,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec.accelerator.dcp_state import load_sharded_state, missing_sharded_parts, save_sharded_state
+from mixprec.accelerator.model_part import completed, saved_keys, saved_part
 from mixprec.accelerator.state_checks import META, check_folder, check_model_fits, check_optimizer_fits
 from mixprec.checkpoint import (
     CheckpointError,
@@ -134,7 +136,8 @@ def save_state(
     # Gather first (collectives under FSDP), write after: a process that fails to write then cannot leave the
     # others waiting in a collective.
     sharded = strategy.sharded_state  # each process writes its shards below (dcp_state.py); nothing gathered
-    models = [] if sharded else [strategy.model_state_dict(m) for m in reg.models]
+    # a peft model's frozen base is not state: its adapters are (model_part.py)
+    models = [] if sharded else [saved_part(m, strategy.model_state_dict(m)) for m in reg.models]
     optimizers = [] if sharded else [strategy.optimizer_state_dict(reg.owner(o), o.optimizer) for o in reg.optimizers]
     partial = run.gradients.micro_step > 0  # inside an accumulation window: the gradient sums are state too
     if partial and not strategy.saves_partial_gradients:
@@ -324,7 +327,7 @@ def _read_everything(run: RunState, path: Path) -> _Loaded:
     else:
         models = [_load_model_file(path, i) for i in range(len(reg.models))]
         for i, (model, state) in enumerate(zip(reg.models, models)):
-            check_model_fits(model, state, path / _name("model", i, "safetensors"))
+            check_model_fits(model, state, path / _name("model", i, "safetensors"), saved_keys(model))
         optimizers = [load_torch(path / _name("optimizer", i, "pt")) for i in range(len(reg.optimizers))]
         for i, (optimizer, state) in enumerate(zip(reg.optimizers, optimizers)):
             check_optimizer_fits(optimizer.optimizer, state, path / _name("optimizer", i, "pt"))
@@ -365,7 +368,7 @@ def _apply(run: RunState, loaded: _Loaded) -> None:
         if meta.get("sharded"):
             load_sharded_state(list(reg.models), _owned(run), loaded.path)
         for model, state in zip(reg.models, loaded.models):
-            strategy.load_model_state_dict(model, _const(state))
+            strategy.load_model_state_dict(model, _const(completed(strategy, model, state)))
         for optimizer, state in zip(reg.optimizers, loaded.optimizers):
             strategy.load_optimizer_state_dict(reg.owner(optimizer), optimizer.optimizer, _const(state))
         for scheduler, state in zip(reg.schedulers, loaded.schedulers):

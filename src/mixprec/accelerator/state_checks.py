@@ -50,16 +50,20 @@ def check_folder(path: Path, *, process_index: int = 0) -> None:
     raise CheckpointError(f"{path}: {problem}; the folder is damaged or incomplete, nothing was loaded from it")
 
 
-def check_model_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], file: Path) -> None:
+def check_model_fits(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], file: Path, required: set[str] | None = None
+) -> None:
     """``load_state_dict`` copies what matches before it complains about the rest: check names and shapes
-    first, so a mismatch changes nothing."""
+    first, so a mismatch changes nothing. ``required``: the entries the state must hold (default: all of the
+    model's; a peft model's checkpoint holds its trainable ones, see :mod:`mixprec.accelerator.model_part`)."""
     mine = model.state_dict()
-    missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
+    missing = sorted((set(mine) if required is None else required) - set(state))
+    unexpected = sorted(set(state) - set(mine))
     if missing or unexpected:
         what = f"lacks {missing[:3]}" if missing else f"has unknown entries {unexpected[:3]}"
         raise CheckpointError(f"{file} does not fit the prepared model: it {what}; prepare the same model as was saved")
     for name, tensor in mine.items():
-        if tuple(tensor.shape) != tuple(state[name].shape):
+        if name in state and tuple(tensor.shape) != tuple(state[name].shape):
             raise CheckpointError(
                 f"{file} does not fit the prepared model: {name} is {tuple(state[name].shape)} there and "
                 f"{tuple(tensor.shape)} here; prepare the same model as was saved"

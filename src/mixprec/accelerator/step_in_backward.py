@@ -42,6 +42,11 @@ REFUSALS = {
         "fp16's loss scaling skips a step when any gradient overflowed, which is known only after the whole "
         "backward; use bf16, bf16-pure or fp32 with step_in_backward=True"
     ),
+    "masters": (
+        "its fp32 master copy is stepped after backward, not during it; cast the trainable parameters to float32 "
+        "before prepare (e.g. peft's get_peft_model(..., autocast_adapter_dtype=True)), use precision='bf16-pure', "
+        "or step_in_backward=False"
+    ),
     "processes": (
         "with several processes gradients are averaged across them after backward; step_in_backward=True runs "
         "in one process"
@@ -53,6 +58,13 @@ class BackwardStepper:
     """Hooks that step ``optimizer`` for each of its parameters when that parameter's gradient is ready."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
+        from mixprec.precision.master_weights import MasterWeightsOptimizer
+
+        if isinstance(optimizer, MasterWeightsOptimizer):  # its masters' gradients are copied after backward
+            raise ValueError(
+                f"Accelerator(step_in_backward=True): parameter {optimizer.first_name()!r} is "
+                f"{optimizer.first_dtype()} and trainable; {REFUSALS['masters']}"
+            )
         self.optimizer = optimizer
         self.precision = precision
         self._group_of: dict[int, dict[str, Any]] = {}

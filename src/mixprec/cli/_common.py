@@ -212,7 +212,7 @@ def _hf_block_size(config: Any) -> int | None:
     return None
 
 
-def _build_hf_model(path: Path) -> tuple[nn.Module, int, str]:
+def _build_hf_model(path: Path, dtype: torch.dtype | None = None) -> tuple[nn.Module, int, str]:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ModuleNotFoundError:
@@ -237,10 +237,11 @@ def _build_hf_model(path: Path) -> tuple[nn.Module, int, str]:
         (path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
     )
     try:
+        held = {} if dtype is None else {"dtype": dtype}  # loaded straight in it: no fp32 copy on the way
         if has_weights:
-            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **held)
         else:
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config, **held)
     except (OSError, ValueError, KeyError) as exc:
         detail = " ".join(str(exc).split())[:300]
         raise CliError(f"--model {path}: cannot build a causal LM from it ({detail})") from None
@@ -253,8 +254,9 @@ def _build_hf_model(path: Path) -> tuple[nn.Module, int, str]:
     return model, block, desc
 
 
-def build_model(name: str, seed: int) -> tuple[nn.Module, int, str, bool]:
-    """``(model, block_size, description, builtin)`` for --model; parameters initialised from ``seed``."""
+def build_model(name: str, seed: int, dtype: torch.dtype | None = None) -> tuple[nn.Module, int, str, bool]:
+    """``(model, block_size, description, builtin)`` for --model; parameters initialised from ``seed``.
+    ``dtype``: a Hugging Face model's parameters, as loaded (``--lora-r``'s frozen base); default fp32."""
     # the model is built before the Trainer seeds anything, so seed here for a reproducible init
     torch.manual_seed(seed)
     if name in GPT_PRESETS:
@@ -271,20 +273,22 @@ def build_model(name: str, seed: int) -> tuple[nn.Module, int, str, bool]:
             f"--model {name!r}: not a built-in model ({', '.join(GPT_PRESETS)}) and no such local folder or "
             f"file (nothing is downloaded)"
         )
-    model, block, desc = _build_hf_model(path)
+    model, block, desc = _build_hf_model(path, dtype)
     return model, block, desc, False
 
 
-def load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, CausalLMDataset, CausalLMDataset, DataModelInfo]:
+def load_model_and_data(
+    args: argparse.Namespace, dtype: torch.dtype | None = None
+) -> tuple[nn.Module, CausalLMDataset, CausalLMDataset, DataModelInfo]:
     """Build the model and the (train, validation) datasets that ``args`` (from :func:`add_data_model_args`)
-    describe. Reads the corpus from disk; no device work. Raises CliError/FileNotFoundError/ValueError with
-    a one-line message for every input problem."""
+    describe (a Hugging Face model loaded in ``dtype`` when given). Reads the corpus from disk; no device
+    work. Raises CliError/FileNotFoundError/ValueError with a one-line message for every input problem."""
     precision = check_precision(getattr(args, "precision", "auto"))
     model_name = getattr(args, "model", DEFAULT_MODEL)
     seed = getattr(args, "seed", 42)
     # data first: a wrong --data path is reported before any model is built
     corpus = load_corpus(getattr(args, "data", None), text_field=getattr(args, "text_field", "text"))
-    model, block, desc, builtin = build_model(model_name, seed)
+    model, block, desc, builtin = build_model(model_name, seed, dtype)
     seq_len = getattr(args, "seq_len", None)
     if seq_len is None:
         seq_len = min(getattr(args, "_default_seq_len", DEFAULT_SEQ_LEN), block)

@@ -34,6 +34,7 @@ from mixprec.cli._common import (
 )
 from mixprec.cli._config import add_config_arg, apply_config
 from mixprec.cli._epochs import EpochCallback, EpochChunks, evenly_spaced
+from mixprec.cli._lora import add_lora_args, apply_lora, lora_plan
 from mixprec.cli.main import CliError
 from mixprec.data import decode, encode, unigram_entropy
 from mixprec.models import GPT
@@ -74,6 +75,7 @@ examples:
   mixprec train --precision bf16 --optim adamw_torch_8bit   8-bit Adam states (pip install "mixprec[lean]")
   mixprec train --model gpt2 --compile --seq-len 1024 --batch-size 16 --max-steps 200   GPT-2 124M on a GPU
   mixprec train --model gpt-1b --compile --seq-len 1024 --batch-size 8 --max-steps 100  0.91B GPT on a GPU
+  mixprec train --model path/to/hf-model --lora-r 8 --precision bf16   LoRA on a frozen bf16 base (needs peft)
   torchrun --nproc_per_node=2 -m mixprec.cli.main train --output-dir runs/ddp
 
 an epoch is --epoch-tokens tokens of new chunks drawn from the training split (the whole split if it is
@@ -169,6 +171,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="watch every layer's range during the run: sample every N steps, warn before an overflow, trace "
         "skipped steps to a layer; 'fallback[:N]' also moves a layer that overflows to fp32 (default: off)",
     )
+    add_lora_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -272,7 +275,10 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         if not restarted_by_launcher() and not deferred_check:
             _rundir.check_new_run_dir(run_dir)
 
-    model, train_chunks, val_chunks, info = load_model_and_data(args)
+    lora = lora_plan(args)  # a bad --lora-* flag fails before anything is loaded
+    model, train_chunks, val_chunks, info = load_model_and_data(args, lora.base_dtype if lora else None)
+    if lora is not None:
+        model, lora_line = apply_lora(model, lora)
     chunks_per_epoch = len(train_chunks) if args.epoch_tokens == 0 else max(1, args.epoch_tokens // info.seq_len)
     train_dataset = EpochChunks(train_chunks, chunks_per_epoch, seed=args.seed)
     eval_dataset = _eval_subset(val_chunks, info.seq_len)
@@ -283,6 +289,8 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
 
     epoch_what = "a full pass" if train_dataset.is_full_pass else f"{len(train_dataset) * info.seq_len:,} tokens"
     _emit(f"mixprec train: {info.model_description}")
+    if lora is not None:
+        _emit(f"  adapters    {lora_line}")
     _emit(f"  data        {info.corpus}; {info.train_tokens:,} training and {info.val_tokens:,} validation bytes")
     _emit(
         f"  epochs      {args.epochs:g} of {epoch_what} ({len(train_dataset):,} chunks of {info.seq_len}), "

@@ -24,6 +24,7 @@ import torch
 
 from mixprec.precision import auto_cache
 from mixprec.precision.base import Precision
+from mixprec.precision.master_weights import master_names
 from mixprec.precision.race import ROUNDS, Agree, AutoDecision, Clock, decide
 from mixprec.precision.trial import no_trace, run_trial
 
@@ -137,7 +138,10 @@ class AutoPrecision(Precision):
         return self.current.convert_module(module)
 
     def convert_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return self.current.convert_optimizer(optimizer)
+        converted = self.current.convert_optimizer(optimizer)
+        # fp32 masters (master_weights.py) named to every candidate's scaler, whichever the race picks
+        self.register_param_names(master_names(converted, list(self._param_names)))
+        return converted
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return self.current.autocast()

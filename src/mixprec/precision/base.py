@@ -5,7 +5,7 @@ Each mode overrides only the hooks it needs; callers (the Accelerator, the bench
 
 =====================  ===================================================================================
 ``convert_module``     the module ready for this mode (mixed modes keep fp32 master weights: identity)
-``convert_optimizer``  the optimizer ready for this mode (identity, except for modes that change the update)
+``convert_optimizer``  the optimizer ready for this mode (fp32 masters for trainable fp16/bf16 parameters)
 ``autocast``           the context the forward pass runs under
 ``convert_output``     low-precision floating outputs back to fp32
 ``backward``           the backward pass (scaled for fp16)
@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.utils import _pytree as pytree
+
+from mixprec.precision.master_weights import gather_grads, master_names, refresh_params, with_master_weights
 
 if TYPE_CHECKING:
     from mixprec.scaling.scaler import GradScaler
@@ -168,8 +170,14 @@ class Precision:
         return module
 
     def convert_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Return ``optimizer`` ready for this mode (identity: the update is the optimizer's own)."""
-        return optimizer
+        """Return ``optimizer`` ready for this mode: the update is the optimizer's own, in fp32 (``param_dtype``).
+        A trainable fp16/bf16 parameter gets an fp32 master that the optimizer steps in its place (see
+        :mod:`mixprec.precision.master_weights`); frozen ones are left as they are. Identity when there is
+        none."""
+        names = {id(p): name for name, p in self._param_names}
+        converted = with_master_weights(optimizer, lambda p: names.get(id(p), "<not in a prepared model>"))
+        self.register_param_names(master_names(converted, list(self._param_names)))
+        return converted
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The context the forward pass runs under (a null context for full precision)."""
@@ -186,13 +194,16 @@ class Precision:
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Leave the true gradients of ``optimizer``'s parameters in ``.grad`` (once per step, before
         clipping). No host sync."""
+        gather_grads(optimizer)  # fp32 masters: their gradients first (a no-op without)
         self.scaler.unscale_(optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         """The update and the scale's: skipped when a gradient is non-finite (fp16). One host sync for the
         inf check when scaling (in ``update()`` instead, for fused optimizers); none otherwise."""
+        gather_grads(optimizer)
         result = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
+        refresh_params(optimizer)  # fp32 masters back into the model's fp16/bf16 parameters
         return result
 
     def parameter_step(self, optimizer: torch.optim.Optimizer) -> Any:

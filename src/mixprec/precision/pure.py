@@ -36,8 +36,21 @@ class PureBf16Precision(Bf16MixedPrecision):
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """The module's floating parameters and buffers in bf16, in place (the Parameter objects an optimizer
-        holds stay the same; their fp32 data is freed)."""
-        return module.to(torch.bfloat16)
+        holds stay the same; their fp32 data is freed). A frozen fp16 parameter stays as it is (a half-precision
+        base under adapters: rounding it to bf16 would lose 3 mantissa bits, and it is never updated);
+        autocast runs its matmuls in bf16 all the same."""
+        with torch.no_grad():
+            for p in module.parameters():
+                frozen_half = p.dtype == torch.float16 and not p.requires_grad
+                if p.is_floating_point() and p.dtype != torch.bfloat16 and not frozen_half:
+                    p.data = p.data.to(torch.bfloat16)
+                    if p.grad is not None:
+                        p.grad = p.grad.to(torch.bfloat16)
+            for sub in module.modules():
+                for name, buffer in sub.named_buffers(recurse=False):
+                    if buffer.is_floating_point():
+                        setattr(sub, name, buffer.to(torch.bfloat16))
+        return module
 
     def convert_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """An Adam/AdamW becomes a :class:`~mixprec.optim.Bf16AdamW` over the same parameter groups (the very

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mixprec.accelerator.dcp_state import MODEL_DIR, load_sharded_state
+from mixprec.accelerator.model_part import completed, saved_keys
 from mixprec.checkpoint import load_tensors, save_json, save_tensors
 
 if TYPE_CHECKING:
@@ -73,6 +74,11 @@ def load_best_model(accelerator: Accelerator, model: torch.nn.Module, args: Trai
         load_sharded_state([accelerator.unwrap_model(model)], [], Path(best))
     else:
         path = Path(best) / WEIGHTS_NAME
-        read = lambda: load_tensors(path, device=accelerator.device)  # noqa: E731
-        accelerator.strategy.load_model_state_dict(accelerator.unwrap_model(model), read)
+        unwrapped = accelerator.unwrap_model(model)
+        if saved_keys(unwrapped) is None:
+            read = lambda: load_tensors(path, device=accelerator.device)  # noqa: E731
+        else:  # a peft model's checkpoint holds its adapters: the frozen base is the model's own
+            weights = completed(accelerator.strategy, unwrapped, load_tensors(path, device=accelerator.device))
+            read = lambda: weights  # noqa: E731
+        accelerator.strategy.load_model_state_dict(unwrapped, read)
     logger.info("loaded the best model (%s = %s) from %s", args.evaluation.metric_key(), state.best_metric, best)

@@ -1,0 +1,52 @@
+"""Which part of a model a checkpoint holds: all of its state dict, or, for a peft model, its trainable
+parameters only (the adapters and peft's ``modules_to_save``), as peft and HF's Trainer save one.
+
+A LoRA run's frozen base is the model the user loads (from its own folder) every time: copying it into every
+``checkpoint-N`` would cost its whole size per checkpoint (14 GB for a 7B model in bf16) for bytes that never
+change. At load the state is completed from the prepared model's own base, so ``load_state`` still loads a
+whole state dict, through the distributed strategy like any other. A full state saved before (or for a
+model that is not a peft model) loads as it always did.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from mixprec.accelerator.distributed import DistributedStrategy
+
+
+def saved_keys(model: torch.nn.Module) -> set[str] | None:
+    """The state-dict keys a checkpoint of ``model`` holds: its trainable parameters' for a peft model (whose
+    frozen base is loaded from its own folder); None for every other model (all of them)."""
+    if not _is_peft_model(model):
+        return None
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def saved_part(model: torch.nn.Module, state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    """``state`` (a full state dict, or None on a process that writes nothing) cut to :func:`saved_keys`."""
+    keys = saved_keys(model)
+    if keys is None or state is None:
+        return state
+    return {name: tensor for name, tensor in state.items() if name in keys}
+
+
+def completed(
+    strategy: DistributedStrategy, model: torch.nn.Module, state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``state`` with the entries a checkpoint leaves out (a peft model's frozen base) taken from ``model``
+    itself, so that loading it changes only what was saved. Collective under FSDP2 (the model's full state is
+    gathered); elsewhere the entries are the model's own tensors, not copies."""
+    keys = saved_keys(model)
+    if keys is None:
+        return state
+    full = strategy.model_state_dict(model)  # every process calls it: a collective under FSDP2
+    return state if full is None else {**full, **state}
+
+
+def _is_peft_model(model: torch.nn.Module) -> bool:
+    # peft is not imported for this: a PeftModel is a peft class holding a peft_config
+    return type(model).__module__.startswith("peft.") and hasattr(model, "peft_config")
