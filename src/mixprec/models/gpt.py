@@ -46,6 +46,10 @@ class GPTConfig:
     """Dropout on embeddings, attention weights and residual branches, in [0, 1)."""
     bias: bool = True
     """Biases in Linear layers and LayerNorms (False is slightly faster, as in nanoGPT)."""
+    z_loss: float = 0.0
+    """Weight of the z-loss, ``z_loss * mean(logsumexp(logits)^2)`` added to the training loss (PaLM; 1e-4 in
+    Wortsman et al. 2023, arXiv 2309.14322): keeps the output log-partition near 0, against output-logit
+    divergence at high learning rates. 0 (the default) adds nothing."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -60,6 +64,8 @@ class GPTConfig:
             )
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if not 0.0 <= float(self.z_loss) < 1.0:
+            raise ValueError(f"GPTConfig.z_loss must be in [0, 1) (1e-4 is the usual weight), got {self.z_loss!r}")
 
 
 GPT_PRESETS: dict[str, GPTConfig] = {
@@ -128,12 +134,19 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.track_logit_max = False
+        """Keep the largest attention logit of each forward in :attr:`logit_max` (the precision watch turns it
+        on for its sampled steps: an extra q @ k^T, the cost of the fused kernel's own, no host sync)."""
+        self.logit_max: torch.Tensor | None = None
+        """Running max of q . k / sqrt(head_dim) over the forwards since the reader last set it to None."""
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.track_logit_max:
+            self._track_logit_max(q, k, attn_mask)
         dropout_p = self.dropout if self.training else 0.0
         if attn_mask is None:
             # is_causal without an explicit mask keeps the flash kernel eligible
@@ -142,6 +155,16 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+    @torch.no_grad()
+    def _track_logit_max(self, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> None:
+        # the fused kernel never materialises the scores, so the attention-logit-growth precursor (Wortsman et
+        # al. 2023) recomputes them, in fp32, over the positions softmax really sees
+        T = q.size(-2)
+        scores = (q.float() @ k.float().transpose(-2, -1)) * (q.size(-1) ** -0.5)
+        visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril() if attn_mask is None else attn_mask
+        m = scores.masked_fill(~visible, float("-inf")).amax()
+        self.logit_max = m if self.logit_max is None else torch.maximum(self.logit_max, m)
 
 
 class MLP(nn.Module):
@@ -354,6 +377,8 @@ class GPT(nn.Module):
                 shift_labels.reshape(-1),
                 ignore_index=IGNORE_INDEX,
             )
+            if self.config.z_loss:
+                loss = loss + self.config.z_loss * _z_loss(shift_logits, shift_labels)
         return CausalLMOutput(loss=loss, logits=logits)
 
     @torch.no_grad()
@@ -399,3 +424,10 @@ class GPT(nn.Module):
         finally:
             self.train(was_training)
         return idx
+
+
+def _z_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean squared log-partition over the positions that have a label (fp32 logits in, no host sync)."""
+    z = torch.logsumexp(logits, dim=-1)
+    keep = (labels != IGNORE_INDEX).to(z.dtype)
+    return (z.square() * keep).sum() / keep.sum()
