@@ -10,6 +10,7 @@ weights the bad step started from.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 from collections import deque
@@ -50,10 +51,9 @@ class BadSteps:
 
     def on_output(self, output: Any) -> None:
         """The model's output of a training micro-batch: keep its loss (a reference; no copy, no sync)."""
-        try:
+        # a model without a loss in its output: spikes cannot be seen, non-finite steps still are
+        with contextlib.suppress(ValueError):
             self._losses.append(extract_loss(output).detach())
-        except ValueError:
-            pass  # a model without a loss in its output: spikes cannot be seen, non-finite steps still are
 
     def step_loss(self) -> float | None:
         """The step's loss summed over micro-batches. Forces a host sync (after the step's own, on a bad step

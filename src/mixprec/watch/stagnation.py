@@ -54,6 +54,19 @@ class StagnationWarning:
         return {"kind": "stagnation", **asdict(self)}
 
 
+def stagnation_message(warnings: list[StagnationWarning], shown: int = 4) -> str:
+    """One log line for the layers a sample found stagnant (a model's worth of layers at once, not one each)."""
+    if len(warnings) == 1:
+        return warnings[0].message()
+    worst = sorted(warnings, key=lambda w: -w.stagnant)
+    names = ", ".join(f"{w.layer} {w.stagnant:.0%}" for w in worst[:shown])
+    more = f" and {len(worst) - shown} more" if len(worst) > shown else ""
+    return (
+        f"precision watch: {len(warnings)} layers are not learning at step {worst[0].step}: most of their updates "
+        f"round away in {worst[0].dtype} ({names}{more}); {FIXES}"
+    )
+
+
 def _stochastic(group: dict[str, Any], optimizer: torch.optim.Optimizer) -> bool:
     return group.get("rounding") == "stochastic" or bool(getattr(optimizer, "bf16_stochastic_round", False))
 

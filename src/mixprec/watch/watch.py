@@ -41,7 +41,7 @@ from mixprec.watch.badstep import BadSteps
 from mixprec.watch.headroom import HeadroomSampler, Sample
 from mixprec.watch.precursors import InstabilityWarning, PrecursorJudge, PrecursorProbe
 from mixprec.watch.settings import WatchConfig
-from mixprec.watch.stagnation import StagnationProbe, StagnationWarning, stagnant_fractions
+from mixprec.watch.stagnation import StagnationProbe, StagnationWarning, stagnant_fractions, stagnation_message
 from mixprec.watch.trend import HeadroomWarning, TrendWatch
 
 if TYPE_CHECKING:
@@ -291,10 +291,13 @@ class PrecisionWatch:
             if frac >= self.config.stagnation_warn and layer not in self._stagnant_warned
         ]
         self._stagnant_warned.update(w.layer for w in raised)  # type: ignore[union-attr]
-        raised += self._precursor_judge.update(step, host_readings)
-        for w in raised:
-            self.numerics_warnings.append(w)
+        if raised:
+            logger.warning(stagnation_message(raised))  # type: ignore[arg-type]
+        precursors = self._precursor_judge.update(step, host_readings)
+        for w in precursors:
             logger.warning(w.message())
+        for w in [*raised, *precursors]:
+            self.numerics_warnings.append(w)
             self._emit("numerics_warning", step, w.to_dict())
 
     def _on_skip(self, att: SkipAttribution) -> None:
