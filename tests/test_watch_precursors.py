@@ -133,7 +133,8 @@ def test_z_loss_adds_its_weight_times_the_mean_squared_log_partition():
     ids = _ids(1)
     out = plain(ids, labels=ids)
     log_z = torch.logsumexp(out.logits[:, :-1].float(), dim=-1)
-    expected = F.cross_entropy(out.logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1)) + 1e-4 * log_z.square().mean()
+    cross_entropy = F.cross_entropy(out.logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
+    expected = cross_entropy + 1e-4 * log_z.square().mean()
     torch.testing.assert_close(with_z(ids, labels=ids).loss, expected)
 
 
