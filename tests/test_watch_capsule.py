@@ -1,0 +1,138 @@
+"""Bad-step capsules (mixprec.watch.capsule, badstep) and their replay (mixprec.watch.replay, `mixprec replay`).
+
+The planted case: one step of a tiny GPT run on which the first MLP input projection of block 1
+("transformer.h.1.mlp.c_fc") is scaled up a million-fold, so its output passes fp16's 65504 while fp32 holds
+it. The fp16 scaler skips that step; the watch must write a capsule into the run folder, and the replay
+must name that module, with fp16's range and the magnitude fp32 saw.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mixprec import Accelerator
+from mixprec.checkpoint import CheckpointError
+from mixprec.cli.main import main
+from mixprec.models import GPT
+from mixprec.watch.capsule import Capsule
+from mixprec.watch.replay import replay
+
+PLANTED = "transformer.h.1.mlp.c_fc"
+
+
+def _run(tmp_path, precision: str, steps: int, plant_at: int | None, factor: float = 1e6, watch=None,
+         planted: str = PLANTED):  # fmt: skip
+    """Train ``steps`` steps; on step ``plant_at`` (0-based) the ``planted`` module's weight is multiplied by
+    ``factor`` for that step only. Returns the watch and the weights each step started from."""
+    torch.manual_seed(0)
+    model = GPT.from_preset("tiny")
+    acc = Accelerator(mixed_precision=precision, cpu=True, watch=watch or {"every": 1000}, project_dir=tmp_path,
+                      verbose=False)  # fmt: skip
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    weight = model.get_submodule(planted).weight
+    g = torch.Generator().manual_seed(1)
+    started_from = []
+    for step in range(steps):
+        ids = torch.randint(0, 256, (4, 16), generator=g)
+        if step == plant_at:
+            with torch.no_grad():
+                weight.mul_(factor)
+        started_from.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        acc.backward(model(input_ids=ids, labels=ids).loss)
+        opt.step()
+        acc.watch.sync(opt)  # as the Trainer does: the step is finished before the plant is undone
+        opt.zero_grad()
+        if step == plant_at and factor != float("inf"):
+            with torch.no_grad():
+                weight.div_(factor)
+    acc.watch.close()
+    return acc.watch, started_from
+
+
+def test_a_non_finite_fp16_step_writes_a_capsule_that_replays_to_the_planted_module(tmp_path):
+    watch, started_from = _run(tmp_path, "fp16", steps=4, plant_at=2)
+    (written,) = watch.capsules
+    assert written["step"] == 3 and "non-finite" in written["reason"]
+    folder = tmp_path / "capsules" / "step-00000003"
+    assert written["path"] == str(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["batch.safetensors", "capsule.json", "model.safetensors",
+                                                        "rng.safetensors"]  # fmt: skip
+    capsule = Capsule.load(folder)
+    assert capsule.precision == "fp16" and capsule.meta["model"]["kind"] == "mixprec.gpt"
+    for name, value in started_from[2].items():  # the weights the bad step started from
+        torch.testing.assert_close(capsule.weights[name], value, rtol=0, atol=0)
+
+    result = replay(folder)
+    first = result.first
+    assert (first.module, first.phase, first.kind, first.dtype) == (PLANTED, "forward", "non-finite", "float16")
+    assert first.dtype_max == 65504.0 and first.fp32_finite
+    assert first.max_abs_fp32 > 65504.0  # fp32 held what fp16 could not
+    assert torch.isfinite(torch.tensor(result.loss_fp32)) and not torch.isfinite(torch.tensor(result.loss))
+
+
+def test_mixprec_replay_prints_the_module_and_its_range(tmp_path, capsys):
+    watch, _ = _run(tmp_path, "fp16", steps=3, plant_at=1)
+    path = watch.capsules[0]["path"]
+    assert main(["replay", path]) == 0
+    out = capsys.readouterr().out
+    assert f"first non-finite: {PLANTED} (forward): float16 holds |x| <= 6.55e+04" in out
+    assert main(["replay", path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["first"]["module"] == PLANTED
+
+
+def test_a_non_finite_step_in_bf16_gets_a_capsule_too_and_replay_says_fp32_fails_alike(tmp_path):
+    # an inf weight: no precision holds it; the non-finite guard skips the step as fp16's scaler would
+    watch, _ = _run(tmp_path, "bf16", steps=2, plant_at=1, factor=float("inf"))
+    (written,) = watch.capsules
+    first = replay(written["path"]).first
+    assert (first.module, first.dtype, first.fp32_finite) == (PLANTED, "bfloat16", False)
+    assert "not the precision" in first.message()
+
+
+def test_a_loss_spike_writes_a_capsule_with_the_weights_before_the_update(tmp_path):
+    # the final LayerNorm's gain x30 sharpens every logit thirty-fold: the loss jumps, finite
+    watch, started_from = _run(tmp_path, "fp32", steps=20, plant_at=18, factor=30.0,
+                               watch={"every": 1000, "spike_factor": 1.5}, planted="transformer.ln_f")  # fmt: skip
+    (written,) = watch.capsules
+    assert written["step"] == 19 and written["reason"].startswith("loss ")
+    capsule = Capsule.load(written["path"])
+    assert capsule.meta["loss"] > 1.5 * 5.0  # the spiked loss, read before the update
+    for name, value in started_from[18].items():
+        torch.testing.assert_close(capsule.weights[name], value, rtol=0, atol=0)
+    assert replay(capsule).first is None  # fp32 run, fp32 replay: nothing parts
+
+
+def test_no_run_folder_no_capsule_and_the_limit_holds(tmp_path):
+    torch.manual_seed(0)
+    model = GPT.from_preset("tiny")
+    acc = Accelerator(mixed_precision="fp16", cpu=True, watch={"every": 1000, "max_capsules": 1}, verbose=False)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    ids = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        model.get_submodule(PLANTED).weight.mul_(1e6)
+    acc.backward(model(input_ids=ids, labels=ids).loss)
+    opt.step()
+    acc.watch.sync(opt)
+    assert acc.watch.skips and acc.watch.capsules == []  # attributed, but nowhere to write
+    acc.watch.set_run_folder(tmp_path)
+    for _ in range(2):
+        acc.backward(model(input_ids=ids, labels=ids).loss)
+        opt.step()
+        acc.watch.sync(opt)
+    assert len(acc.watch.capsules) == 1
+
+
+def test_a_changed_capsule_is_refused_by_name(tmp_path, capsys):
+    watch, _ = _run(tmp_path, "fp16", steps=2, plant_at=0)
+    folder = tmp_path / "capsules" / "step-00000001"
+    data = bytearray((folder / "batch.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (folder / "batch.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="batch.safetensors: missing or changed"):
+        Capsule.load(folder)
+    assert main(["replay", str(folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("mixprec replay: error:") and "batch.safetensors" in err and "\n" not in err
