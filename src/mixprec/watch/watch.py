@@ -84,6 +84,7 @@ class PrecisionWatch:
         """Per sampled step: each layer's stagnant update fraction, the attention logit maxima, the mean log Z."""
         self._stagnant_warned: set[str] = set()
         self._run_folder: str | Path | None = None
+        self._pending_optimizers: list[torch.optim.Optimizer] = []
         self._precursor_judge = PrecursorJudge(self.config.attn_logit_warn, self.config.log_z_drift_warn)
         self._sinks: list[Sink] = []
         self._trend = TrendWatch(self.config.horizon, self.config.warn_headroom, self.config.trend_points)
@@ -124,8 +125,10 @@ class PrecisionWatch:
         self._recorder = StepRecorder(self._device)
         self._stagnation = StagnationProbe(model)
         self._precursors = PrecursorProbe(model)
-        self._precision = accelerator.precision
-        spike = self.config.spike_factor if self.config.capsules else None
+        self._precision_name = lambda: accelerator.precision.name  # "auto" is decided on the first step
+        # one writer, one model as it is built: capsules in a single process only (as the skip replay)
+        self._capsules = self.config.capsules and accelerator.num_processes == 1
+        spike = self.config.spike_factor if self._capsules else None
         self._bad = BadSteps(model, self._recorder, spike, self.config.max_capsules, self._capsule_context)
         folder = self._run_folder if self._run_folder is not None else accelerator.project_dir
         if folder is not None:
@@ -138,12 +141,18 @@ class PrecisionWatch:
         accelerator.register_for_checkpointing(self)
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
+        for optimizer in self._pending_optimizers:
+            self.watch_optimizer(optimizer)
+        self._pending_optimizers = []
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Follow ``optimizer``'s steps too (the Accelerator calls it in ``prepare``): the stagnation sample
         across its step, and with ``spike_factor`` the loss read before it. Hooks on the optimizer object."""
+        if self.model is None:  # prepared before the model: followed once the watch has one
+            self._pending_optimizers.append(optimizer)
+            return
         self._stagnation.watch_optimizer(optimizer)
-        if self.config.spike_factor is not None and self.config.capsules:
+        if self.config.spike_factor is not None and self._capsules:
             optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._before_optimizer_step(opt))
         self._optimizer_name = type(optimizer).__name__
 
@@ -152,7 +161,7 @@ class PrecisionWatch:
         Without one (an Accelerator with no project_dir), no capsule is written."""
         self._run_folder = folder
         if self.model is not None:
-            self._bad.run_folder = Path(folder) if self.config.capsules else None
+            self._bad.run_folder = Path(folder) if self._capsules else None
 
     @property
     def capsules(self) -> list[dict[str, Any]]:
@@ -199,7 +208,7 @@ class PrecisionWatch:
         return (self._scaler.get_scale() if scale is None else scale) / self._replay_divisor
 
     def _capsule_context(self) -> dict[str, Any]:
-        return {"precision": self._precision.name, "fallbacks": [f["module"] for f in self.fallbacks],
+        return {"precision": self._precision_name(), "fallbacks": [f["module"] for f in self.fallbacks],
                 "optimizer": getattr(self, "_optimizer_name", None)}  # fmt: skip
 
     def _begin_step(self) -> None:
@@ -235,7 +244,7 @@ class PrecisionWatch:
                 replay_scale = scale / self._replay_divisor
                 att = attribute_skip(self.model, self._recorder, step, replay_scale, grads, self._can_replay)
                 self._on_skip(dataclasses.replace(att, loss_scale=scale))
-                if self.config.capsules:
+                if self._capsules:
                     written = self._bad.on_skipped(step, self._replay_scale(scale))
                     if written is not None:
                         self._emit("capsule", step, written)
@@ -400,6 +409,9 @@ class PrecisionWatch:
             "forward_overflows": dict(self._forward_overflows),
             "skip_counts": dict(self.skip_counts),
             "warned": sorted(self._trend.warned),
+            "stagnant_warned": sorted(self._stagnant_warned),
+            "precursors_warned": sorted(self._precursor_judge.warned),
+            "log_z_baseline": self._precursor_judge.log_z_baseline,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -410,6 +422,10 @@ class PrecisionWatch:
         self._pending_state = None
         self._forward_overflows = Counter(state.get("forward_overflows", {}))
         self.skip_counts = Counter(state.get("skip_counts", {}))
+        # a resumed run measures drift from where the run began, and does not repeat what it already said
+        self._stagnant_warned = set(state.get("stagnant_warned", []))
+        self._precursor_judge.warned = set(state.get("precursors_warned", []))
+        self._precursor_judge.log_z_baseline = state.get("log_z_baseline")
         for name in state.get("warned", []):
             # the warning itself was logged by the run that raised it; a resume only remembers it was raised
             self._trend.warned.setdefault(name, HeadroomWarning(name, self.fmt.name, -1, 0.0, None, None))
