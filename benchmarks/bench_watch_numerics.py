@@ -8,13 +8,16 @@ train side by side, each prepared by its own Accelerator:
   and read back after it (what a sampled step adds for bf16 stagnation: the weight copy and the compare);
 - ``precursors``: no watch, but a :class:`~mixprec.watch.precursors.PrecursorProbe` armed on every step and
   read back (the attention logits recomputed in fp32, log Z of the output);
-- ``capsules``: a watch that never samples but keeps each step ready for a capsule and reads the loss for
-  spike detection (``spike_factor=3``): what *every* step pays for item 3;
+- ``hooked``: a watch that never samples, spike detection off: what every step paid before issue 26 (the
+  forward pre-hook, the batch references and the RNG state a skip replay needs);
+- ``capsules``: the same with spike detection on (``spike_factor=3``): the step's loss kept and read after
+  the step: what *every* step pays for item 3 (a capsule reuses the skip replay's batch and RNG state);
 - ``watch``: the whole watch sampling every step (headroom histograms and both probes).
 
-Rounds interleave the variants (the order rotates), one step each; medians over rounds. A probe runs on
-sampled steps only, so at interval N it costs ``(probe / plain - 1) / N`` of the run; the capsule check runs
-on every step, so it costs ``capsules / plain - 1`` whatever N. The whole watch at N, with every step paying
+Rounds interleave the variants (the order rotates), one step each; each variant's ratio to ``plain`` is taken
+within a round, and the median of those ratios is reported (robust to the shared machine's bursts). A probe
+runs on sampled steps only, so at interval N it costs ``(probe / plain - 1) / N`` of the run; the capsule
+check runs on every step, so it costs ``capsules / hooked - 1`` whatever N. The whole watch at N, with every step paying
 the capsule check: ``((N - 1) * capsules + watch) / (N * plain) - 1``. Goal: each <= 2% at the default N.
 
     python -m benchmarks.bench_watch_numerics                  # ~3 minutes on the shared 2-core dev box
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             Variant("plain", args.precision),
             Variant("stagnation", args.precision, probe=StagnationProbe),
             Variant("precursors", args.precision, probe=PrecursorProbe),
+            Variant("hooked", args.precision, PrecisionWatch(every=NEVER), project_dir=run_folder),
             Variant("capsules", args.precision, PrecisionWatch(every=NEVER, spike_factor=3.0), project_dir=run_folder),
             Variant("watch", args.precision, PrecisionWatch(every=1)),
         ]
@@ -105,22 +109,22 @@ def main(argv: list[str] | None = None) -> int:
                 times[v.name].append(time.process_time() - start)
         variants[-1].acc.watch.close()
     med = {k: statistics.median(v) for k, v in times.items()}
-    ratio = {k: med[k] / med["plain"] for k in med}
+    ratio = {k: statistics.median(a / b for a, b in zip(times[k], times["plain"])) for k in times}
     n = DEFAULT_EVERY
     costs = {
         "stagnation": (ratio["stagnation"] - 1) / n,
         "precursors": (ratio["precursors"] - 1) / n,
-        "capsules": ratio["capsules"] - 1,
-        "whole watch": ((n - 1) * med["capsules"] + med["watch"]) / (n * med["plain"]) - 1,
+        "capsules": statistics.median(a / b for a, b in zip(times["capsules"], times["hooked"])) - 1,
+        "whole watch": ((n - 1) * ratio["capsules"] + ratio["watch"]) / n - 1,
     }
     print(f"watch numerics overhead, GPT small, batch {BATCH} x {SEQ}, {args.precision}, {args.threads} thread(s), "
           f"cpu time, {args.rounds} rounds")  # fmt: skip
     print(f"  cpu: {platform.processor() or platform.machine()}, torch {torch.__version__}")
     for k in med:
-        print(f"  {k:10s} step {med[k] * 1e3:8.1f} ms  x{ratio[k]:.3f} plain  "
+        print(f"  {k:10s} step {med[k] * 1e3:8.1f} ms  x{ratio[k]:.3f} plain (median of rounds)  "
               f"(rounds {min(times[k]) * 1e3:.1f}-{max(times[k]) * 1e3:.1f})")  # fmt: skip
     for k, c in costs.items():
-        where = "every step" if k == "capsules" else f"at every={n}"
+        where = "every step, vs hooked" if k == "capsules" else f"at every={n}"
         print(f"  {k:11s} overhead {c * 100:+6.2f}% of step time ({where})")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

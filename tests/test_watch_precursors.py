@@ -9,6 +9,7 @@ rate must not be warned about.
 from __future__ import annotations
 
 import functools
+import json
 import math
 from pathlib import Path
 
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 from mixprec import Accelerator
 from mixprec.data import to_tensor
 from mixprec.models import GPT, GPTConfig
+from mixprec.watch import WatchConfig
+from mixprec.watch.numerics import NumericsChecks
 from mixprec.watch.precursors import InstabilityWarning, PrecursorJudge
 
 BATCH, SEQ = 8, 32
@@ -142,3 +145,13 @@ def test_z_loss_adds_its_weight_times_the_mean_squared_log_partition():
 def test_z_loss_out_of_range_is_refused_naming_the_field(value):
     with pytest.raises(ValueError, match="GPTConfig.z_loss"):
         GPTConfig(z_loss=value)
+
+
+def test_a_resumed_watch_keeps_the_log_z_baseline_and_what_it_already_warned():
+    checks = NumericsChecks(GPT.from_preset("tiny"), WatchConfig())
+    assert [w.signal for w in checks.judge.update(100, {"log_z": 5.5, "attn:a": 500.0})] == ["attention_logit"]
+    state = json.loads(json.dumps(checks.state_dict()))  # plain values: a weights_only checkpoint holds them
+    resumed = NumericsChecks(GPT.from_preset("tiny"), WatchConfig())
+    resumed.load_state_dict(state)
+    (warning,) = resumed.judge.update(200, {"log_z": 9.0, "attn:a": 900.0})
+    assert (warning.signal, warning.baseline) == ("log_partition", 5.5)

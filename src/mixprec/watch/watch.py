@@ -39,9 +39,8 @@ from mixprec.watch import fallback as fp32
 from mixprec.watch.attribution import SkipAttribution, StepRecorder, attribute_skip
 from mixprec.watch.badstep import BadSteps
 from mixprec.watch.headroom import HeadroomSampler, Sample
-from mixprec.watch.precursors import InstabilityWarning, PrecursorJudge, PrecursorProbe
+from mixprec.watch.numerics import NumericsChecks, NumericsWarning
 from mixprec.watch.settings import WatchConfig
-from mixprec.watch.stagnation import StagnationProbe, StagnationWarning, stagnant_fractions, stagnation_message
 from mixprec.watch.trend import HeadroomWarning, TrendWatch
 
 if TYPE_CHECKING:
@@ -78,14 +77,12 @@ class PrecisionWatch:
         self.skip_counts: Counter[str] = Counter()
         """Skipped steps traced to each module (any phase)."""
         self.fallbacks: list[dict[str, Any]] = []
-        self.numerics_warnings: list[StagnationWarning | InstabilityWarning] = []
+        self.numerics_warnings: list[NumericsWarning] = []
         """bf16 stagnation and instability-precursor warnings (each layer or signal once per run)."""
         self.numerics: deque[dict[str, Any]] = deque(maxlen=_KEPT)
         """Per sampled step: each layer's stagnant update fraction, the attention logit maxima, the mean log Z."""
-        self._stagnant_warned: set[str] = set()
         self._run_folder: str | Path | None = None
         self._pending_optimizers: list[torch.optim.Optimizer] = []
-        self._precursor_judge = PrecursorJudge(self.config.attn_logit_warn, self.config.log_z_drift_warn)
         self._sinks: list[Sink] = []
         self._trend = TrendWatch(self.config.horizon, self.config.warn_headroom, self.config.trend_points)
         self._forward_overflows: Counter[str] = Counter()
@@ -123,8 +120,7 @@ class PrecisionWatch:
             self.fmt = FORMATS.get(accelerator.precision.name, FP16)
         self._sampler = HeadroomSampler(model, self._device, self.fmt, self.config.significant)
         self._recorder = StepRecorder(self._device)
-        self._stagnation = StagnationProbe(model)
-        self._precursors = PrecursorProbe(model)
+        self._numerics = NumericsChecks(model, self.config)
         self._precision_name = lambda: accelerator.precision.name  # "auto" is decided on the first step
         # one writer, one model as it is built: capsules in a single process only (as the skip replay)
         self._capsules = self.config.capsules and accelerator.num_processes == 1
@@ -151,7 +147,7 @@ class PrecisionWatch:
         if self.model is None:  # prepared before the model: followed once the watch has one
             self._pending_optimizers.append(optimizer)
             return
-        self._stagnation.watch_optimizer(optimizer)
+        self._numerics.stagnation.watch_optimizer(optimizer)
         if self.config.spike_factor is not None and self._capsules:
             optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._before_optimizer_step(opt))
         self._optimizer_name = type(optimizer).__name__
@@ -176,7 +172,7 @@ class PrecisionWatch:
         """Remove the watch's hooks (fallen-back modules stay in fp32; see :func:`fallback.restore`)."""
         if self.model is not None:
             self._sampler.cancel()
-            self._stagnation.remove()
+            self._numerics.stagnation.remove()
         self._hooks.remove_all()
 
     # -- following the steps ----------------------------------------------------------------------------
@@ -218,8 +214,7 @@ class PrecisionWatch:
         self._bad.new_step()
         if (self._steps_seen + 1) % self.config.every == 0:
             self._sampler.start()
-            self._stagnation.arm()
-            self._precursors.arm()
+            self._numerics.arm()
 
     def sync(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Finish the step the scaler has just recorded, if any: the sample, the warnings, and on a skipped
@@ -258,8 +253,7 @@ class PrecisionWatch:
             return
         self.sync()
         self._sampler.cancel()
-        self._stagnation.finish()
-        self._precursors.finish()
+        self._numerics.cancel()
         self._in_step = False
 
     # -- what a step found ------------------------------------------------------------------------------
@@ -279,33 +273,12 @@ class PrecisionWatch:
 
     def _on_numerics(self, step: int, skipped: bool) -> None:
         """Read the stagnation and precursor probes of a sampled step (one host sync for both) and warn."""
-        counts = self._stagnation.finish()
-        readings = self._precursors.finish()
-        keys = [*counts, *readings]
-        if not keys:
+        entry, fields, raised = self._numerics.finish(step, skipped)
+        if not entry:
             return
-        values = torch.cat([t.reshape(-1).double() for t in [*counts.values(), *readings.values()]]).tolist()
-        host_counts = {k: values[2 * i : 2 * i + 2] for i, k in enumerate(counts)}
-        host_readings = dict(zip(readings, values[2 * len(counts) :]))
-        stagnant = {} if skipped else stagnant_fractions(host_counts)  # a skipped step changed nothing
-        entry = {"step": step, "stagnant": stagnant, **host_readings}
         self.numerics.append(entry)
-        fields = {f"watch/{k}/stagnant": v for k, v in stagnant.items()}
-        fields.update({f"watch/{k.replace('attn:', '')}/attn_logit_max" if k.startswith("attn:") else "watch/log_z": v
-                       for k, v in host_readings.items()})  # fmt: skip
         self._emit("watch_sample", step, fields)
-        raised: list[StagnationWarning | InstabilityWarning] = [
-            StagnationWarning(layer, step, frac, self._stagnation.dtypes.get(layer, "?"))
-            for layer, frac in stagnant.items()
-            if frac >= self.config.stagnation_warn and layer not in self._stagnant_warned
-        ]
-        self._stagnant_warned.update(w.layer for w in raised)  # type: ignore[union-attr]
-        if raised:
-            logger.warning(stagnation_message(raised))  # type: ignore[arg-type]
-        precursors = self._precursor_judge.update(step, host_readings)
-        for w in precursors:
-            logger.warning(w.message())
-        for w in [*raised, *precursors]:
+        for w in raised:
             self.numerics_warnings.append(w)
             self._emit("numerics_warning", step, w.to_dict())
 
@@ -409,9 +382,7 @@ class PrecisionWatch:
             "forward_overflows": dict(self._forward_overflows),
             "skip_counts": dict(self.skip_counts),
             "warned": sorted(self._trend.warned),
-            "stagnant_warned": sorted(self._stagnant_warned),
-            "precursors_warned": sorted(self._precursor_judge.warned),
-            "log_z_baseline": self._precursor_judge.log_z_baseline,
+            **self._numerics.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -422,10 +393,7 @@ class PrecisionWatch:
         self._pending_state = None
         self._forward_overflows = Counter(state.get("forward_overflows", {}))
         self.skip_counts = Counter(state.get("skip_counts", {}))
-        # a resumed run measures drift from where the run began, and does not repeat what it already said
-        self._stagnant_warned = set(state.get("stagnant_warned", []))
-        self._precursor_judge.warned = set(state.get("precursors_warned", []))
-        self._precursor_judge.log_z_baseline = state.get("log_z_baseline")
+        self._numerics.load_state_dict(state)
         for name in state.get("warned", []):
             # the warning itself was logged by the run that raised it; a resume only remembers it was raised
             self._trend.warned.setdefault(name, HeadroomWarning(name, self.fmt.name, -1, 0.0, None, None))
