@@ -136,3 +136,39 @@ def test_a_changed_capsule_is_refused_by_name(tmp_path, capsys):
     assert main(["replay", str(folder)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("mixprec replay: error:") and "batch.safetensors" in err and "\n" not in err
+
+
+class _Cancel(torch.nn.Module):
+    """(y + 1e4) - 1e4: exact in fp32, but in bf16 (ulp 64 at 1e4) it wipes out y: a finite divergence."""
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return (y + 1e4) - 1e4
+
+
+class _Cancelling(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.cancel = _Cancel()
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.head(self.cancel(self.proj(x))).float().squeeze(-1)
+        return {"loss": torch.nn.functional.mse_loss(out, y)}
+
+
+def test_replay_names_the_first_module_whose_finite_output_leaves_fp32s(tmp_path):
+    from mixprec.watch.capsule import write_capsule
+
+    torch.manual_seed(0)
+    model = _Cancelling()
+    batch = {"x": torch.randn(4, 8), "y": torch.randn(4)}
+    path = write_capsule(tmp_path, step=7, reason="planted", model=model, batches=[batch],
+                         rng=(torch.get_rng_state(), None), precision="bf16", loss=None, loss_scale=1.0,
+                         fallbacks=[], optimizer=None)  # fmt: skip
+    assert Capsule.load(path).meta["model"]["kind"] == "python"
+    with pytest.raises(ValueError, match=r"replay it from Python: mixprec.watch.replay\(CAPSULE, model="):
+        replay(path)
+    first = replay(path, model=_Cancelling()).first
+    assert (first.module, first.phase, first.kind, first.dtype) == ("cancel", "forward", "diverged", "bfloat16")
+    assert first.rel_error > 0.1 and first.fp32_finite
