@@ -20,6 +20,10 @@ runs on sampled steps only, so at interval N it costs ``(probe / plain - 1) / N`
 check runs on every step, so it costs ``capsules / hooked - 1`` whatever N. The whole watch at N, with every step paying
 the capsule check: ``((N - 1) * capsules + watch) / (N * plain) - 1``. Goal: each <= 2% at the default N.
 
+The capsule check's per-step work is a few microseconds, far below the noise of whole-step ratios on a shared
+machine, so it is also timed directly: the bookkeeping a step pays (keep the loss, read it, compare with the
+median of the recent steps) run 2,000 times on a real step's output, over the plain step's median.
+
     python -m benchmarks.bench_watch_numerics                  # ~3 minutes on the shared 2-core dev box
     python -m benchmarks.bench_watch_numerics --precision bf16-pure --rounds 20
 """
@@ -38,6 +42,8 @@ import torch
 import mixprec
 from mixprec.models import GPT
 from mixprec.watch import DEFAULT_EVERY, PrecisionWatch
+from mixprec.watch.attribution import StepRecorder
+from mixprec.watch.badstep import BadSteps
 from mixprec.watch.precursors import PrecursorProbe
 from mixprec.watch.stagnation import StagnationProbe
 
@@ -77,6 +83,18 @@ class Variant:
                 torch.cat([r.reshape(-1).double() for r in readings]).tolist()
 
 
+def bookkeeping_seconds(variant: Variant, calls: int = 2000) -> float:
+    """CPU seconds per step of the spike check's bookkeeping (no capsule is written: the losses are steady)."""
+    output = variant.model(**variant.batch)
+    bad = BadSteps(variant.model, StepRecorder(torch.device("cpu")), 3.0, 0, dict)
+    start = time.process_time()
+    for step in range(calls):
+        bad.new_step()
+        bad.on_output(output)
+        bad.before_optimizer_step(step, 1.0)
+    return (time.process_time() - start) / calls
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--precision", default="bf16", help="as `mixprec train --precision` (default: bf16)")
@@ -108,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 v.step()
                 times[v.name].append(time.process_time() - start)
         variants[-1].acc.watch.close()
+        direct = bookkeeping_seconds(variants[0])
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = {k: statistics.median(a / b for a, b in zip(times[k], times["plain"])) for k in times}
     n = DEFAULT_EVERY
@@ -115,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "stagnation": (ratio["stagnation"] - 1) / n,
         "precursors": (ratio["precursors"] - 1) / n,
         "capsules": statistics.median(a / b for a, b in zip(times["capsules"], times["hooked"])) - 1,
+        "capsules, timed directly": direct / med["plain"],
         "whole watch": ((n - 1) * ratio["capsules"] + ratio["watch"]) / n - 1,
     }
     print(f"watch numerics overhead, GPT small, batch {BATCH} x {SEQ}, {args.precision}, {args.threads} thread(s), "
@@ -124,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:10s} step {med[k] * 1e3:8.1f} ms  x{ratio[k]:.3f} plain (median of rounds)  "
               f"(rounds {min(times[k]) * 1e3:.1f}-{max(times[k]) * 1e3:.1f})")  # fmt: skip
     for k, c in costs.items():
-        where = "every step, vs hooked" if k == "capsules" else f"at every={n}"
-        print(f"  {k:11s} overhead {c * 100:+6.2f}% of step time ({where})")
+        where = {"capsules": "every step, vs hooked", "capsules, timed directly": f"every step, {direct * 1e6:.0f} us"}
+        where = where.get(k, f"at every={n}")
+        print(f"  {k:24s} overhead {c * 100:+6.2f}% of step time ({where})")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"precision": args.precision, "median_step_s": med, "overhead": costs, "rounds": times,
