@@ -172,3 +172,21 @@ def test_replay_names_the_first_module_whose_finite_output_leaves_fp32s(tmp_path
     first = replay(path, model=_Cancelling()).first
     assert (first.module, first.phase, first.kind, first.dtype) == ("cancel", "forward", "diverged", "bfloat16")
     assert first.rel_error > 0.1 and first.fp32_finite
+
+
+def test_a_transformers_model_is_rebuilt_from_the_capsule_alone(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from mixprec.watch.capsule import write_capsule
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 32, (2, 8))
+    path = write_capsule(tmp_path, step=3, reason="planted", model=model, batches=[{"input_ids": ids, "labels": ids}],
+                         rng=(torch.get_rng_state(), None), precision="bf16", loss=None, loss_scale=1.0,
+                         fallbacks=[], optimizer="AdamW")  # fmt: skip
+    result = replay(path)  # no model passed: `mixprec replay` works for it
+    expected = float(model(input_ids=ids, labels=ids).loss)
+    assert result.loss_fp32 == pytest.approx(expected, rel=1e-6)  # the very weights, in a rebuilt GPT2LMHeadModel
+    assert result.first is None  # one bf16 layer stays within 10% of fp32
