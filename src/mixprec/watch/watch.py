@@ -41,6 +41,7 @@ from mixprec.watch.badstep import BadSteps
 from mixprec.watch.headroom import HeadroomSampler, Sample
 from mixprec.watch.numerics import NumericsChecks, NumericsWarning
 from mixprec.watch.settings import WatchConfig
+from mixprec.watch.stagnation import StagnationWarning, stagnation_message
 from mixprec.watch.trend import HeadroomWarning, TrendWatch
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ class PrecisionWatch:
         """Per sampled step: each layer's stagnant update fraction, the attention logit maxima, the mean log Z."""
         self._run_folder: str | Path | None = None
         self._pending_optimizers: list[torch.optim.Optimizer] = []
+        self._optimizer_name: str | None = None
         self._sinks: list[Sink] = []
         self._trend = TrendWatch(self.config.horizon, self.config.warn_headroom, self.config.trend_points)
         self._forward_overflows: Counter[str] = Counter()
@@ -205,7 +207,7 @@ class PrecisionWatch:
 
     def _capsule_context(self) -> dict[str, Any]:
         return {"precision": self._precision_name(), "fallbacks": [f["module"] for f in self.fallbacks],
-                "optimizer": getattr(self, "_optimizer_name", None)}  # fmt: skip
+                "optimizer": self._optimizer_name}  # fmt: skip
 
     def _begin_step(self) -> None:
         self._in_step = True
@@ -354,8 +356,12 @@ class PrecisionWatch:
             lines.append(f"    skipped steps traced to: {traced}")
         for f in self.fallbacks:
             lines.append(f"    fp32 fallback: {f['module']} from step {f['step'] + 1} ({f['reason']})")
+        stagnant = [w for w in self.numerics_warnings if isinstance(w, StagnationWarning)]
+        if stagnant:
+            lines.append("    " + stagnation_message(stagnant).removeprefix("precision watch: "))
         for nw in self.numerics_warnings:
-            lines.append("    " + nw.message().removeprefix("precision watch: "))
+            if not isinstance(nw, StagnationWarning):
+                lines.append("    " + nw.message().removeprefix("precision watch: "))
         for c in self.capsules:
             lines.append(f"    bad step {c['step']} ({c['reason']}): mixprec replay {c['path']}")
         return lines
