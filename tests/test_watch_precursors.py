@@ -178,3 +178,21 @@ def test_a_resumed_watch_keeps_the_log_z_baseline_and_what_it_already_warned():
     resumed.load_state_dict(state)
     (warning,) = resumed.judge.update(200, {"log_z": 9.0, "attn:a": 900.0})
     assert (warning.signal, warning.baseline) == ("log_partition", 5.5)
+
+
+def test_the_attention_logit_max_skips_the_keys_padding_hides():
+    torch.manual_seed(0)
+    model = GPT.from_preset("tiny")
+    attn = model.transformer.h[0].attn
+    attn.track_logit_max = True
+    seen = {}
+    attn.c_attn.register_forward_hook(lambda m, a, out: seen.setdefault("qkv", out.detach()))
+    ids = _ids(2)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, :5] = 0  # left padding in the first sequence
+    model(ids, attention_mask=mask)
+    q, k, _ = seen["qkv"].split(model.config.n_embd, dim=2)
+    q, k = (t.view(2, 16, model.config.n_head, -1).transpose(1, 2) for t in (q, k))
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    visible = GPT._attention_bias(mask, 2, 16)
+    torch.testing.assert_close(attn.logit_max, scores.masked_fill(~visible, float("-inf")).amax())

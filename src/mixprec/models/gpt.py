@@ -159,11 +159,17 @@ class CausalSelfAttention(nn.Module):
     @torch.no_grad()
     def _track_logit_max(self, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> None:
         # the fused kernel never materialises the scores, so the attention-logit-growth precursor (Wortsman et
-        # al. 2023) recomputes them, in fp32, over the positions softmax really sees
-        T = q.size(-2)
-        scores = (q.float() @ k.float().transpose(-2, -1)) * (q.size(-1) ** -0.5)
+        # al. 2023) recomputes them, in fp32 (on the watch's sampled steps only; no host sync)
+        # over the positions softmax really sees, a few sequences at a time (scores of at most 2^26 elements)
+        B, H, T, _ = q.shape
         visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril() if attn_mask is None else attn_mask
-        m = scores.masked_fill(~visible, float("-inf")).amax()
+        step = max(1, 2**26 // (H * T * T))
+        maxima = []
+        for i in range(0, B, step):
+            scores = (q[i : i + step].float() @ k[i : i + step].float().transpose(-2, -1)) * (q.size(-1) ** -0.5)
+            mask = visible if visible.dim() == 2 else visible[i : i + step]
+            maxima.append(scores.masked_fill(~mask, float("-inf")).amax())
+        m = torch.stack(maxima).amax()
         self.logit_max = m if self.logit_max is None else torch.maximum(self.logit_max, m)
 
 
