@@ -37,8 +37,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mixprec.cli.main import CliError
     from mixprec.watch.replay import DEFAULT_TOL, replay  # heavy: only when this subcommand runs
 
+    if args.tol is not None and not args.tol > 0:
+        raise CliError(f"--tol {args.tol}: the relative distance must be > 0, e.g. --tol {DEFAULT_TOL}")
     result = replay(args.capsule, device=args.device, tol=DEFAULT_TOL if args.tol is None else args.tol)
     print(json.dumps(result.to_dict()) if args.json else result.message())
     return 0
