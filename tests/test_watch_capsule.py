@@ -190,3 +190,10 @@ def test_a_transformers_model_is_rebuilt_from_the_capsule_alone(tmp_path):
     expected = float(model(input_ids=ids, labels=ids).loss)
     assert result.loss_fp32 == pytest.approx(expected, rel=1e-6)  # the very weights, in a rebuilt GPT2LMHeadModel
     assert result.first is None  # one bf16 layer stays within 10% of fp32
+
+
+def test_mixprec_replay_names_a_bad_flag_or_folder(tmp_path, capsys):
+    assert main(["replay", str(tmp_path), "--tol", "0"]) == 2
+    assert "--tol 0.0: the relative distance must be > 0" in capsys.readouterr().err
+    assert main(["replay", str(tmp_path)]) == 2
+    assert "no capsule.json here; pass a capsule folder" in capsys.readouterr().err
