@@ -129,3 +129,9 @@ def test_on_cuda_under_bf16_and_compile_the_chunked_gpt_matches_the_plain_one():
     b.backward()
     for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
         assert _close(q.grad[: p.shape[0]], p.grad, 1e-2), name
+
+
+def test_z_loss_with_the_chunked_loss_is_refused_not_dropped():
+    """The chunked path never holds the logits the z-loss needs: asking for both is an error naming the fix."""
+    with pytest.raises(ValueError, match="loss_chunk_size=None"):
+        GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=1, n_embd=8, z_loss=1e-4, loss_chunk_size=16)

@@ -198,3 +198,20 @@ def test_the_consecutive_skip_error_names_the_layer_the_watch_traced(tmp_path):
 
     with pytest.raises(ConsecutiveSkipsError, match=r"precision watch traced the skipped steps to: grow \(4 skips\)"):
         train(tmp_path / "stop", "fp16", "watch:2", max_skips=5)
+
+
+@pytest.mark.slow
+def test_the_trainer_writes_capsules_into_output_dir_and_the_replay_names_the_layer(runs):
+    from mixprec.watch.replay import replay
+
+    trainer, output, _ = runs["watch"]
+    out = Path(trainer.args.output_dir)
+    folders = sorted((out / "capsules").iterdir())
+    assert len(folders) == 8 < output.metrics["skipped_steps"]  # one per skipped step, up to max_capsules
+    assert [e["path"] for e in _events(trainer, "capsule")] == [str(f) for f in folders]
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["precision_watch"]["capsules"][0]["path"] == str(folders[0])
+    # a model of the user's own: the capsule names its class; the replay is handed one to load the weights into
+    result = replay(folders[0], model=Planted())
+    assert (result.first.module, result.first.kind, result.first.dtype) == ("grow", "non-finite", "float16")
+    assert result.first.fp32_finite and result.first.max_abs_fp32 > FP16_MAX

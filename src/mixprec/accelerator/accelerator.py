@@ -376,6 +376,8 @@ class Accelerator:
         converted = self._precision.convert_optimizer(optimizer)
         stepper = BackwardStepper(converted, self._precision) if self.config.step_in_backward else None
         prepared = PreparedOptimizer(converted, self._gradients, source=optimizer, stepper=stepper)
+        if self.watch is not None:
+            self.watch.watch_optimizer(converted)
         self._registry.optimizers.append(prepared)
         self._gradients.optimizers.append(prepared)
         self._gradients.forget_owners()

@@ -27,12 +27,14 @@ SUBCOMMANDS: dict[str, str] = {
     "diagnose": "mixprec.cli.diagnose",
     "bench": "mixprec.cli.bench",
     "export": "mixprec.cli.export",
+    "replay": "mixprec.cli.replay",
 }
 SUMMARIES: dict[str, str] = {
     "train": "train a model (default: the built-in GPT on the embedded corpus) and report what precision did",
     "diagnose": "see fp16/bf16 underflow and overflow per layer, and the loss scale to start from",
     "bench": "time fp32, fp16, bf16 and auto on the same model: step time, tokens/s, memory, loss, MFU",
     "export": "write a sharded FSDP2 checkpoint's full weights to one safetensors file",
+    "replay": "re-run a bad step from its capsule in fp32 and the run's precision; name the first module apart",
 }
 
 # `mixprec torchrun ARGS` is torch's launcher with torch's own parser (mixprec.cli.torchrun): its arguments
@@ -47,6 +49,7 @@ examples:
   mixprec diagnose                      how much of the gradients fp16 would flush to zero
   mixprec bench --steps 5               fp32, fp16, bf16 and auto side by side
   mixprec export runs/x/sharded model.safetensors   a sharded FSDP2 checkpoint as one file
+  mixprec replay runs/x/capsules/step-00000412   the first module a bad step went wrong in (--watch's capsules)
   mixprec torchrun --nproc_per_node=2 --max-restarts=3 -m mixprec.cli.main train --output-dir runs/x
                                         torch's torchrun, ending with 143 on SIGTERM (see its docstring)
   mixprec <command> --help              flags and examples for one command

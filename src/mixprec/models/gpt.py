@@ -53,6 +53,10 @@ class GPTConfig:
     loss_chunk_size: int | None = None
     """While training, compute the loss this many tokens at a time without ever holding (tokens x vocab)
     logits (models/chunked_loss.py); the output's logits are then None. None: the plain path."""
+    z_loss: float = 0.0
+    """Weight of the z-loss, ``z_loss * mean(logsumexp(logits)^2)`` added to the training loss (PaLM; 1e-4 in
+    Wortsman et al. 2023, arXiv 2309.14322): keeps the output log-partition near 0, against output-logit
+    divergence at high learning rates. 0 (the default) adds nothing."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -73,6 +77,14 @@ class GPTConfig:
             raise ValueError("GPTConfig.vocab_multiple must be a positive integer (1: no padding), got None")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if not 0.0 <= float(self.z_loss) < 1.0:
+            raise ValueError(f"GPTConfig.z_loss must be in [0, 1) (1e-4 is the usual weight), got {self.z_loss!r}")
+        if self.z_loss and self.loss_chunk_size:
+            # the chunked loss never holds the logits the z-loss squares: refuse rather than drop the term
+            raise ValueError(
+                f"GPTConfig(z_loss={self.z_loss!r}, loss_chunk_size={self.loss_chunk_size!r}): the chunked loss "
+                "does not compute the z-loss; set loss_chunk_size=None to use z_loss, or z_loss=0"
+            )
 
     @property
     def padded_vocab_size(self) -> int:
@@ -148,12 +160,19 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.track_logit_max = False
+        """Keep the largest attention logit of each forward in :attr:`logit_max` (the precision watch turns it
+        on for its sampled steps: an extra q @ k^T, the cost of the fused kernel's own, no host sync)."""
+        self.logit_max: torch.Tensor | None = None
+        """Running max of q . k / sqrt(head_dim) over the forwards since the reader last set it to None."""
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.track_logit_max:
+            self._track_logit_max(q, k, attn_mask)
         dropout_p = self.dropout if self.training else 0.0
         if attn_mask is None:
             # is_causal without an explicit mask keeps the flash kernel eligible
@@ -162,6 +181,22 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+    @torch.no_grad()
+    def _track_logit_max(self, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> None:
+        # the fused kernel never materialises the scores, so the attention-logit-growth precursor (Wortsman et
+        # al. 2023) recomputes them, in fp32 (on the watch's sampled steps only; no host sync)
+        # over the positions softmax really sees, a few sequences at a time (scores of at most 2^26 elements)
+        B, H, T, _ = q.shape
+        visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril() if attn_mask is None else attn_mask
+        step = max(1, 2**26 // (H * T * T))
+        maxima = []
+        for i in range(0, B, step):
+            scores = (q[i : i + step].float() @ k[i : i + step].float().transpose(-2, -1)) * (q.size(-1) ** -0.5)
+            mask = visible if visible.dim() == 2 else visible[i : i + step]
+            maxima.append(scores.masked_fill(~mask, float("-inf")).amax())
+        m = torch.stack(maxima).amax()
+        self.logit_max = m if self.logit_max is None else torch.maximum(self.logit_max, m)
 
 
 class MLP(nn.Module):
@@ -377,6 +412,8 @@ class GPT(nn.Module):
                 shift_labels.reshape(-1),
                 ignore_index=IGNORE_INDEX,
             )
+            if self.config.z_loss:
+                loss = loss + self.config.z_loss * _z_loss(shift_logits, shift_labels)
         return CausalLMOutput(loss=loss, logits=logits)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -442,3 +479,10 @@ class GPT(nn.Module):
         finally:
             self.train(was_training)
         return idx
+
+
+def _z_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean squared log-partition over the positions that have a label (fp32 logits in, no host sync)."""
+    z = torch.logsumexp(logits, dim=-1)
+    keep = (labels != IGNORE_INDEX).to(z.dtype)
+    return (z.square() * keep).sum() / keep.sum()

@@ -41,6 +41,10 @@ class WatchCallback(TrainerCallback):
         self._pending: list[tuple[str, int, dict[str, Any]]] = []
         watch.add_sink(lambda kind, step, fields: self._pending.append((kind, step, fields)))
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self._is_main:  # capsules of bad steps go to <output_dir>/capsules (one writer)
+            self.watch.set_run_folder(args.output_dir)
+
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         self.watch.sync(optimizer)  # before zero_grad: a skip the replay cannot trace is read off .grad
 

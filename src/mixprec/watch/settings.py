@@ -46,11 +46,35 @@ class WatchConfig:
     """Samples a trend is fitted over (the most recent ones); fewer than this and only warn_headroom warns."""
     significant: float = 0.01
     """Fraction of smallest magnitudes ignored when measuring underflow headroom (the "significant" minimum)."""
+    stagnation_warn: float = 0.5
+    """Warn when this fraction of a layer's updates rounds away instead of changing the weight (bf16 stagnation,
+    :mod:`mixprec.watch.stagnation`); 1 turns the warning off."""
+    attn_logit_warn: float = 100.0
+    """Warn when the largest attention logit passes this (attention-logit growth, :mod:`mixprec.watch.precursors`;
+    the built-in GPT's stay below ~20 in healthy runs)."""
+    log_z_drift_warn: float = 3.0
+    """Warn when the output log-partition (mean logsumexp of the logits) drifts this many nats from its first
+    sample (output-logit divergence)."""
+    capsules: bool = True
+    """Write a replayable capsule of each bad step into the run folder (:mod:`mixprec.watch.capsule`)."""
+    spike_factor: float | None = None
+    """Also treat a step as bad when its loss exceeds this many times the median of the last 16 (None: off;
+    reads the loss each step, after the step's own sync)."""
+    max_capsules: int = 8
+    """Capsules written per run at most (each holds the weights)."""
 
     def __post_init__(self) -> None:
         _check_int("every", self.every, 1)
         _check_int("fallback_after", self.fallback_after, 1)
         _check_int("trend_points", self.trend_points, 2)
+        _check_int("max_capsules", self.max_capsules, 0)
+        if not 0 < self.stagnation_warn <= 1:
+            raise ValueError(f"WatchConfig(stagnation_warn={self.stagnation_warn!r}): a fraction in (0, 1]")
+        for name in ("attn_logit_warn", "log_z_drift_warn"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"WatchConfig({name}={getattr(self, name)!r}): must be > 0")
+        if self.spike_factor is not None and not self.spike_factor > 1:
+            raise ValueError(f"WatchConfig(spike_factor={self.spike_factor!r}): must be > 1 (e.g. 3), or None: off")
         if self.warn_within is not None:
             _check_int("warn_within", self.warn_within, 1)
         if self.fmt is not None and self.fmt not in FORMATS:

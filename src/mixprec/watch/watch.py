@@ -37,8 +37,11 @@ from mixprec.diagnostics.formats import FORMATS, FP16, FloatFormat
 from mixprec.diagnostics.hooks import ROOT_NAME, HookRegistry
 from mixprec.watch import fallback as fp32
 from mixprec.watch.attribution import SkipAttribution, StepRecorder, attribute_skip
+from mixprec.watch.badstep import BadSteps
 from mixprec.watch.headroom import HeadroomSampler, Sample
+from mixprec.watch.numerics import NumericsChecks, NumericsWarning
 from mixprec.watch.settings import WatchConfig
+from mixprec.watch.stagnation import StagnationWarning, stagnation_message
 from mixprec.watch.trend import HeadroomWarning, TrendWatch
 
 if TYPE_CHECKING:
@@ -48,7 +51,8 @@ logger = logging.getLogger("mixprec.watch")
 
 Sink = Callable[[str, int, dict[str, Any]], None]
 """Receives each record as (kind, step, fields); kinds: "watch_sample", "precision_warning",
-"skip_attribution", "precision_fallback"."""
+"skip_attribution", "precision_fallback", "numerics_warning" (bf16 stagnation, instability
+precursors), "capsule" (a bad step written for ``mixprec replay``)."""
 
 _KEPT = 1000  # samples and attributions kept in memory (the Trainer's metrics.jsonl keeps them all)
 
@@ -74,6 +78,13 @@ class PrecisionWatch:
         self.skip_counts: Counter[str] = Counter()
         """Skipped steps traced to each module (any phase)."""
         self.fallbacks: list[dict[str, Any]] = []
+        self.numerics_warnings: list[NumericsWarning] = []
+        """bf16 stagnation and instability-precursor warnings (each layer or signal once per run)."""
+        self.numerics: deque[dict[str, Any]] = deque(maxlen=_KEPT)
+        """Per sampled step: each layer's stagnant update fraction, the attention logit maxima, the mean log Z."""
+        self._run_folder: str | Path | None = None
+        self._pending_optimizers: list[torch.optim.Optimizer] = []
+        self._optimizer_name: str | None = None
         self._sinks: list[Sink] = []
         self._trend = TrendWatch(self.config.horizon, self.config.warn_headroom, self.config.trend_points)
         self._forward_overflows: Counter[str] = Counter()
@@ -111,13 +122,49 @@ class PrecisionWatch:
             self.fmt = FORMATS.get(accelerator.precision.name, FP16)
         self._sampler = HeadroomSampler(model, self._device, self.fmt, self.config.significant)
         self._recorder = StepRecorder(self._device)
+        self._numerics = NumericsChecks(model, self.config)
+        self._precision_name = lambda: accelerator.precision.name  # "auto" is decided on the first step
+        # one writer, one model as it is built: capsules in a single process only (as the skip replay)
+        self._capsules = self.config.capsules and accelerator.num_processes == 1
+        spike = self.config.spike_factor if self._capsules else None
+        self._bad = BadSteps(model, self._recorder, spike, self.config.max_capsules, self._capsule_context)
+        folder = self._run_folder if self._run_folder is not None else accelerator.project_dir
+        if folder is not None:
+            self.set_run_folder(folder)
         self._can_replay = accelerator.num_processes == 1
         # the Accelerator's backward divides each micro-batch's loss by the accumulation steps before scaling
         self._replay_divisor = accelerator.gradient_accumulation_steps
         self._hooks.hook_forward_pre(model, self._before_forward)
+        self._hooks.add(model.register_forward_hook(self._after_forward))
         accelerator.register_for_checkpointing(self)
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
+        for optimizer in self._pending_optimizers:
+            self.watch_optimizer(optimizer)
+        self._pending_optimizers = []
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Follow ``optimizer``'s steps too (the Accelerator calls it in ``prepare``): the stagnation sample
+        across its step, and with ``spike_factor`` the loss read before it. Hooks on the optimizer object."""
+        if self.model is None:  # prepared before the model: followed once the watch has one
+            self._pending_optimizers.append(optimizer)
+            return
+        self._numerics.stagnation.watch_optimizer(optimizer)
+        if self.config.spike_factor is not None and self._capsules:
+            optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._before_optimizer_step(opt))
+        self._optimizer_name = type(optimizer).__name__
+
+    def set_run_folder(self, folder: str | Path) -> None:
+        """Where capsules of bad steps go (``<folder>/capsules/step-N``); the Trainer passes its output_dir.
+        Without one (an Accelerator with no project_dir), no capsule is written."""
+        self._run_folder = folder
+        if self.model is not None:
+            self._bad.run_folder = Path(folder) if self._capsules else None
+
+    @property
+    def capsules(self) -> list[dict[str, Any]]:
+        """The capsules written so far: step, reason, path."""
+        return list(self._bad.written) if self.model is not None else []
 
     def add_sink(self, sink: Sink) -> None:
         """Also send every record to ``sink`` (the Trainer sends them to metrics.jsonl and TensorBoard)."""
@@ -127,6 +174,7 @@ class PrecisionWatch:
         """Remove the watch's hooks (fallen-back modules stay in fp32; see :func:`fallback.restore`)."""
         if self.model is not None:
             self._sampler.cancel()
+            self._numerics.stagnation.remove()
         self._hooks.remove_all()
 
     # -- following the steps ----------------------------------------------------------------------------
@@ -139,12 +187,36 @@ class PrecisionWatch:
             self._begin_step()
         self._recorder.record(args, kwargs)
 
+    def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._busy or not torch.is_grad_enabled() or not module.training:
+            return
+        self._bad.on_output(output)
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._in_step and not self._busy:
+            self._busy = True
+            try:
+                record = self._bad.before_optimizer_step(self._scaler.record.steps + 1, self._replay_scale())
+            finally:
+                self._busy = False
+            if record is not None:
+                self._emit("capsule", record["step"], record)
+
+    def _replay_scale(self, scale: float | None = None) -> float:
+        return (self._scaler.get_scale() if scale is None else scale) / self._replay_divisor
+
+    def _capsule_context(self) -> dict[str, Any]:
+        return {"precision": self._precision_name(), "fallbacks": [f["module"] for f in self.fallbacks],
+                "optimizer": self._optimizer_name}  # fmt: skip
+
     def _begin_step(self) -> None:
         self._in_step = True
         self._steps_seen = self._scaler.record.steps
         self._recorder.new_step()
+        self._bad.new_step()
         if (self._steps_seen + 1) % self.config.every == 0:
             self._sampler.start()
+            self._numerics.arm()
 
     def sync(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Finish the step the scaler has just recorded, if any: the sample, the warnings, and on a skipped
@@ -163,11 +235,16 @@ class PrecisionWatch:
             skipped = entry is not None and entry.skipped
             if self._sampler.active:
                 self._on_sample(self._sampler.finish(step, scale, skipped))
+                self._on_numerics(step, skipped)
             if skipped:
                 grads = [] if optimizer is None else _named_grads(self.model, optimizer)
                 replay_scale = scale / self._replay_divisor
                 att = attribute_skip(self.model, self._recorder, step, replay_scale, grads, self._can_replay)
                 self._on_skip(dataclasses.replace(att, loss_scale=scale))
+                if self._capsules:
+                    written = self._bad.on_skipped(step, self._replay_scale(scale))
+                    if written is not None:
+                        self._emit("capsule", step, written)
         finally:
             self._busy = False
             self._recorder.new_step()  # drop the batch references now, not at the next step
@@ -178,6 +255,7 @@ class PrecisionWatch:
             return
         self.sync()
         self._sampler.cancel()
+        self._numerics.cancel()
         self._in_step = False
 
     # -- what a step found ------------------------------------------------------------------------------
@@ -194,6 +272,17 @@ class PrecisionWatch:
             self.warnings.append(w)
             logger.warning(w.message())
             self._emit("precision_warning", sample.step, w.to_dict())
+
+    def _on_numerics(self, step: int, skipped: bool) -> None:
+        """Read the stagnation and precursor probes of a sampled step (one host sync for both) and warn."""
+        entry, fields, raised = self._numerics.finish(step, skipped)
+        if not entry:
+            return
+        self.numerics.append(entry)
+        self._emit("watch_sample", step, fields)
+        for w in raised:
+            self.numerics_warnings.append(w)
+            self._emit("numerics_warning", step, w.to_dict())
 
     def _on_skip(self, att: SkipAttribution) -> None:
         self.skips.append(att)
@@ -249,6 +338,8 @@ class PrecisionWatch:
             "skips": [a.to_dict() for a in list(self.skips)[-20:]],
             "fp32_fallback": list(self.fallbacks),
             "lowest_headroom": dict(tightest),
+            "numerics_warnings": [w.to_dict() for w in self.numerics_warnings],
+            "capsules": self.capsules,
         }
 
     def summary_lines(self) -> list[str]:
@@ -265,6 +356,14 @@ class PrecisionWatch:
             lines.append(f"    skipped steps traced to: {traced}")
         for f in self.fallbacks:
             lines.append(f"    fp32 fallback: {f['module']} from step {f['step'] + 1} ({f['reason']})")
+        stagnant = [w for w in self.numerics_warnings if isinstance(w, StagnationWarning)]
+        if stagnant:
+            lines.append("    " + stagnation_message(stagnant).removeprefix("precision watch: "))
+        for nw in self.numerics_warnings:
+            if not isinstance(nw, StagnationWarning):
+                lines.append("    " + nw.message().removeprefix("precision watch: "))
+        for c in self.capsules:
+            lines.append(f"    bad step {c['step']} ({c['reason']}): mixprec replay {c['path']}")
         return lines
 
     def plot(self, path: str | Path) -> Path:
@@ -289,6 +388,7 @@ class PrecisionWatch:
             "forward_overflows": dict(self._forward_overflows),
             "skip_counts": dict(self.skip_counts),
             "warned": sorted(self._trend.warned),
+            **self._numerics.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -299,6 +399,7 @@ class PrecisionWatch:
         self._pending_state = None
         self._forward_overflows = Counter(state.get("forward_overflows", {}))
         self.skip_counts = Counter(state.get("skip_counts", {}))
+        self._numerics.load_state_dict(state)
         for name in state.get("warned", []):
             # the warning itself was logged by the run that raised it; a resume only remembers it was raised
             self._trend.warned.setdefault(name, HeadroomWarning(name, self.fmt.name, -1, 0.0, None, None))

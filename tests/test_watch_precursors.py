@@ -1,0 +1,198 @@
+"""Instability precursors (mixprec.watch.precursors) and the built-in GPT's z-loss and attention-logit max.
+
+The planted case: the built-in GPT with AdamW whose learning rate warms up to 1.0 (far too high). Its
+attention logits grow by orders of magnitude within the first steps, and tens of steps later the loss spikes.
+The watch must warn, with the remedies, at least 10 steps before the spike; the same run at a sane learning
+rate must not be warned about.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixprec import Accelerator
+from mixprec.data import to_tensor
+from mixprec.models import GPT, GPTConfig
+from mixprec.watch import WatchConfig
+from mixprec.watch.numerics import NumericsChecks
+from mixprec.watch.precursors import InstabilityWarning, PrecursorJudge
+
+BATCH, SEQ = 8, 32
+WARMUP = 80
+EVERY = 5
+
+
+WORDS = [
+    "the",
+    "model",
+    "learns",
+    "a",
+    "small",
+    "language",
+    "of",
+    "short",
+    "words",
+    "while",
+    "its",
+    "loss",
+    "falls",
+    "and",
+    "then",
+    "it",
+    "spikes",
+]
+
+
+@functools.cache
+def _corpus() -> torch.Tensor:
+    """Fixed text with structure to learn (spelling), made here: the stdlib corpus takes seconds to read."""
+    picks = torch.randint(0, len(WORDS), (4000,), generator=torch.Generator().manual_seed(0)).tolist()
+    return to_tensor(" ".join(WORDS[i] for i in picks).encode())
+
+
+def _train(peak_lr: float, steps: int):
+    torch.manual_seed(0)
+    model = GPT.from_preset("tiny")
+    acc = Accelerator(mixed_precision="fp32", cpu=True, watch={"every": EVERY}, verbose=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    model, opt = acc.prepare(model, opt)
+    data, g = _corpus(), torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = peak_lr * min(1.0, (step + 1) / WARMUP)
+        starts = torch.randint(0, len(data) - SEQ, (BATCH,), generator=g)
+        ids = torch.stack([data[i : i + SEQ] for i in starts]).long()
+        loss = model(input_ids=ids, labels=ids).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    acc.watch.close()
+    return losses, acc.watch
+
+
+def _spike(losses: list[float], factor: float = 1.5) -> int | None:
+    """The step (1-based, as the watch counts) the run diverges at: from it on, every loss exceeds ``factor`` x
+    the lowest loss before it. (A bump the run recovers from, as early in a warm-up, is not divergence.)"""
+    for i in range(1, len(losses)):
+        if all(loss > factor * min(losses[:i]) for loss in losses[i:]):
+            return i + 1
+    return None
+
+
+def _precursors(watch) -> list[InstabilityWarning]:
+    return [w for w in watch.numerics_warnings if isinstance(w, InstabilityWarning)]
+
+
+def test_a_diverging_run_is_warned_at_least_10_steps_before_its_loss_spikes():
+    losses, watch = _train(peak_lr=1.0, steps=70)
+    spike = _spike(losses)
+    assert spike is not None, "the planted run must diverge"
+    warned = _precursors(watch)
+    assert warned, "no precursor warning"
+    first = min(w.step for w in warned)
+    assert first <= spike - 10
+    attention = next(w for w in warned if w.signal == "attention_logit")
+    assert attention.where.startswith("transformer.h.") and attention.value > 100
+    assert "qk-layernorm" in attention.message() and "lower the learning rate" in attention.message()
+
+
+def test_a_stable_run_raises_no_precursor_warning():
+    losses, watch = _train(peak_lr=3e-3, steps=40)
+    assert _spike(losses) is None
+    assert not _precursors(watch)
+    readings = watch.numerics[-1]
+    assert 0 < readings["attn:transformer.h.0.attn"] < 100  # read on the sampled steps...
+    assert abs(readings["log_z"] - watch.numerics[0]["log_z"]) < 3  # ...and the output's log Z with them
+
+
+def test_log_partition_drift_is_measured_from_the_first_sample():
+    judge = PrecursorJudge(attn_logit_warn=100, log_z_drift_warn=3)
+    assert judge.update(10, {"log_z": 5.5}) == []
+    assert judge.update(20, {"log_z": 7.0}) == []
+    (warning,) = judge.update(30, {"log_z": 9.0})
+    assert (warning.signal, warning.baseline, warning.value) == ("log_partition", 5.5, 9.0)
+    assert "z-loss of 1e-4" in warning.message()
+    assert judge.update(40, {"log_z": 20.0}) == []  # once per run
+
+
+# -- the GPT's side: attention-logit max and z-loss ---------------------------------------------------------
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def test_attention_keeps_the_exact_largest_logit_only_when_asked():
+    torch.manual_seed(0)
+    model = GPT.from_preset("tiny")
+    attn = model.transformer.h[0].attn
+    seen = {}
+    attn.c_attn.register_forward_hook(lambda m, a, out: seen.setdefault("qkv", out.detach()))
+    model(_ids())
+    assert attn.logit_max is None  # off by default: the fused kernel alone
+    attn.track_logit_max = True
+    seen.clear()
+    ids = _ids()
+    model(ids)
+    q, k, _ = seen["qkv"].split(model.config.n_embd, dim=2)
+    heads = model.config.n_head
+    q, k = (t.view(2, 16, heads, -1).transpose(1, 2) for t in (q, k))
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    expected = scores.masked_fill(~causal, float("-inf")).amax()
+    torch.testing.assert_close(attn.logit_max, expected)
+
+
+def test_z_loss_adds_its_weight_times_the_mean_squared_log_partition():
+    torch.manual_seed(0)
+    plain = GPT.from_preset("tiny")
+    with_z = GPT.from_preset("tiny", z_loss=1e-4)
+    with_z.load_state_dict(plain.state_dict())
+    ids = _ids(1)
+    out = plain(ids, labels=ids)
+    log_z = torch.logsumexp(out.logits[:, :-1].float(), dim=-1)
+    cross_entropy = F.cross_entropy(out.logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
+    expected = cross_entropy + 1e-4 * log_z.square().mean()
+    torch.testing.assert_close(with_z(ids, labels=ids).loss, expected)
+
+
+@pytest.mark.parametrize("value", [-1e-4, 1.0])
+def test_z_loss_out_of_range_is_refused_naming_the_field(value):
+    with pytest.raises(ValueError, match="GPTConfig.z_loss"):
+        GPTConfig(z_loss=value)
+
+
+def test_a_resumed_watch_keeps_the_log_z_baseline_and_what_it_already_warned():
+    checks = NumericsChecks(GPT.from_preset("tiny"), WatchConfig())
+    assert [w.signal for w in checks.judge.update(100, {"log_z": 5.5, "attn:a": 500.0})] == ["attention_logit"]
+    state = json.loads(json.dumps(checks.state_dict()))  # plain values: a weights_only checkpoint holds them
+    resumed = NumericsChecks(GPT.from_preset("tiny"), WatchConfig())
+    resumed.load_state_dict(state)
+    (warning,) = resumed.judge.update(200, {"log_z": 9.0, "attn:a": 900.0})
+    assert (warning.signal, warning.baseline) == ("log_partition", 5.5)
+
+
+def test_the_attention_logit_max_skips_the_keys_padding_hides():
+    torch.manual_seed(0)
+    model = GPT.from_preset("tiny")
+    attn = model.transformer.h[0].attn
+    attn.track_logit_max = True
+    seen = {}
+    attn.c_attn.register_forward_hook(lambda m, a, out: seen.setdefault("qkv", out.detach()))
+    ids = _ids(2)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, :5] = 0  # left padding in the first sequence
+    model(ids, attention_mask=mask)
+    q, k, _ = seen["qkv"].split(model.config.n_embd, dim=2)
+    q, k = (t.view(2, 16, model.config.n_head, -1).transpose(1, 2) for t in (q, k))
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    visible = GPT._attention_bias(mask, 2, 16)
+    torch.testing.assert_close(attn.logit_max, scores.masked_fill(~visible, float("-inf")).amax())

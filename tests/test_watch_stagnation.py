@@ -1,0 +1,151 @@
+"""bf16 stagnation (mixprec.watch.stagnation): updates that round away are measured per layer and warned about.
+
+The planted case: the built-in GPT at a small learning rate (1e-5). With its weights held in bf16 and updated
+with round-to-nearest (``model.to(torch.bfloat16)`` + ``torch.optim.AdamW``: what bf16-pure is without its
+stochastic rounding or Kahan summation), most updates are below half a bf16 ulp of the weight and vanish:
+the loss barely moves while fp32's falls. The watch must say so within the first 100 steps at its default
+interval, and the Kahan variant (``bf16-pure-kahan``) must bring the stagnant fraction to about zero.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import Accelerator
+from mixprec.data import to_tensor
+from mixprec.models import GPT
+from mixprec.watch import DEFAULT_EVERY
+from mixprec.watch.stagnation import StagnationProbe, StagnationWarning, stagnant_fractions
+
+LR = 1e-5
+STEPS = 100
+BATCH, SEQ = 8, 32
+
+
+WORDS = [
+    "the",
+    "model",
+    "learns",
+    "a",
+    "small",
+    "language",
+    "of",
+    "short",
+    "words",
+    "while",
+    "its",
+    "loss",
+    "falls",
+    "and",
+    "then",
+    "it",
+    "spikes",
+]
+
+
+@functools.cache
+def _corpus() -> torch.Tensor:
+    """Fixed text with structure to learn (spelling), made here: the stdlib corpus takes seconds to read."""
+    picks = torch.randint(0, len(WORDS), (4000,), generator=torch.Generator().manual_seed(0)).tolist()
+    return to_tensor(" ".join(WORDS[i] for i in picks).encode())
+
+
+def _train(precision: str, *, bf16_weights: bool = False, steps: int = STEPS, every: int = DEFAULT_EVERY):
+    torch.manual_seed(0)
+    model = GPT.from_preset("tiny")
+    if bf16_weights:
+        model = model.to(torch.bfloat16)
+    acc = Accelerator(mixed_precision=precision, cpu=True, watch={"every": every}, verbose=False)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    data, g = _corpus(), torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - SEQ, (BATCH,), generator=g)
+        ids = torch.stack([data[i : i + SEQ] for i in starts]).long()
+        loss = model(input_ids=ids, labels=ids).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    acc.watch.close()
+    return losses, acc.watch
+
+
+def _drop(losses: list[float]) -> float:
+    return sum(losses[:10]) / 10 - sum(losses[-10:]) / 10
+
+
+def _stagnation(watch) -> list[StagnationWarning]:
+    return [w for w in watch.numerics_warnings if isinstance(w, StagnationWarning)]
+
+
+@functools.cache
+def _round_to_nearest_run():
+    return _train("no", bf16_weights=True)
+
+
+def test_a_stalled_bf16_run_is_warned_within_100_steps_while_fp32_learns():
+    fp32_losses, fp32_watch = _train("fp32")
+    bf16_losses, bf16_watch = _round_to_nearest_run()
+    assert _drop(fp32_losses) > 0.1  # fp32 learns at this learning rate...
+    assert _drop(bf16_losses) < 0.4 * _drop(fp32_losses)  # ...the bf16 weights mostly do not
+    warned = _stagnation(bf16_watch)
+    assert warned and all(w.step <= 100 for w in warned)
+    assert {w.layer for w in warned} >= {"transformer.h.0.mlp.c_fc", "transformer.h.1.attn.c_attn"}
+    assert all(w.dtype == "bfloat16" and w.stagnant >= 0.5 for w in warned)
+    assert "bf16-pure-kahan" in warned[0].message() and "fp32 master" in warned[0].message()
+    assert not _stagnation(fp32_watch)
+    assert max(fp32_watch.numerics[-1]["stagnant"].values()) < 0.01
+
+
+def test_kahan_summation_brings_the_stagnant_fraction_to_about_zero():
+    _, nearest = _round_to_nearest_run()
+    _, kahan = _train("bf16-pure-kahan", steps=60, every=30)
+    nearest_mean = _mean(nearest.numerics[-1]["stagnant"])
+    kahan_mean = _mean(kahan.numerics[-1]["stagnant"])
+    assert nearest_mean > 0.5
+    assert kahan_mean < 0.05  # the bf16 compensation buffer itself loses a little on weights near 1 (LayerNorm)
+    assert not _stagnation(kahan)
+
+
+def test_stochastically_rounded_parameters_are_not_counted_as_stagnant():
+    # one step in expectation: most elements stay put on a given step, yet nothing is lost on average
+    _, watch = _train("bf16-pure", steps=4, every=2)
+    assert all(entry["stagnant"] == {} for entry in watch.numerics)
+    assert not _stagnation(watch)
+
+
+def _mean(fractions: dict[str, float]) -> float:
+    return sum(fractions.values()) / len(fractions)
+
+
+# -- the probe on its own ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("lr", "expected"), [(1e-6, 1.0), (1e-1, 0.0)])
+def test_the_probe_counts_the_elements_an_update_did_not_move(lr, expected):
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8).to(torch.bfloat16)
+    nn.init.constant_(layer.weight, 1.0)  # bf16 ulp at 1.0 is 2^-7: 1e-6 rounds away, 0.1 does not
+    opt = torch.optim.SGD(layer.parameters(), lr=lr)
+    probe = StagnationProbe(nn.Sequential(layer))
+    probe.watch_optimizer(opt)
+    probe.arm()
+    layer(torch.ones(2, 8, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    fractions = stagnant_fractions({k: v.tolist() for k, v in probe.finish().items()})
+    assert fractions == {"0": expected}
+
+
+def test_an_unarmed_probe_measures_nothing():
+    layer = nn.Linear(4, 4)
+    opt = torch.optim.SGD(layer.parameters(), lr=1e-3)
+    probe = StagnationProbe(layer)
+    probe.watch_optimizer(opt)
+    layer(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    assert probe.finish() == {}
