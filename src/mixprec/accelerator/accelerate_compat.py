@@ -48,7 +48,7 @@ def adopt(obj: Any, ours: type[T], arg: str) -> T | None:
     name = ours.__name__
     if not (from_accelerate(obj) and type(obj).__name__ == name and dataclasses.is_dataclass(obj)):
         raise TypeError(
-            f"Accelerator({arg}=...): expected a {name}, got {type(obj).__name__}; pass mixprec's or accelerate's {name}"
+            f"Accelerator({arg}=...): expected a {name}, got {type(obj).__name__}; pass mixprec's or accelerate's"
         )
     mine = {f.name for f in dataclasses.fields(ours) if f.init}  # type: ignore[arg-type]
     values = {}
@@ -249,46 +249,35 @@ def _installed(name: str) -> bool:
         return False
 
 
-_ACCELERATE_NAMES = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}
-"""mixprec's canonical precision name -> accelerate's, for the modes accelerate's AcceleratorState can hold."""
-
-
 class SharedState:
     """accelerate's process-wide state, set up from one Accelerator's (a null object without accelerate).
 
     ``accelerate.logging``, ``PartialState()`` and ``accelerate.utils`` read accelerate's singletons; a script
-    that swapped only the Accelerator would find them empty. They are made after mixprec has joined the
-    process group, so accelerate reads that group (rank, world size) rather than starting its own.
+    that swapped only the Accelerator would find them empty. ``PartialState`` is made after mixprec has joined
+    the process group, so accelerate reads that group (rank, world size, device) rather than starting its own;
+    one the script made first is left as it is. ``GradientState`` mirrors the accumulation settings.
+
+    accelerate's ``AcceleratorState`` (its precision) is left to accelerate's own Accelerator: accelerate lets a
+    process fix it once, so filling it here would make an ``accelerate.Accelerator`` (HF's Trainer) created
+    later in the same process fail on any other precision. ``AcceleratorState()`` therefore still raises
+    accelerate's "initialize your accelerator" error; ``accelerator.state`` is mixprec's equivalent.
     """
 
     def __init__(self, gradients: Any = None) -> None:
         self._gradients = gradients  # accelerate's GradientState, or None
 
     @classmethod
-    def start(
-        cls, *, device: torch.device, mixed_precision: str, accumulation: Mapping[str, Any], timeout: float | None
-    ) -> SharedState:
+    def start(cls, *, device: torch.device, accumulation: Mapping[str, Any], timeout: float | None) -> SharedState:
         if not _installed("accelerate"):
             return cls()
-        from accelerate.state import AcceleratorState, GradientState, PartialState
-        from accelerate.utils import GradientAccumulationPlugin, TorchDynamoPlugin
+        from accelerate.state import GradientState, PartialState
+        from accelerate.utils import GradientAccumulationPlugin
 
-        kwargs = {"cpu": device.type == "cpu"}
-        if timeout is not None:
-            kwargs["timeout"] = timedelta(seconds=timeout)
-        PartialState(**kwargs)
-        # accelerate's AcceleratorState knows "no", "fp16", "bf16" (and "fp8" on its own backends): mixprec's
-        # other modes ("auto" before it decides, "bf16-pure", "fp8") leave accelerate at PartialState's view.
-        named = _ACCELERATE_NAMES.get(mixed_precision)
-        if named is not None and not AcceleratorState._shared_state:
-            try:
-                # As accelerate's Accelerator makes it (it refuses to be made from anywhere else).
-                AcceleratorState(
-                    mixed_precision=named, cpu=device.type == "cpu", dynamo_plugin=TorchDynamoPlugin(),
-                    _from_accelerator=True,
-                )  # fmt: skip
-            except (ValueError, RuntimeError) as err:  # accelerate refuses what its own backend cannot run
-                logger.debug("accelerate's AcceleratorState not set up: %s", err)
+        if not PartialState._shared_state:
+            kwargs: dict[str, Any] = {"cpu": device.type == "cpu"}
+            if timeout is not None:
+                kwargs["timeout"] = timedelta(seconds=timeout)
+            PartialState(**kwargs)
         return cls(GradientState(GradientAccumulationPlugin(**accumulation)))
 
     def mirror(self, num_steps: int | None = None, sync_gradients: bool | None = None) -> None:

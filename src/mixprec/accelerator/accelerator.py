@@ -168,9 +168,8 @@ class Accelerator:
         self._trigger = False
         self.state = AcceleratorState(self._strategy, self._precision)
         self._accelerate_state = SharedState.start(
-            device=dev, mixed_precision=self._precision.name, accumulation=self._gradients.plugin_kwargs,
-            timeout=self.config.timeout,
-        )  # fmt: skip
+            device=dev, accumulation=self._gradients.plugin_kwargs, timeout=self.config.timeout
+        )
         # The precision watch (mixprec.watch): None when off; attaches to the model in prepare_model.
         self.watch: PrecisionWatch | None = PrecisionWatch.build(watch, "Accelerator(watch=...)")
         self._report()
