@@ -6,11 +6,12 @@ reach our constructor, and ``accelerate.logging.get_logger``, ``PartialState()``
 accelerate's process-wide state. This module is the one place that translates between the two:
 
 - :func:`adopt` turns accelerate's configuration dataclasses into mixprec's of the same name (the fields mixprec
-  has are copied; one it lacks, set away from accelerate's default, is refused by name);
+  has are copied; one it lacks, set away from accelerate's default, is refused by name). A copy: the Accelerator
+  updates its own (``accelerator.project_configuration.iteration``), not the object the script passed;
 - :func:`read_handlers` turns accelerate's kwargs handlers into the constructor arguments they mean (a registry
   by class name, so accelerate is never imported to recognise them), or refuses one with the fix;
-- :func:`share_process_state` sets up accelerate's ``PartialState``/``AcceleratorState``/``GradientState`` from
-  the Accelerator's, when accelerate is installed (it is imported then, and only then).
+- :class:`SharedState` sets up accelerate's ``PartialState`` and ``GradientState`` from the Accelerator's, when
+  accelerate is installed (it is imported then, and only then); :func:`autocast_for` reads ``AutocastKwargs``.
 """
 
 from __future__ import annotations
