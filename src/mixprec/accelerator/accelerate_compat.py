@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -278,7 +279,13 @@ class SharedState:
             kwargs: dict[str, Any] = {"cpu": device.type == "cpu"}
             if timeout is not None:
                 kwargs["timeout"] = timedelta(seconds=timeout)
-            PartialState(**kwargs)
+            threads = torch.get_num_threads()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="OMP_NUM_THREADS/MKL_NUM_THREADS unset")
+                PartialState(**kwargs)
+            # accelerate lowers the thread count of several CPU processes when OMP_NUM_THREADS is unset; setting
+            # up its state must not change how mixprec's process runs.
+            torch.set_num_threads(threads)
         return cls(GradientState(GradientAccumulationPlugin(**accumulation)))
 
     def mirror(self, num_steps: int | None = None, sync_gradients: bool | None = None) -> None:
