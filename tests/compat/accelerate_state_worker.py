@@ -3,6 +3,7 @@
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -10,9 +11,17 @@ from accelerate import PartialState
 from accelerate.logging import get_logger
 from accelerate.utils import gather, wait_for_everyone
 
-from mixprec import Accelerator
+from mixprec import Accelerator, TrainingArguments
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
+# run_clm.py's order: TrainingArguments.main_process_first around preprocessing, before any Accelerator/Trainer.
+marker = Path(sys.argv[1], "cache_written")
+args = TrainingArguments(sys.argv[1], report_to="none")
+with args.main_process_first(desc="dataset map tokenization"):
+    if args.process_index == 0:
+        time.sleep(0.5)  # a slow preprocessing step: the other process must not enter before it ends
+        marker.write_text("done")
+    cache_seen = marker.exists()
 accelerator = Accelerator(verbose=False)
 logger = get_logger(__name__)
 logger.info("from the main process only")  # raised "You must initialize the accelerate state" (issue 22)
@@ -29,6 +38,8 @@ out = {
     "is_main_process": state.is_main_process,
     "mixprec": [accelerator.process_index, accelerator.num_processes, str(accelerator.device)],
     "gathered": gathered,
+    "cache_seen": cache_seen,
+    "parallel_mode": args.parallel_mode.value,
 }
 Path(sys.argv[1], f"rank{state.process_index}.json").write_text(json.dumps(out))
 accelerator.end_training()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 
 import pytest
 
@@ -77,3 +78,16 @@ def test_plain_argparse_helper_from_field_metadata(tmp_path):
     ns = parser.parse_args(["--output_dir", str(tmp_path), "--learning_rate", "0.01", "--save_steps", "20"])
     args = TrainingArguments(**vars(ns))
     assert args.learning_rate == 0.01 and args.save_steps == 20 and args.output_dir == str(tmp_path)
+
+
+def test_run_clm_process_helpers_before_any_trainer(tmp_path):
+    # run_clm.py, right after parsing: the log level, the parallel mode, and main_process_first around datasets.map
+    args = TrainingArguments(str(tmp_path), log_level="info", warmup_ratio=0.1)
+    assert args.get_process_log_level() == logging.INFO
+    assert args.parallel_mode.value == "not_parallel"
+    ran = []
+    with args.main_process_first(desc="dataset map tokenization"):
+        ran.append(True)
+    assert ran == [True] and args.get_warmup_steps(95) == 10  # ceil(0.1 * 95), as HF
+    hparams = args.to_sanitized_dict()
+    assert hparams["report_to"] == "[]" and hparams["learning_rate"] == args.learning_rate

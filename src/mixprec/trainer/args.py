@@ -44,13 +44,14 @@ from mixprec.trainer.configs import (
     fail,
 )
 from mixprec.trainer.hf_fields import HFCompatFields
+from mixprec.trainer.process_helpers import ProcessHelpers
 from mixprec.watch.settings import WatchConfig
 
 # -- the public, flat, HF-compatible dataclass ---------------------------------------------------------
 
 
 @dataclass
-class TrainingArguments(HFCompatFields):
+class TrainingArguments(HFCompatFields, ProcessHelpers):
     """Everything a :class:`~mixprec.trainer.trainer.Trainer` run needs. Field names and defaults follow
     Hugging Face's ``TrainingArguments`` where they overlap; the loss-scaler fields are mixprec's own; HF's
     other fields come (keyword-only) from :class:`~mixprec.trainer.hf_fields.HFCompatFields`."""
