@@ -92,5 +92,6 @@ def test_under_torchrun_accelerate_reads_the_group_mixprec_joined(tmp_path):
         assert got["mixprec"][2] == got["device"].split(":")[0]  # accelerate says "cpu:0" for a CPU process
         assert got["gathered"] == [0.0, 1.0]
         assert got["cache_seen"] is True and got["parallel_mode"] == "distributed"  # main_process_first
+        assert got["ddp"] == [15, True, True]  # DistributedDataParallelKwargs' two settings, the rest DDP's defaults
     out = proc.stdout + proc.stderr
     assert out.count("from the main process only") == 1 and out.count("from every process") == 2
