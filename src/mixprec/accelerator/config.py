@@ -68,7 +68,8 @@ class AcceleratorConfig:
     comm_dtype: str | None = None
     """DDP gradient communication: None (the default, gradients all-reduced in their own dtype), or a
     compression such as "fp16", "bf16", "powersgd" (accelerate's ``DistributedDataParallelKwargs(comm_hook=)``
-    arrives here); applied by the DDP strategy."""
+    arrives here), for the DDP strategy's communication hook. Not validated here: the DDP communication work
+    (a separate change) owns the names and applies them."""
 
     def __post_init__(self) -> None:
         # Arguments left at their defaults take what `accelerate launch` set, as HF's Accelerator does.
