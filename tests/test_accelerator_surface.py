@@ -192,7 +192,7 @@ def test_reset_state_ends_the_view_and_later_reads_say_why() -> None:
 
     state = PartialState()
     state._reset_state()
-    with pytest.raises(AttributeError, match=r"ended by PartialState._reset_state\(\)"):
+    with pytest.raises(AttributeError, match=r"This happens if `PartialState._reset_state\(\)` was called"):
         state.num_processes  # noqa: B018
     acc = Accelerator(verbose=False)
     acc.state.custom = 1  # scripts hang their own values on it

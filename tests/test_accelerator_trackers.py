@@ -42,6 +42,51 @@ def test_mlflow_experiment_is_the_project_with_params_and_metrics(tmp_path, monk
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [(1, 1.0), (2, 0.5)]
 
 
+@pytest.fixture
+def mlflow_defaults(tmp_path, monkeypatch):
+    """MLflow as a new user has it: no tracking URI, no file-store opt-in, the working folder tmp_path."""
+    mlflow = pytest.importorskip("mlflow")
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
+        monkeypatch.setenv(name, "recorded")  # so that monkeypatch restores what was there before
+        monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    mlflow.set_tracking_uri(None)
+    # A fresh process has no active experiment; an earlier test's set_experiment would name one of its store.
+    monkeypatch.setattr(mlflow.tracking.fluent, "_active_experiment_id", None)
+    yield mlflow
+    mlflow.set_tracking_uri(None)  # the fallback set it process-wide
+
+
+def test_report_to_mlflow_with_default_settings_logs_to_a_local_file_store(mlflow_defaults, tmp_path, caplog):
+    import importlib.util
+
+    if importlib.util.find_spec("sqlalchemy") is not None:
+        pytest.skip("with SQLAlchemy (the full mlflow package) MLflow's default SQLite store opens as it is")
+    from mixprec import Trainer, TrainingArguments
+    from trainer_utils import make_examples, make_model
+
+    args = TrainingArguments(str(tmp_path / "out"), max_steps=2, logging_steps=1, report_to="mlflow", disable_tqdm=True)
+    Trainer(make_model(), args, train_dataset=make_examples(8)).train()  # a traceback from mlflow-skinny before
+    assert "logging to file://" in caplog.text and "set MLFLOW_TRACKING_URI to choose" in caplog.text
+    client = mlflow_defaults.tracking.MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("Default").experiment_id])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2]
+
+
+def test_mlflow_uri_it_cannot_open_is_refused_in_one_line(mlflow_defaults, tmp_path, monkeypatch):
+    import importlib.util
+
+    if importlib.util.find_spec("sqlalchemy") is None:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'm.db'}")
+        acc = Accelerator(cpu=True, verbose=False, log_with="mlflow")
+        with pytest.raises(ValueError, match=r"needs SQLAlchemy, which mlflow-skinny lacks: pip install mlflow"):
+            acc.init_trackers("proj")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    acc = Accelerator(cpu=True, verbose=False, log_with="mlflow")
+    with pytest.raises(ValueError, match=r"is a file store, which MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE"):
+        acc.init_trackers("proj")
+
+
 def test_wandb_offline_writes_a_run(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

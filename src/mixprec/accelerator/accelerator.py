@@ -34,6 +34,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader
 
+from mixprec.accelerator.accelerate_compat import SharedState, adopt, autocast_for, read_handlers
 from mixprec.accelerator.checkpoints import StateCheckpoints, check_checkpointable
 from mixprec.accelerator.config import AcceleratorConfig
 from mixprec.accelerator.data import PreparedDataLoader, prepare_dataloader, skip_first_batches
@@ -73,6 +74,10 @@ class Accelerator:
     :class:`~mixprec.accelerator.gradients.GradientAccumulationPlugin`, instead of ``gradient_accumulation_steps``.
     ``dataloader_config``: accelerate's :class:`~mixprec.accelerator.data_config.DataLoaderConfiguration`
     (the settings that mean mixprec's own split are accepted, the others refused by name).
+    accelerate's own ``ProjectConfiguration`` / ``GradientAccumulationPlugin`` / ``DataLoaderConfiguration`` are
+    taken too, and ``kwargs_handlers=[GradScalerKwargs(...), DistributedDataParallelKwargs(...), ...]`` become
+    the arguments they mean (:mod:`~mixprec.accelerator.accelerate_compat`). ``comm_dtype``: DDP gradient
+    communication (see :class:`~mixprec.accelerator.config.AcceleratorConfig`).
     """
 
     def __init__(
@@ -97,23 +102,30 @@ class Accelerator:
         dataloader_config: DataLoaderConfiguration | None = None,
         step_in_backward: bool = False,
         log_with: str | list[str] | None = None,
+        kwargs_handlers: list[Any] | None = None,
+        comm_dtype: str | None = None,
     ) -> None:
+        # accelerate's own helper objects, from a script that swapped only its Accelerator (accelerate_compat).
+        project_config = adopt(project_config, ProjectConfiguration, "project_config")
+        gradient_accumulation_plugin = adopt(
+            gradient_accumulation_plugin, GradientAccumulationPlugin, "gradient_accumulation_plugin"
+        )
+        dataloader_config = adopt(dataloader_config, DataLoaderConfiguration, "dataloader_config")
+        handled = read_handlers(
+            kwargs_handlers, scaler_kwargs=scaler_kwargs, ddp_kwargs=ddp_kwargs, timeout=timeout, comm_dtype=comm_dtype
+        )
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
             raise ValueError(
                 f"Accelerator(gradient_accumulation_steps={gradient_accumulation_steps!r}, "
                 "gradient_accumulation_plugin=...): pass only one of gradient_accumulation_steps and "
                 "gradient_accumulation_plugin (set num_steps in the plugin)"
             )
-        if dataloader_config is not None and not isinstance(dataloader_config, DataLoaderConfiguration):
-            raise TypeError(
-                f"Accelerator(dataloader_config=...): expected a DataLoaderConfiguration, got "
-                f"{type(dataloader_config).__name__}"
-            )
         self.dataloader_config = dataloader_config if dataloader_config is not None else DataLoaderConfiguration()
         non_blocking = non_blocking or self.dataloader_config.non_blocking
         self.config = AcceleratorConfig(
-            mixed_precision, gradient_accumulation_steps, distributed, device, cpu, scaler_kwargs,
-            ddp_kwargs, fsdp_shard, non_blocking, verbose, timeout, fsdp_state_dict_type, step_in_backward,
+            mixed_precision, gradient_accumulation_steps, distributed, device, cpu, handled.scaler_kwargs or None,
+            handled.ddp_kwargs or None, fsdp_shard, non_blocking, verbose, handled.timeout, fsdp_state_dict_type,
+            step_in_backward, handled.comm_dtype,
         )  # fmt: skip
         env = LaunchEnv.from_environ()
         dev = select_device(self.config.device, self.config.cpu, env)
@@ -155,6 +167,9 @@ class Accelerator:
         self._trackers = Trackers(log_with, project.logging_dir, self._strategy.is_main_process)
         self._trigger = False
         self.state = AcceleratorState(self._strategy, self._precision)
+        self._accelerate_state = SharedState.start(
+            device=dev, accumulation=self._gradients.plugin_kwargs, timeout=self.config.timeout
+        )
         # The precision watch (mixprec.watch): None when off; attaches to the model in prepare_model.
         self.watch: PrecisionWatch | None = PrecisionWatch.build(watch, "Accelerator(watch=...)")
         self._report()
@@ -255,6 +270,7 @@ class Accelerator:
                 f"gradient_accumulation_steps={steps!r} with step_in_backward=True: {REFUSALS['accumulate']}"
             )
         self._gradients.num_steps = steps
+        self._accelerate_state.mirror(num_steps=steps)
 
     @property
     def sync_gradients(self) -> bool:
@@ -264,6 +280,7 @@ class Accelerator:
     @sync_gradients.setter
     def sync_gradients(self, value: bool) -> None:
         self._gradients.sync_gradients = bool(value)
+        self._accelerate_state.mirror(sync_gradients=bool(value))
 
     # accelerate's names for what prepare() registered, which scripts and libraries written for it read
     # (the lists themselves: free_memory empties them).
@@ -420,9 +437,10 @@ class Accelerator:
         """``loss.backward()``, scaled for fp16 and divided by ``gradient_accumulation_steps``. No host sync."""
         self._gradients.backward(loss, **kwargs)
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """The precision's autocast, for code outside a prepared model's forward (a loss computed apart)."""
-        return self._precision.autocast()
+    def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager[Any]:
+        """The precision's autocast, for code outside a prepared model's forward (a loss computed apart);
+        ``autocast_handler``: accelerate's ``AutocastKwargs`` (``enabled=False`` turns autocast off inside)."""
+        return autocast_for(autocast_handler, self._precision)
 
     def accumulate(self, *models: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-batch: no gradient sync and no optimizer step before the

@@ -65,6 +65,12 @@ class AcceleratorConfig:
     (:mod:`mixprec.accelerator.step_in_backward`): no step holds the model's gradients. Not with clipping,
     accumulation, fp16 or several processes (each refused by name)."""
 
+    comm_dtype: str | None = None
+    """DDP gradient communication: None (the default, gradients all-reduced in their own dtype), or a
+    compression such as "fp16", "bf16", "powersgd" (accelerate's ``DistributedDataParallelKwargs(comm_hook=)``
+    arrives here), for the DDP strategy's communication hook. Not validated here: the DDP communication work
+    (a separate change) owns the names and applies them."""
+
     def __post_init__(self) -> None:
         # Arguments left at their defaults take what `accelerate launch` set, as HF's Accelerator does.
         if self.mixed_precision is None:

@@ -42,9 +42,10 @@ class PartialState:
     def __getattr__(self, name: str) -> Any:
         # Reached only for attributes that do not exist, including every property after _reset_state().
         if name != "_strategy" and "_strategy" not in self.__dict__:
+            cls = type(self).__name__  # accelerate's wording, which its test suite and scripts match
             raise AttributeError(
-                f"'{type(self).__name__}' object has no attribute '{name}': its state was ended by "
-                f"{type(self).__name__}._reset_state(); make a new Accelerator or PartialState"
+                f"`{cls}` object has no attribute `{name}`. This happens if `{cls}._reset_state()` was called and "
+                "an `Accelerator` or `PartialState` was not reinitialized."
             )
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 

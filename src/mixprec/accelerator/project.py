@@ -30,10 +30,11 @@ _NUMBERED = re.compile(r"checkpoint_(\d+)")
 class ProjectConfiguration:
     """``Accelerator(project_config=...)``: HF Accelerate's fields and meaning."""
 
-    project_dir: str | os.PathLike[str] | None = None
+    # str | None (a PathLike works too): what HfArgumentParser can parse, as accelerate's annotation.
+    project_dir: str | None = None
     """Folder for the run's files; automatic checkpoints go to its ``checkpoints/`` subfolder."""
 
-    logging_dir: str | os.PathLike[str] | None = None
+    logging_dir: str | None = None
     """Folder for local loggers' files (default: ``project_dir``)."""
 
     automatic_checkpoint_naming: bool = False

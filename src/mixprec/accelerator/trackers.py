@@ -13,10 +13,14 @@ SummaryWriter, the mlflow module, the wandb run).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+
+logger = logging.getLogger("mixprec.accelerator")
 
 PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 """Tracker name -> the module it needs (pip package of the same name)."""
@@ -90,6 +94,7 @@ class MLflowTracker:
         self.mlflow = mlflow
         self.started = False
         if mlflow.active_run() is None:
+            choose_mlflow_store(mlflow)
             if experiment_name:
                 mlflow.set_experiment(experiment_name)
             mlflow.start_run(run_name=run_name, **start_kwargs)
@@ -116,6 +121,39 @@ class MLflowTracker:
         if self.started and self.mlflow.active_run() is not None:
             self.mlflow.end_run()
         self.started = False
+
+
+def choose_mlflow_store(mlflow: Any) -> None:
+    """A tracking store MLflow can open, or a one-line ValueError saying what to install or set.
+
+    MLflow 3 defaults to a SQLite store (``./mlflow.db``), which needs SQLAlchemy; mlflow-skinny (mixprec's
+    ``mlflow`` extra) lacks it, and its first call dies in a traceback about the model registry (issue 22). So
+    with no tracking URI set and no SQLAlchemy, runs go to the file store ``./mlruns`` (MLflow 2's default;
+    ``mlflow ui`` in that folder reads it), opting into it as MLflow asks (``MLFLOW_ALLOW_FILE_STORE=true``),
+    and a warning says so. A URI the user set is used as set, or refused with the fix."""
+    has_sqlalchemy = importlib.util.find_spec("sqlalchemy") is not None
+    uri = str(mlflow.get_tracking_uri())
+    scheme = urlparse(uri).scheme
+    if not mlflow.is_tracking_uri_set():
+        if (scheme == "sqlite" and not has_sqlalchemy) or scheme in ("", "file"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            mlflow.set_tracking_uri(Path("mlruns").resolve().as_uri())
+            logger.warning(
+                "mlflow: no MLFLOW_TRACKING_URI set and mlflow-skinny cannot open MLflow's default SQLite store: "
+                "logging to %s (set MLFLOW_TRACKING_URI to choose)",
+                mlflow.get_tracking_uri(),
+            )
+        return
+    if scheme == "sqlite" and not has_sqlalchemy:
+        raise ValueError(
+            f"mlflow: MLFLOW_TRACKING_URI={uri} needs SQLAlchemy, which mlflow-skinny lacks: pip install mlflow "
+            "(or set MLFLOW_TRACKING_URI=file:./mlruns and MLFLOW_ALLOW_FILE_STORE=true)"
+        )
+    if scheme in ("", "file") and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+        raise ValueError(
+            f"mlflow: MLFLOW_TRACKING_URI={uri} is a file store, which MLflow 3 opens only with "
+            "MLFLOW_ALLOW_FILE_STORE=true: set it (or use a server or sqlite URI)"
+        )
 
 
 class WandbTracker:

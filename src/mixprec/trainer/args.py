@@ -44,13 +44,14 @@ from mixprec.trainer.configs import (
     fail,
 )
 from mixprec.trainer.hf_fields import HFCompatFields
+from mixprec.trainer.process_helpers import ProcessHelpers
 from mixprec.watch.settings import WatchConfig
 
 # -- the public, flat, HF-compatible dataclass ---------------------------------------------------------
 
 
 @dataclass
-class TrainingArguments(HFCompatFields):
+class TrainingArguments(HFCompatFields, ProcessHelpers):
     """Everything a :class:`~mixprec.trainer.trainer.Trainer` run needs. Field names and defaults follow
     Hugging Face's ``TrainingArguments`` where they overlap; the loss-scaler fields are mixprec's own; HF's
     other fields come (keyword-only) from :class:`~mixprec.trainer.hf_fields.HFCompatFields`."""
@@ -99,7 +100,7 @@ class TrainingArguments(HFCompatFields):
     num_train_epochs: float = 3.0
     max_steps: int = -1
     lr_scheduler_type: str = "linear"
-    warmup_steps: int | float = 0
+    warmup_steps: float = 0
     """Warmup in optimizer steps; a float below 1 is a ratio of the total steps (HF 5)."""
     warmup_ratio: float = 0.0
 
@@ -107,7 +108,7 @@ class TrainingArguments(HFCompatFields):
     eval_strategy: str = "no"
     evaluation_strategy: str | None = None
     """Deprecated alias of eval_strategy, accepted so older scripts (and the seed's snippet) run unchanged."""
-    eval_steps: int | float | None = None
+    eval_steps: float | None = None
     """Optimizer steps between evaluations when eval_strategy="steps" (default: logging_steps); a float
     below 1 is a ratio of the run's total steps, as in HF."""
     per_device_eval_batch_size: int = 8
@@ -119,17 +120,17 @@ class TrainingArguments(HFCompatFields):
     # -- checkpointing --------------------------------------------------------------------------------
     save_strategy: str = "steps"
     """"no", "steps", "epoch", or "best" (save whenever an evaluation finds a new best metric)."""
-    save_steps: int | float = 500
+    save_steps: float = 500
     save_total_limit: int | None = None
 
     # -- logging --------------------------------------------------------------------------------------
     logging_strategy: str = "steps"
-    logging_steps: int | float = 500
+    logging_steps: float = 500
     """Optimizer steps between training logs; a float below 1 is a ratio of the run's total steps."""
     logging_first_step: bool = False
     logging_dir: str | None = None
     """TensorBoard event folder (default: <output_dir>/runs)."""
-    report_to: str | list[str] | None = "none"
+    report_to: None | str | list[str] = "none"
     """"tensorboard", "all" (every installed reporter) or "none"; metrics.jsonl is written regardless."""
     disable_tqdm: bool = False
     save_plots: bool = True
@@ -168,6 +169,7 @@ class TrainingArguments(HFCompatFields):
         if self.output_dir is None:  # HF's default when None is passed
             self.output_dir = "trainer_output"
         self.output_dir = os.path.expanduser(self.output_dir)
+        self._whole_steps()
         self.check_hf_fields()
         self._merge_eval_alias()
         self._resolve_precision()
@@ -204,6 +206,15 @@ class TrainingArguments(HFCompatFields):
         self.validate()
 
     # -- normalisation --------------------------------------------------------------------------------
+
+    def _whole_steps(self) -> None:
+        # The step fields are annotated float, as HF's, so HfArgumentParser parses "--save_steps 500" (and
+        # "0.1", a ratio); a whole number >= 1 is stored as the int it means, as HF does, so to_dict() and
+        # the checkpoint names read 500, not 500.0.
+        for name in ("warmup_steps", "eval_steps", "save_steps", "logging_steps"):
+            value = getattr(self, name)
+            if isinstance(value, float) and value >= 1 and value.is_integer():
+                setattr(self, name, int(value))
 
     def _merge_eval_alias(self) -> None:
         alias = self.evaluation_strategy

@@ -1,7 +1,9 @@
 """Hugging Face ``TrainingArguments`` fields beyond the ones mixprec's own groups hold, so any HF script's
 arguments construct unchanged (transformers 5.24: 114 fields).
 
-Each field here says what mixprec does with it, in its metadata (and in :data:`POLICY`, for the docs):
+Each field here says what mixprec does with it, in its help text (``"<policy>: <note>"``, the only metadata key,
+because ``HfArgumentParser`` passes every metadata key to argparse's ``add_argument``; :data:`POLICY` holds the
+same, parsed, for the docs and the checks):
 
 - ``implemented``: honoured (the note says where);
 - ``ignored``: accepted and without effect, because ignoring it cannot change what is trained (a Hub upload
@@ -25,8 +27,8 @@ LOG_LEVELS = ("passive", "debug", "info", "warning", "error", "critical")
 
 def _f(default: Any, kind: str, note: str) -> Any:
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"mixprec": kind, "note": note})
-    return field(default=default, metadata={"mixprec": kind, "note": note})
+        return field(default_factory=lambda: list(default), metadata={"help": f"{kind}: {note}"})
+    return field(default=default, metadata={"help": f"{kind}: {note}"})
 
 
 _HUB = "only read when pushing to the Hub, which mixprec refuses (push_to_hub)"
@@ -92,7 +94,7 @@ class HFCompatFields:
     ddp_bucket_cap_mb: int | None = _f(None, IMPLEMENTED, _DDP)
     ddp_broadcast_buffers: bool | None = _f(None, IMPLEMENTED, _DDP)
     ddp_static_graph: bool | None = _f(None, IMPLEMENTED, _DDP)
-    fsdp: str | list[str] | bool | None = _f(
+    fsdp: str | None = _f(  # also a list of options or True, as HF's; annotated as HF's for HfArgumentParser
         None, IMPLEMENTED, "'full_shard' (optionally 'auto_wrap') selects distributed='fsdp'; other options refused"
     )
     restore_callback_states_from_checkpoint: bool = _f(
@@ -147,7 +149,7 @@ class HFCompatFields:
     bf16_full_eval: bool = _f(False, REFUSED, "evaluation runs under the training precision (autocast, fp32 master)")
     fp16_full_eval: bool = _f(False, REFUSED, "evaluation runs under the training precision (autocast, fp32 master)")
     lr_scheduler_kwargs: dict[str, Any] | None = _f(None, REFUSED, "the schedules take no extra arguments")
-    optim_target_modules: str | list[str] | None = _f(None, REFUSED, "GaLore-style optimizers are not built in")
+    optim_target_modules: None | str | list[str] = _f(None, REFUSED, "GaLore-style optimizers are not built in")
     use_liger_kernel: bool = _f(False, REFUSED, "Liger kernels are not applied")
     liger_kernel_config: dict[str, bool] | None = _f(None, REFUSED, "Liger kernels are not applied")
     auto_find_batch_size: bool = _f(False, REFUSED, "no retry on out-of-memory: lower per_device_train_batch_size")
@@ -206,12 +208,12 @@ class HFCompatFields:
         from mixprec.trainer.configs import fail
 
         for f in fields(HFCompatFields):
-            if f.metadata.get("mixprec") != REFUSED:
+            if POLICY.get(f.name, ("",))[0] != REFUSED:
                 continue
             default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
             value = getattr(self, f.name)
             if value != default and not (value in (None, "", []) and default in (None, "", [])):
-                fail(f.name, value, f"is not supported by mixprec ({f.metadata['note']}); leave it at {default!r}")
+                fail(f.name, value, f"is not supported by mixprec ({POLICY[f.name][1]}); leave it at {default!r}")
 
     def checkpointing_requested(self) -> tuple[bool, dict[str, Any] | None]:
         """Whether to turn on activation checkpointing, and its kwargs. Either name counts, so a script that
@@ -318,6 +320,6 @@ def _config_dict(name: str, config: Any) -> dict[str, Any] | None:
 
 
 POLICY: dict[str, tuple[str, str]] = {
-    f.name: (f.metadata["mixprec"], f.metadata["note"]) for f in fields(HFCompatFields) if "mixprec" in f.metadata
-}
+    f.name: tuple(f.metadata["help"].split(": ", 1)) for f in fields(HFCompatFields) if "help" in f.metadata
+}  # type: ignore[misc]
 """field name -> (policy, note), for the docs and the tests."""
