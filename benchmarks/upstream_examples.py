@@ -226,8 +226,10 @@ def run_one(script: Script, precision: str, impl: str, path: Path, work: Path, t
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_MIXED_PRECISION"}
     env.update(OFFLINE, **env_extra, HF_HOME=str(work / "hf_home"), OMP_NUM_THREADS="1")
     # accelerate's log_with="all" (by_feature/tracking.py) takes every tracker installed; mlflow's default store
-    # is a sqlite database that mlflow-skinny cannot open, under accelerate as under mixprec: a folder instead.
+    # is a sqlite database that mlflow-skinny cannot open, under accelerate as under mixprec: a folder instead,
+    # which mlflow 3 refuses unless told it is wanted.
     env.setdefault("MLFLOW_TRACKING_URI", (work / "mlruns").as_uri())
+    env.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     cmd = [sys.executable, str(PROBE), str(probe_out), str(path), *args]
     start = time.perf_counter()
     try:
