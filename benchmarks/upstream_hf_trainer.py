@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
+from collections.abc import Collection
 from pathlib import Path
 
 FILES = ("test_trainer.py", "test_trainer_callback.py", "trainer_test_utils.py")
@@ -40,12 +41,13 @@ OFFLINE = {
 }
 
 
-def swap_imports(text: str, exported: set[str]) -> tuple[str, list[str]]:
-    """``text`` with the names in ``exported`` imported from mixprec instead of transformers; and those names."""
+def swap_imports(text: str, exported: set[str], modules: Collection[str] = MODULES) -> tuple[str, list[str]]:
+    """``text`` with the names in ``exported`` imported from mixprec instead of from ``modules``; and those
+    names. Only top-level-module imports (``from transformers import X``) move, wherever they are in the file."""
     lines = text.splitlines(keepends=True)
     edits = []
     for node in ast.walk(ast.parse(text)):
-        if not (isinstance(node, ast.ImportFrom) and node.module in MODULES and node.level == 0):
+        if not (isinstance(node, ast.ImportFrom) and node.module in modules and node.level == 0):
             continue
         names = [a.name for a in node.names]
         moved = [n for n in names if n in exported]

@@ -466,16 +466,19 @@ def test_an_unknown_token_count_mode_is_refused_by_name():
 def restore_mixprec_logger():
     import logging
 
-    logger = logging.getLogger("mixprec")
-    level = logger.level
+    logger, hf = logging.getLogger("mixprec"), logging.getLogger("transformers")
+    levels = logger.level, hf.level
     yield logger
-    logger.setLevel(level)
+    logger.setLevel(levels[0])
+    hf.setLevel(levels[1])
 
 
-def test_log_level_sets_the_mixprec_loggers_level_as_hf_sets_transformers(tmp_path, caplog, restore_mixprec_logger):
+def test_log_level_sets_the_library_loggers_level_as_hf_sets_transformers(tmp_path, restore_mixprec_logger):
     import logging
 
     from mixprec import TrainerCallback
+    from mixprec.trainer.hf_loggers import hf_logger
+    from trainer_utils import captured_records
 
     class Twice(TrainerCallback):
         pass
@@ -485,12 +488,12 @@ def test_log_level_sets_the_mixprec_loggers_level_as_hf_sets_transformers(tmp_pa
             make_model(), quiet_args(tmp_path, **kwargs), train_dataset=make_examples(8), callbacks=[Twice, Twice]
         )
 
-    with caplog.at_level(logging.DEBUG):
+    with captured_records(hf_logger("trainer_callback")) as records:
         build(log_level="error")
-        assert not [r for r in caplog.records if "second Twice" in r.getMessage()]
+        assert not [r for r in records if "Twice" in r.getMessage()]
         assert restore_mixprec_logger.level == logging.ERROR
         build(log_level="warning")
-        assert [r for r in caplog.records if "second Twice" in r.getMessage()]
+        assert [r for r in records if "Twice" in r.getMessage()]
     restore_mixprec_logger.setLevel(logging.INFO)
     build()  # "passive" (the default) leaves the level as the application set it
     assert restore_mixprec_logger.level == logging.INFO

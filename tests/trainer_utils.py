@@ -6,6 +6,10 @@ dropout, so a resume that failed to restore the RNG would change the result.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
@@ -92,3 +96,17 @@ def leave(accelerator) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+@contextmanager
+def captured_records(logger: logging.Logger) -> Iterator[list[logging.LogRecord]]:
+    """The records ``logger`` emits, caught by a handler on the logger itself, as transformers' CaptureLogger
+    does (caplog's root handler misses transformers' loggers, which do not propagate once it configured them)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)

@@ -16,6 +16,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mixprec.trainer.hf_loggers import hf_logger
+
 if TYPE_CHECKING:
     from mixprec.trainer.args import TrainingArguments
     from mixprec.trainer.state import TrainerState
@@ -170,11 +172,11 @@ class CallbackHandler:
     def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         cb = callback() if isinstance(callback, type) else callback
         if any(type(c) is type(cb) for c in self.callbacks):  # as HF: allowed, but usually a mistake
-            logger.warning(
-                "adding a second %s to the Trainer's callbacks (it has: %s)",
-                type(cb).__name__,
-                ", ".join(type(c).__name__ for c in self.callbacks),
-            )
+            # Formatted here, naming the class as HF does ({type(cb)}): HF's tests read the message from a
+            # patched ``transformers.trainer_callback.logger.warning``'s first argument.
+            names = ", ".join(type(c).__name__ for c in self.callbacks)
+            message = f"adding a second {type(cb)} to the Trainer's callbacks (it has: {names})"
+            hf_logger("trainer_callback").warning(message)
         missing = [e for e in ("on_step_end", "on_log") if not callable(getattr(cb, e, None))]
         if missing:
             raise TypeError(
@@ -341,7 +343,8 @@ def restore_callback_states(
             continue
         matching = [cb for cb in handler.callbacks if type(cb).__name__ == name and _is_stateful(cb)]
         if not matching:
-            logger.warning("checkpoint holds the state of callback %s, which this Trainer does not have", name)
+            message = f"checkpoint holds the state of callback {name}, which this Trainer does not have"
+            hf_logger("trainer").warning(message)  # formatted: HF's test reads the patched warning's argument
         for cb, state in zip(matching, states):
             handler.callbacks[handler.callbacks.index(cb)] = type(cb).from_state(state)
     return control

@@ -71,6 +71,20 @@ class Plan:
         steps = args.max_steps
         return cls(steps * args.gradient_accumulation_steps, steps, steps, sys.maxsize)
 
+    def banner(self, args: TrainingArguments, num_examples: int | None, trainable_params: int) -> str:
+        """HF's "***** Running training *****" block, which scripts and tests look for in transformers' log."""
+        lines = ["***** Running training *****"]
+        if num_examples is not None:
+            lines.append(f"  Num examples = {num_examples:,}")
+        lines += [
+            f"  Num Epochs = {self.num_epochs:,}",
+            f"  Instantaneous batch size per device = {args.per_device_train_batch_size:,}",
+            f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}",
+            f"  Total optimization steps = {self.max_steps:,}",
+            f"  Number of trainable parameters = {trainable_params:,}",
+        ]
+        return "\n".join(lines)
+
     def apply_to(self, state: TrainerState, args: TrainingArguments) -> None:
         """This run's plan into the state, also over a loaded one (a resume may train longer than the run it
         continues)."""

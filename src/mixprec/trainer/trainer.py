@@ -45,6 +45,7 @@ from mixprec.trainer.data import (
 from mixprec.trainer.diagnosis import diagnose_at_start
 from mixprec.trainer.evaluation import EvalResult, evaluation_loop
 from mixprec.trainer.events import RunEvents
+from mixprec.trainer.hf_loggers import hf_logger, set_library_log_level
 from mixprec.trainer.loaders import TrainerLoaders, check_datasets
 from mixprec.trainer.logging import make_reporters
 from mixprec.trainer.loop import Plan, TrainingLoop
@@ -119,8 +120,8 @@ class Trainer:
         seed_run(self.args.seed, self.args.full_determinism)
         self.accelerator = self._build_accelerator()
         level = args.log_level if self.accelerator.is_main_process else args.log_level_replica
-        if level != "passive":  # HF's log_level: the library's logger (here mixprec's), as HF sets transformers'
-            logging.getLogger("mixprec").setLevel(level.upper())
+        if level != "passive":
+            set_library_log_level(level)
         self.model = model.to(self.accelerator.device)  # prepared (forward patched) when first used
         self._model_prepared = False
         self._created_scheduler = False
@@ -499,6 +500,9 @@ class Trainer:
         model.train()
         if args.eval_on_start and checkpoint is None:
             self.evaluate()
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        examples = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None  # a stream has none
+        hf_logger("trainer").info("%s", plan.banner(args, examples, trainable))
         loop = TrainingLoop(run, plan, start)
         steps_before = self.state.global_step
         with neftune(acc.unwrap_model(model), args.neftune_noise_alpha):  # embedding noise while training only
