@@ -73,6 +73,8 @@ class Accelerator:
     :class:`~mixprec.accelerator.gradients.GradientAccumulationPlugin`, instead of ``gradient_accumulation_steps``.
     ``dataloader_config``: accelerate's :class:`~mixprec.accelerator.data_config.DataLoaderConfiguration`
     (the settings that mean mixprec's own split are accepted, the others refused by name).
+    ``comm_dtype``: the dtype gradients travel in between processes ("bf16": half the bytes; see
+    :mod:`mixprec.accelerator.comm`).
     """
 
     def __init__(
@@ -97,6 +99,7 @@ class Accelerator:
         dataloader_config: DataLoaderConfiguration | None = None,
         step_in_backward: bool = False,
         log_with: str | list[str] | None = None,
+        comm_dtype: Any = None,
     ) -> None:
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
             raise ValueError(
@@ -114,6 +117,7 @@ class Accelerator:
         self.config = AcceleratorConfig(
             mixed_precision, gradient_accumulation_steps, distributed, device, cpu, scaler_kwargs,
             ddp_kwargs, fsdp_shard, non_blocking, verbose, timeout, fsdp_state_dict_type, step_in_backward,
+            comm_dtype,
         )  # fmt: skip
         env = LaunchEnv.from_environ()
         dev = select_device(self.config.device, self.config.cpu, env)
@@ -129,6 +133,7 @@ class Accelerator:
             fsdp_shard=self.config.fsdp_shard,
             fsdp_sharded_state=self.config.fsdp_state_dict_type == "sharded",
             timeout=self.config.timeout,
+            comm=self.config.comm_dtype,
         )
         if self.config.step_in_backward:
             if self._precision.pending or self._precision.needs_loss_scaling:

@@ -331,6 +331,7 @@ class Trainer:
             ddp_kwargs=args.ddp_kwargs() or None,
             watch=args.precision_watch,
             timeout=args.ddp_timeout,
+            comm_dtype=args.comm_dtype,
             step_in_backward=args.step_in_backward,
             dataloader_config=args.dataloader_configuration(),
         )
