@@ -467,14 +467,23 @@ class Accelerator:
         safe_serialization: bool = True,
         *,
         extra_json: Mapping[str, Any] | None = None,
+        async_save: bool = False,
     ) -> Path:
         """Save models, optimizers, schedulers, scaler, data positions and RNG states, atomically (see
         :mod:`mixprec.accelerator.state`); with no ``output_dir``, to the project's next automatic checkpoint
         (:mod:`mixprec.accelerator.project`). ``safe_serialization=False`` writes the weights with torch.save.
-        ``extra_json={"name": obj}`` adds ``name.json`` to the folder. Collective: call it on every process."""
+        ``extra_json={"name": obj}`` adds ``name.json`` to the folder. Collective: call it on every process.
+        ``async_save=True``: returns once the state is copied to host memory; a background thread writes and
+        commits the folder (it appears when complete; ``wait_for_checkpoint()`` waits for it)."""
         return self._checkpoints.save(
-            self._run_state(), output_dir, safe_serialization=safe_serialization, extra_json=extra_json
-        )
+            self._run_state(), output_dir, safe_serialization=safe_serialization, extra_json=extra_json,
+            async_save=async_save,
+        )  # fmt: skip
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous ``save_state`` has committed its folder; raise its failure on every
+        process. Collective. ``load_state`` and ``end_training`` call it themselves."""
+        self._checkpoints.wait(self._run_state())
 
     def load_state(self, input_dir: str | Path | None = None, *, map_location: str | None = None) -> dict[str, Any]:
         """Restore a folder written by ``save_state`` (either format; with no ``input_dir``, the project's newest
@@ -682,9 +691,13 @@ class Accelerator:
 
     def end_training(self) -> None:
         """Finish the trackers, then leave the process group this Accelerator joined (call at the end of a
-        distributed script), once every process has reached this call."""
-        self._trackers.finish()
-        self._strategy.close(wait_for_peers=True)
+        distributed script), once every process has reached this call. An asynchronous save still in flight
+        is finished first (its failure raised after the group is left)."""
+        try:
+            self._checkpoints.wait(self._run_state())
+        finally:
+            self._trackers.finish()
+            self._strategy.close(wait_for_peers=True)
 
     def __repr__(self) -> str:
         return (

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from mixprec.accelerator.dcp_state import load_sharded_state, missing_sharded_parts, save_sharded_state
 from mixprec.accelerator.state_checks import META, check_folder, check_model_fits, check_optimizer_fits
@@ -66,6 +67,7 @@ from mixprec.checkpoint import (
     set_rng_state,
     temp_path,
 )
+from mixprec.checkpoint.background import BackgroundWriter
 from mixprec.checkpoint.manifest import BackgroundHasher, write_manifest
 
 if TYPE_CHECKING:
@@ -120,22 +122,37 @@ def save_state(
     *,
     safe_serialization: bool = True,
     pre_hook: Callable[[Path, list[Any]], None] | None = None,
+    writer: BackgroundWriter | None = None,
 ) -> Path:
     """Write the folder atomically on every process; returns its path. Collective: call it on every process.
 
     ``safe_serialization``: model weights as safetensors (default) or torch.save files. ``pre_hook(tmp,
     model_states)``: called on the main process with the unfinished folder before anything is written, so
-    the files it adds are part of the atomic folder and of its manifest (``register_save_state_pre_hook``)."""
+    the files it adds are part of the atomic folder and of its manifest (``register_save_state_pre_hook``).
+
+    ``writer``: save asynchronously through it (:mod:`mixprec.checkpoint.background`). The main process then
+    copies the model and optimizer tensors to host memory (the stall: one copy of the state, plus the small
+    files and three tiny collectives), and the writer writes the big files, the manifest and the commit while
+    training goes on; the folder appears, complete, when that is done. The previous asynchronous save is
+    waited for first, and its failure raised on every process. Not with sharded (DCP) state."""
     target, reg, strategy = Path(output_dir), run.registry, run.strategy
     main = strategy.is_main_process
     for key in extra_json or {}:
         if not key.isidentifier() or key in ("accelerator", "scaler"):
             raise ValueError(f"save_state(extra_json=...): {key!r} cannot name a file; use a plain identifier")
+    sharded = strategy.sharded_state  # each process writes its shards below (dcp_state.py); nothing gathered
+    if writer is not None and sharded:
+        raise ValueError(
+            "save_state(async_save=True) with fsdp_state_dict_type='sharded' is not supported: each process's "
+            "DCP shards are written synchronously; use async_save=False, or full state dicts"
+        )
+    previous = writer.wait() if writer is not None and main else None  # one save in flight at a time
     # Gather first (collectives under FSDP), write after: a process that fails to write then cannot leave the
     # others waiting in a collective.
-    sharded = strategy.sharded_state  # each process writes its shards below (dcp_state.py); nothing gathered
     models = [] if sharded else [strategy.model_state_dict(m) for m in reg.models]
     optimizers = [] if sharded else [strategy.optimizer_state_dict(reg.owner(o), o.optimizer) for o in reg.optimizers]
+    if writer is not None:  # the live tensors change at the next step: the writer gets a copy of them
+        models, optimizers = _staged(models), _staged(optimizers)
     partial = run.gradients.micro_step > 0  # inside an accumulation window: the gradient sums are state too
     if partial and not strategy.saves_partial_gradients:
         raise CheckpointError(
@@ -145,21 +162,26 @@ def save_state(
         )
     tag = _save_tag(strategy)
     tmp = temp_path(target, tag)
-    error: BaseException | None = None
-    if main:
+    error: BaseException | None = previous
+    if main and error is None:
         try:
             tmp = begin(target, tag=tag)
         except Exception as err:
             error = err
     _agree(strategy, error, target, tmp if error is None else None)  # also: the folder exists for everyone
-    hasher = BackgroundHasher() if main else None
+    # the synchronous save hashes its big files on a thread while writing the next; the writer thread hashes
+    # them itself (an executor made or used after the interpreter began exiting refuses jobs, and the writer
+    # may still run then: the thread is not a daemon, so a script's last save completes)
+    hasher = BackgroundHasher() if main and writer is None else None
     try:
         if sharded:  # collective: every process writes its shards (DCP gathers any process's error to all)
             save_sharded_state(list(reg.models), _owned(run), tmp)
         if main:
             if pre_hook is not None:
                 pre_hook(tmp, models)
-            _write_shared(run, tmp, models, optimizers, extra_json or {}, hasher, safe_serialization)
+            if writer is None:
+                _write_big(tmp, models, optimizers, hasher, safe_serialization)
+            _write_small(run, tmp, extra_json or {})
         save_torch(rng_state(), tmp / f"rng_state_{strategy.process_index}.pt")
         for i, model in enumerate(reg.models if partial else []):  # local (unsynced) sums: one file per process
             grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
@@ -172,19 +194,49 @@ def save_state(
         if hasher is not None:
             hasher.close()
         raise
+    if writer is not None:  # every process's files are in: the main one's writer finishes and seals the folder
+        if main:
+            writer.submit(lambda: _finish(tmp, target, models, optimizers, safe_serialization))
+        return target
     error = None
     if main:
         try:
-            write_manifest(tmp, hasher)  # last, once every process's files are in: the folder's seal
-            commit(tmp, target)
+            _seal(tmp, target, hasher)
         except Exception as err:
-            abort(tmp)
             error = err
-        finally:
-            hasher.close()
     _agree(strategy, error, target, None)
     strategy.barrier()
     return target
+
+
+def _staged(states: list[Any]) -> list[Any]:
+    """A host copy of every tensor in ``states`` (containers rebuilt, other leaves shared): what an
+    asynchronous save writes while the originals keep training."""
+    copy_tensor = lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return [None if state is None else tree_map(copy_tensor, state) for state in states]
+
+
+def _finish(tmp: Path, target: Path, models: list[Any], optimizers: list[Any], safe: bool) -> None:
+    """The writer's part of an asynchronous save: the big files, then the manifest and the commit."""
+    try:
+        _write_big(tmp, models, optimizers, None, safe)
+    except BaseException:
+        abort(tmp)
+        raise
+    _seal(tmp, target, None)
+
+
+def _seal(tmp: Path, target: Path, hasher: BackgroundHasher | None) -> None:
+    """The manifest, last, once every process's files are in; then the rename into place."""
+    try:
+        write_manifest(tmp, hasher)
+        commit(tmp, target)
+    except BaseException:
+        abort(tmp)
+        raise
+    finally:
+        if hasher is not None:
+            hasher.close()
 
 
 def _save_tag(strategy: DistributedStrategy) -> str:
@@ -208,27 +260,29 @@ def _agree(strategy: DistributedStrategy, error: BaseException | None, target: P
     )
 
 
-def _write_shared(
-    run: RunState,
-    tmp: Path,
-    models: list[Any],
-    optimizers: list[Any],
-    extra_json: Mapping[str, Any],
-    hasher: BackgroundHasher,
-    safe_serialization: bool = True,
+def _write_big(
+    tmp: Path, models: list[Any], optimizers: list[Any], hasher: BackgroundHasher | None, safe_serialization: bool
 ) -> None:
-    reg = run.registry
     # The big files are hashed in the background while the next ones are written (the small ones when the
     # manifest is written). The optimizer's (Adam: twice the model's size) goes first, so that its hashing
     # overlaps the model's writing. Measured on a 302 MB state (benchmarks/checkpoint_hash.py, shared 2-core
     # box): a save takes 1.0-1.4x as long as without the manifest (medians of 9 interleaved rounds).
-    for i, state in enumerate(optimizers):
-        hasher.add(save_torch(state, tmp / _name("optimizer", i, "pt")))
+    written = [save_torch(state, tmp / _name("optimizer", i, "pt")) for i, state in enumerate(optimizers)]
+    if hasher is not None:
+        for path in written:
+            hasher.add(path)
     for i, state in enumerate(models):
         if safe_serialization:
-            hasher.add(save_tensors(state, tmp / _name("model", i, "safetensors")))
+            path = save_tensors(state, tmp / _name("model", i, "safetensors"))
         else:  # accelerate's name for the pickle format; read back with weights_only, so still no code runs
-            hasher.add(save_torch(state, tmp / _name("pytorch_model", i, "bin")))
+            path = save_torch(state, tmp / _name("pytorch_model", i, "bin"))
+        if hasher is not None:
+            hasher.add(path)
+
+
+def _write_small(run: RunState, tmp: Path, extra_json: Mapping[str, Any]) -> None:
+    """Everything but the models and optimizers: small, and read from live objects, so written at once."""
+    reg = run.registry
     for i, scheduler in enumerate(reg.schedulers):
         save_torch(scheduler.state_dict(), tmp / _name("scheduler", i, "pt"))
     for i, obj in enumerate(reg.custom):

@@ -204,6 +204,7 @@ def _training_arguments(args: argparse.Namespace, info: DataModelInfo, output_di
         eval_strategy="epoch",
         save_strategy="epoch",
         save_total_limit=2,
+        async_save=True,  # a checkpoint stalls the step only for a host copy (benchmarks/README.md)
         logging_steps=10,
         logging_first_step=True,
         seed=args.seed,

@@ -122,6 +122,10 @@ class TrainingArguments(HFCompatFields):
     """"no", "steps", "epoch", or "best" (save whenever an evaluation finds a new best metric)."""
     save_steps: int | float = 500
     save_total_limit: int | None = None
+    async_save: bool = False
+    """Write checkpoints on a background thread while training goes on (HF has no such field): a save stalls
+    the step only for a host copy of the state (Accelerator.save_state(async_save=True)). ``on_save`` then
+    fires before the folder is complete, and save_total_limit may be exceeded by one while a save is written."""
 
     # -- logging --------------------------------------------------------------------------------------
     logging_strategy: str = "steps"
