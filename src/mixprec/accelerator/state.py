@@ -38,6 +38,7 @@ process reads only its pieces), so a mismatch found in a later object leaves the
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import secrets
@@ -176,13 +177,19 @@ def save_state(
     try:
         if sharded:  # collective: every process writes its shards (DCP gathers any process's error to all)
             save_sharded_state(list(reg.models), _owned(run), tmp)
+        rng = rng_state()
+        rng_file = tmp / f"rng_state_{strategy.process_index}.pt"
         if main:
             if pre_hook is not None:
                 pre_hook(tmp, models)
+            small = _small_files(run, tmp, extra_json or {})
+            small.append(lambda: save_torch(rng, rng_file))
             if writer is None:
                 _write_big(tmp, models, optimizers, hasher, safe_serialization)
-            _write_small(run, tmp, extra_json or {})
-        save_torch(rng_state(), tmp / f"rng_state_{strategy.process_index}.pt")
+                for write in small:
+                    write()
+        else:  # before the main process seals the folder (the collective below)
+            save_torch(rng, rng_file)
         for i, model in enumerate(reg.models if partial else []):  # local (unsynced) sums: one file per process
             grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
             save_tensors(grads, tmp / _grads_name(i, strategy.process_index))
@@ -196,7 +203,7 @@ def save_state(
         raise
     if writer is not None:  # every process's files are in: the main one's writer finishes and seals the folder
         if main:
-            writer.submit(lambda: _finish(tmp, target, models, optimizers, safe_serialization))
+            writer.submit(lambda: _finish(tmp, target, models, optimizers, small, safe_serialization))
         return target
     error = None
     if main:
@@ -216,9 +223,13 @@ def _staged(states: list[Any]) -> list[Any]:
     return [None if state is None else tree_map(copy_tensor, state) for state in states]
 
 
-def _finish(tmp: Path, target: Path, models: list[Any], optimizers: list[Any], safe: bool) -> None:
-    """The writer's part of an asynchronous save: the big files, then the manifest and the commit."""
+def _finish(
+    tmp: Path, target: Path, models: list[Any], optimizers: list[Any], small: list[Callable[[], Path]], safe: bool
+) -> None:
+    """The writer's part of an asynchronous save: the main process's files, then the manifest and the commit."""
     try:
+        for write in small:
+            write()
         _write_big(tmp, models, optimizers, None, safe)
     except BaseException:
         abort(tmp)
@@ -280,31 +291,34 @@ def _write_big(
             hasher.add(path)
 
 
-def _write_small(run: RunState, tmp: Path, extra_json: Mapping[str, Any]) -> None:
-    """Everything but the models and optimizers: small, and read from live objects, so written at once."""
+def _small_files(run: RunState, tmp: Path, extra_json: Mapping[str, Any]) -> list[Callable[[], Path]]:
+    """Everything but the models and optimizers, captured now (copies of the live objects' states) as
+    writers to call now (a synchronous save) or on the writer thread (an asynchronous one)."""
     reg = run.registry
-    for i, scheduler in enumerate(reg.schedulers):
-        save_torch(scheduler.state_dict(), tmp / _name("scheduler", i, "pt"))
-    for i, obj in enumerate(reg.custom):
-        save_torch(obj.state_dict(), tmp / f"custom_{i}.pt")
-    save_json(run.precision.state_dict(), tmp / "scaler.json")
-    for key, value in extra_json.items():
-        save_json(value, tmp / f"{key}.json")
-    save_json(
-        {
-            "format": FORMAT,
-            "mixed_precision": run.precision.name,
-            "auto": run.precision.decision_record(),  # "auto"'s measurement: a resume keeps it, unmeasured
-            "distributed": run.strategy.name,
-            "sharded": run.strategy.sharded_state,  # models and optimizers as DCP shards (dcp_state.py)
-            "num_processes": run.strategy.num_processes,
-            "counts": _counts(reg),
-            "dataloaders": [loader.state_dict() for loader in reg.dataloaders],
-            "gradients": run.gradients.state_dict(),
-            "torch_version": torch.__version__,
-        },
-        tmp / META,
-    )
+    files: list[tuple[Callable[[Any, Path], Path], Any, str]] = [
+        *((save_torch, s.state_dict(), _name("scheduler", i, "pt")) for i, s in enumerate(reg.schedulers)),
+        *((save_torch, obj.state_dict(), f"custom_{i}.pt") for i, obj in enumerate(reg.custom)),
+        (save_json, run.precision.state_dict(), "scaler.json"),
+        *((save_json, value, f"{key}.json") for key, value in extra_json.items()),
+        (save_json, _meta(run), META),
+    ]
+    return [functools.partial(write, copy.deepcopy(value), tmp / name) for write, value, name in files]
+
+
+def _meta(run: RunState) -> dict[str, Any]:
+    reg = run.registry
+    return {
+        "format": FORMAT,
+        "mixed_precision": run.precision.name,
+        "auto": run.precision.decision_record(),  # "auto"'s measurement: a resume keeps it, unmeasured
+        "distributed": run.strategy.name,
+        "sharded": run.strategy.sharded_state,  # models and optimizers as DCP shards (dcp_state.py)
+        "num_processes": run.strategy.num_processes,
+        "counts": _counts(reg),
+        "dataloaders": [loader.state_dict() for loader in reg.dataloaders],
+        "gradients": run.gradients.state_dict(),
+        "torch_version": torch.__version__,
+    }
 
 
 def _counts(reg: Registry) -> dict[str, int]:
