@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 
 class BackgroundWriter:
@@ -23,6 +24,8 @@ class BackgroundWriter:
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.staging: Any = None
+        """The host copy the last job wrote, reused by the next save (the job has finished by then)."""
 
     @property
     def busy(self) -> bool:
