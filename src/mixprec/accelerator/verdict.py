@@ -26,6 +26,8 @@ from typing import TypeVar
 T = TypeVar("T")
 
 _KEY = "mixprec/verdict/"
+TOLD_WAIT_S = 60.0
+"""Longest the main process waits, after a refusal, for the others to read it (they may still be loading)."""
 _SEP = "\x1f"  # between the error's type name and its message (a character no message holds)
 
 
@@ -58,7 +60,7 @@ def main_decides(
                 store.set(key, f"{type(err).__name__}{_SEP}{err}")
                 # before exiting: the launcher stops the others as soon as this process ends, maybe before
                 # they read the verdict (they may still be loading data)
-                _wait_until_told(store, key, int(environ["WORLD_SIZE"]) - 1, timeout_s)
+                _wait_until_told(store, key, int(environ["WORLD_SIZE"]) - 1, min(timeout_s, TOLD_WAIT_S))
             raise
         if store is not None:
             store.set(key, "")
