@@ -76,7 +76,7 @@ _opened: dict[tuple[str, ...], dist.Store] = {}
 
 
 def _launch_key(environ: Mapping[str, str]) -> tuple[str, ...]:
-    names = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+    names = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "RANK")
     return tuple(environ.get(name, "") for name in names)
 
 
