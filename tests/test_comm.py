@@ -108,7 +108,8 @@ def test_bf16_and_fp16_on_the_wire_halve_the_bytes_all_reduced_per_step() -> Non
         acc = Accelerator(cpu=True, distributed="ddp", comm_dtype=comm, verbose=False)
         model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)))
         try:
-            measured[comm] = bytes_all_reduced(lambda model=model: acc.backward(model(torch.randn(3, 16)).sum()))
+            step = lambda model=model, acc=acc: acc.backward(model(torch.randn(3, 16)).sum())  # noqa: E731
+            measured[comm] = bytes_all_reduced(step)
         finally:
             acc.end_training()
     elements = 16 * 32 + 32 + 32 * 4 + 4

@@ -229,11 +229,18 @@ def _staged(states: Any, reuse: Any) -> Any:
         or (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and b.device.type == "cpu")
         for a, b in zip(leaves, old)
     )
+    copies: dict[tuple[Any, ...], torch.Tensor] = {}  # tied tensors (one storage, two names) stay tied
+
+    def copy_of(a: Any, b: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        key = (a.untyped_storage().data_ptr(), a.storage_offset(), a.shape, a.stride(), a.dtype) if a.numel() else id(a)
+        if key not in copies:
+            copies[key] = b.copy_(a) if fits else a.detach().to("cpu", copy=True)
+        return copies[key]
+
     with torch.no_grad():
-        if fits:
-            copied = [b.copy_(a) if isinstance(a, torch.Tensor) else a for a, b in zip(leaves, old)]
-        else:
-            copied = [a.detach().to("cpu", copy=True) if isinstance(a, torch.Tensor) else a for a in leaves]
+        copied = [copy_of(a, b) for a, b in zip(leaves, old if fits else leaves)]
     return tree_unflatten(copied, spec)
 
 
