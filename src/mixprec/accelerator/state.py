@@ -229,18 +229,29 @@ def _staged(states: Any, reuse: Any) -> Any:
         or (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and b.device.type == "cpu")
         for a, b in zip(leaves, old)
     )
-    copies: dict[tuple[Any, ...], torch.Tensor] = {}  # tied tensors (one storage, two names) stay tied
-
-    def copy_of(a: Any, b: Any) -> Any:
+    # tied tensors (one storage, two names) stay one tensor; all copies in one foreach call
+    slot: dict[tuple[Any, ...], int] = {}
+    sources: list[torch.Tensor] = []
+    targets: list[torch.Tensor] = []
+    picks: list[int | None] = []
+    for a, b in zip(leaves, old if fits else leaves):
         if not isinstance(a, torch.Tensor):
-            return a
-        key = (a.untyped_storage().data_ptr(), a.storage_offset(), a.shape, a.stride(), a.dtype) if a.numel() else id(a)
-        if key not in copies:
-            copies[key] = b.copy_(a) if fits else a.detach().to("cpu", copy=True)
-        return copies[key]
-
-    with torch.no_grad():
-        copied = [copy_of(a, b) for a, b in zip(leaves, old if fits else leaves)]
+            picks.append(None)
+            continue
+        key = (
+            (a.untyped_storage().data_ptr(), a.storage_offset(), a.shape, a.stride(), a.dtype)
+            if a.numel()
+            else (id(a),)
+        )
+        if key not in slot:
+            slot[key] = len(sources)
+            sources.append(a.detach())
+            targets.append(b if fits else torch.empty_like(a, device="cpu"))
+        picks.append(slot[key])
+    if sources:
+        with torch.no_grad():
+            torch._foreach_copy_(targets, sources)
+    copied = [a if i is None else targets[i] for a, i in zip(leaves, picks)]
     return tree_unflatten(copied, spec)
 
 
