@@ -98,8 +98,9 @@ def open_early_store(timeout: datetime.timedelta, environ: Mapping[str, str] = o
             environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), int(environ["WORLD_SIZE"]), is_master=rank == 0,
             timeout=timeout, wait_for_workers=False,
         )  # fmt: skip
-        run, restart = environ.get("TORCHELASTIC_RUN_ID", "-"), environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        _opened[key] = dist.PrefixStore(f"mixprec/{run}/attempt_{restart}/", server)
+        # No restart count in the prefix: each worker group serves a fresh store (rank 0 of this group binds
+        # it), and after a restart the nodes' counts can differ (restarts.py), which would part the ranks.
+        _opened[key] = dist.PrefixStore(f"mixprec/{environ.get('TORCHELASTIC_RUN_ID', '-')}/", server)
     return _opened[key]
 
 
