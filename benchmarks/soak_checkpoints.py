@@ -14,6 +14,7 @@ flips in the newest checkpoint. Every run must resume, bit-identical to the unin
     python -m benchmarks.soak_checkpoints                        # 100 kills + 20 flips (a few minutes)
     python -m benchmarks.soak_checkpoints --kills 10 --flips 5   # a quick look
     python -m benchmarks.soak_checkpoints --precision fp32 --seed 3 --json soak.json
+    python -m benchmarks.soak_checkpoints --async-save           # the same, checkpoints written in the background
 
 Exit status 0 when every trial passed, 1 otherwise (each failure is printed).
 """
@@ -46,6 +47,7 @@ from mixprec.checkpoint import verify_manifest  # noqa: E402
 from mixprec.trainer.checkpointing import find_resumable, step_of  # noqa: E402
 
 MAX_STEPS = 12
+ASYNC_SAVE = False  # --async-save: every checkpoint written by the background writer (TrainingArguments(async_save))
 VOCAB, SEQ, WIDTH = 16, 8, 32
 
 
@@ -83,7 +85,7 @@ def trainer(out: Path, precision: str, **kwargs: object) -> Trainer:
         disable_tqdm=True,
         save_plots=False,
         seed=7,
-        **kwargs,
+        **{"async_save": ASYNC_SAVE, **kwargs},
     )
     return Trainer(DropLM(), args, train_dataset=examples())
 
@@ -232,7 +234,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill instants and the flips")
     parser.add_argument("--dir", default=None, help="where the run folders go (default: a temporary folder)")
     parser.add_argument("--json", default=None, help="also write the result here")
+    parser.add_argument("--async-save", action="store_true", help="checkpoints written on the background thread")
     args = parser.parse_args()
+    global ASYNC_SAVE
+    ASYNC_SAVE = args.async_save
     if args.trials is not None:
         args.kills, args.flips = args.trials, max(1, args.trials // 5)
     torch.set_num_threads(1)
@@ -250,6 +255,7 @@ def main() -> int:
         flips = flip_trials(base, args.flips, args.precision, base / "reference", reference, rng)
     report = {
         "precision": args.precision,
+        "async_save": args.async_save,
         "max_steps": MAX_STEPS,
         "child_run_seconds": round(duration, 3),
         "kills": kills,

@@ -156,6 +156,46 @@ def run_kind(distributed: str | None, precision: str, out: Path) -> dict:
     return result
 
 
+def comm_run(distributed: str | None, comm: str) -> dict:
+    """The fp32 scenario of run_kind, its gradients all-reduced (DDP) or reduce-scattered (FSDP2) in ``comm``."""
+    accelerator = Accelerator(distributed=distributed, comm_dtype=comm, verbose=False)
+    objects = build(accelerator)
+    result = train(accelerator, *objects)
+    return {"losses": result["losses"], "params": full_params(accelerator, objects[0])}
+
+
+class Gain(torch.nn.Module):
+    """y = x * w: elementwise, so autocast leaves it in fp32 and its gradient is fp32 until it meets the wire."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.w).sum()
+
+
+def wire_overflow(comm: str) -> dict:
+    """fp16 precision (loss scale 65536); rank 1's loss x 10: its scaled gradient (~6e5) is finite in fp32,
+    past fp16's 65504 on an fp16 wire."""
+    accelerator = Accelerator(mixed_precision="fp16", comm_dtype=comm, verbose=False)
+    model = Gain()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    x = torch.linspace(1.0, 2.0, 8)
+    loss = model(x) * (10.0 if accelerator.process_index == 1 else 1.0)
+    accelerator.backward(loss)
+    finite = bool(model.w.grad.isfinite().all())
+    optimizer.step()
+    optimizer.zero_grad()
+    return {
+        "skipped": accelerator.optimizer_step_was_skipped,
+        "finite_after_all_reduce": finite,
+        "unchanged": bool((model.w == 1).all()),
+        "scale": accelerator.scaler.get_scale(),
+    }
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -204,6 +244,11 @@ def main() -> None:
             results[f"{distributed or 'ddp'}-{precision}"] = run_kind(distributed, precision, out)
             results[f"{distributed or 'ddp'}-{precision}"]["seconds"] = time.perf_counter() - t0
     results["half-base"] = half_base_masters()
+    # gradients on the wire in bf16/fp16: compared with ddp-fp32 / fsdp-fp32 above (same data, same init)
+    results["comm"] = {
+        f"{d or 'ddp'}-{c}": comm_run(d, c) for d, c in ((None, "bf16"), (None, "fp16"), ("fsdp", "bf16"))
+    }
+    results["comm_overflow"] = {c: wire_overflow(c) for c in ("fp16", "fp32")}
     results["seconds"] = time.perf_counter() - start
     (out / f"rank{first.process_index}.json").write_text(json.dumps(results))
     leave(first)

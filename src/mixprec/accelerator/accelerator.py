@@ -76,8 +76,9 @@ class Accelerator:
     (the settings that mean mixprec's own split are accepted, the others refused by name).
     accelerate's own ``ProjectConfiguration`` / ``GradientAccumulationPlugin`` / ``DataLoaderConfiguration`` are
     taken too, and ``kwargs_handlers=[GradScalerKwargs(...), DistributedDataParallelKwargs(...), ...]`` become
-    the arguments they mean (:mod:`~mixprec.accelerator.accelerate_compat`). ``comm_dtype``: DDP gradient
-    communication (see :class:`~mixprec.accelerator.config.AcceleratorConfig`).
+    the arguments they mean (:mod:`~mixprec.accelerator.accelerate_compat`).
+    ``comm_dtype``: the dtype gradients travel in between processes ("bf16": half the bytes; see
+    :mod:`mixprec.accelerator.comm`).
     """
 
     def __init__(
@@ -103,7 +104,7 @@ class Accelerator:
         step_in_backward: bool = False,
         log_with: str | list[str] | None = None,
         kwargs_handlers: list[Any] | None = None,
-        comm_dtype: str | None = None,
+        comm_dtype: Any = None,
     ) -> None:
         # accelerate's own helper objects, from a script that swapped only its Accelerator (accelerate_compat).
         project_config = adopt(project_config, ProjectConfiguration, "project_config")
@@ -141,6 +142,7 @@ class Accelerator:
             fsdp_shard=self.config.fsdp_shard,
             fsdp_sharded_state=self.config.fsdp_state_dict_type == "sharded",
             timeout=self.config.timeout,
+            comm=self.config.comm_dtype,
         )
         if self.config.step_in_backward:
             if self._precision.pending or self._precision.needs_loss_scaling:
@@ -482,14 +484,23 @@ class Accelerator:
         safe_serialization: bool = True,
         *,
         extra_json: Mapping[str, Any] | None = None,
+        async_save: bool = False,
     ) -> Path:
         """Save models, optimizers, schedulers, scaler, data positions and RNG states, atomically (see
         :mod:`mixprec.accelerator.state`); with no ``output_dir``, to the project's next automatic checkpoint
         (:mod:`mixprec.accelerator.project`). ``safe_serialization=False`` writes the weights with torch.save.
-        ``extra_json={"name": obj}`` adds ``name.json`` to the folder. Collective: call it on every process."""
+        ``extra_json={"name": obj}`` adds ``name.json`` to the folder. Collective: call it on every process.
+        ``async_save=True``: returns once the state is copied to host memory; a background thread writes and
+        commits the folder (it appears when complete; ``wait_for_checkpoint()`` waits for it)."""
         return self._checkpoints.save(
-            self._run_state(), output_dir, safe_serialization=safe_serialization, extra_json=extra_json
-        )
+            self._run_state(), output_dir, safe_serialization=safe_serialization, extra_json=extra_json,
+            async_save=async_save,
+        )  # fmt: skip
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous ``save_state`` has committed its folder; raise its failure on every
+        process. Collective. ``load_state`` and ``end_training`` call it themselves."""
+        self._checkpoints.wait(self._run_state())
 
     def load_state(self, input_dir: str | Path | None = None, *, map_location: str | None = None) -> dict[str, Any]:
         """Restore a folder written by ``save_state`` (either format; with no ``input_dir``, the project's newest
@@ -697,9 +708,13 @@ class Accelerator:
 
     def end_training(self) -> None:
         """Finish the trackers, then leave the process group this Accelerator joined (call at the end of a
-        distributed script), once every process has reached this call."""
-        self._trackers.finish()
-        self._strategy.close(wait_for_peers=True)
+        distributed script), once every process has reached this call. An asynchronous save still in flight
+        is finished first (its failure raised after the group is left)."""
+        try:
+            self._checkpoints.wait(self._run_state())
+        finally:
+            self._trackers.finish()
+            self._strategy.close(wait_for_peers=True)
 
     def __repr__(self) -> str:
         return (

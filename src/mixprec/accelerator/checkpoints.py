@@ -22,6 +22,8 @@ from torch.utils.hooks import RemovableHandle
 
 from mixprec.accelerator.project import ITERATION_FILE, ProjectConfiguration
 from mixprec.accelerator.state import RunState, load_state, save_state
+from mixprec.checkpoint import CheckpointError
+from mixprec.checkpoint.background import BackgroundWriter
 
 
 class StateCheckpoints:
@@ -32,6 +34,7 @@ class StateCheckpoints:
         # OrderedDict, not dict: torch's RemovableHandle keeps a weak reference to its hook table
         self._save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self._writer = BackgroundWriter()  # save_state(async_save=True): one save in flight at a time
 
     def register_save_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         handle = RemovableHandle(self._save_hooks)
@@ -50,6 +53,7 @@ class StateCheckpoints:
         *,
         safe_serialization: bool,
         extra_json: Mapping[str, Any] | None,
+        async_save: bool = False,
     ) -> Path:
         automatic = output_dir is None and self.project.automatic_checkpoint_naming
         if output_dir is None and not automatic:
@@ -64,12 +68,30 @@ class StateCheckpoints:
                 raise ValueError(f"save_state(extra_json=...): {ITERATION_FILE!r} is reserved (the project iteration)")
             extra[ITERATION_FILE] = {"iteration": self.project.iteration}
         hook = self._pre_hook(run.registry.models) if self._save_hooks else None
-        path = save_state(run, target, extra, safe_serialization=safe_serialization, pre_hook=hook)
+        writer = self._writer if async_save else None
+        if writer is None:  # a synchronous save after an asynchronous one: that one lands first
+            self.wait(run)
+        path = save_state(run, target, extra, safe_serialization=safe_serialization, pre_hook=hook, writer=writer)
         self.project.iteration += 1  # as accelerate: every save advances it
         if automatic and run.strategy.is_main_process:
-            self.project.prune()  # after the commit: a crash before this leaves one too many, never none
+            # after the commit (an asynchronous save: before it, so one more folder stays until the next save);
+            # a crash before this leaves one too many, never none
+            self.project.prune()
         run.strategy.barrier()
         return path
+
+    def wait(self, run: RunState) -> None:
+        """Collective: let the asynchronous save in flight (if any) finish on the main process, and raise its
+        failure on every process (CheckpointError elsewhere, the error itself on the main one)."""
+        error = self._writer.wait() if run.strategy.is_main_process else None
+        if not run.strategy.all_true(error is None):
+            raise (
+                error
+                if error is not None
+                else CheckpointError(
+                    "an asynchronous save_state failed on the main process (see its error); the previous one is intact"
+                )
+            )
 
     def _pre_hook(self, models: list[torch.nn.Module]) -> Callable[[Path, list[Any]], None]:
         def call_hooks(folder: Path, weights: list[Any]) -> None:
@@ -107,6 +129,7 @@ class StateCheckpoints:
                 "a load_state pre-hook removed models from `models`: mixprec loads every prepared model with the "
                 "rest of the state; load extra files from the hook instead"
             )
+        self.wait(run)  # a save still being written (maybe of this very folder) lands first
         meta = load_state(run, path)
         self.project.restore_iteration(path)
         return meta

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from mixprec.accelerator import launch_env
+from mixprec.accelerator.comm import make_comm
 from mixprec.accelerator.distributed import KINDS
 from mixprec.accelerator.peers import timeout_delta
 from mixprec.accelerator.step_in_backward import REFUSALS
@@ -65,11 +66,9 @@ class AcceleratorConfig:
     (:mod:`mixprec.accelerator.step_in_backward`): no step holds the model's gradients. Not with clipping,
     accumulation, fp16 or several processes (each refused by name)."""
 
-    comm_dtype: str | None = None
-    """DDP gradient communication: None (the default, gradients all-reduced in their own dtype), or a
-    compression such as "fp16", "bf16", "powersgd" (accelerate's ``DistributedDataParallelKwargs(comm_hook=)``
-    arrives here), for the DDP strategy's communication hook. Not validated here: the DDP communication work
-    (a separate change) owns the names and applies them."""
+    comm_dtype: Any = None
+    """Dtype gradients travel in between processes: None/"fp32" (DDP's and FSDP2's default), "bf16" (half the
+    bytes), "fp16"; or a :class:`~mixprec.accelerator.comm.CommPrecision` (:mod:`mixprec.accelerator.comm`)."""
 
     def __post_init__(self) -> None:
         # Arguments left at their defaults take what `accelerate launch` set, as HF's Accelerator does.
@@ -105,6 +104,7 @@ class AcceleratorConfig:
             raise TypeError("Accelerator(fsdp_shard=...): fsdp_shard must be a callable (module) -> bool")
         if self.fsdp_shard is not None and self.distributed != "fsdp":
             raise ValueError("Accelerator(fsdp_shard=...): fsdp_shard applies only with distributed='fsdp'")
+        self.comm_dtype = make_comm(self.comm_dtype)  # parsed once, here; raises naming comm_dtype
         self.fsdp_state_dict_type = parse_state_dict_type(self.fsdp_state_dict_type, self.distributed, "Accelerator")
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from mixprec.accelerator.comm import CommPrecision
 from mixprec.accelerator.distributed import LaunchEnv, ProcessGroupStrategy
 from mixprec.accelerator.prepared import original_forward, patch_forward
 
@@ -35,7 +36,8 @@ class _ForwardShim(torch.nn.Module):
 
 class DDPStrategy(ProcessGroupStrategy):
     """``torch.nn.parallel.DistributedDataParallel``; ``ddp_kwargs`` go to its constructor
-    (e.g. ``find_unused_parameters=True``). Its constructor broadcasts the main process's parameters and
+    (e.g. ``find_unused_parameters=True``); ``comm``: the dtype gradients are all-reduced in
+    (:mod:`mixprec.accelerator.comm`). Its constructor broadcasts the main process's parameters and
     buffers, so every process starts from the same weights."""
 
     name = "ddp"
@@ -46,9 +48,11 @@ class DDPStrategy(ProcessGroupStrategy):
         device: torch.device,
         ddp_kwargs: Mapping[str, Any] | None = None,
         timeout: float | None = None,
+        comm: CommPrecision | None = None,
     ) -> None:
         super().__init__(env, device, timeout)
         self.ddp_kwargs = dict(ddp_kwargs or {})
+        self.comm = comm if comm is not None else CommPrecision()
         self._wrappers: dict[int, DistributedDataParallel] = {}
 
     def wrap_model(self, model: torch.nn.Module, precision: Precision) -> torch.nn.Module:
@@ -60,6 +64,7 @@ class DDPStrategy(ProcessGroupStrategy):
         # Patch first, so the shim finds the original forward; then hand DDP the shim.
         patch_forward(model, precision)
         ddp = DistributedDataParallel(_ForwardShim(model), device_ids=device_ids, **self.ddp_kwargs)
+        self.comm.register(ddp)  # gradients on the wire in bf16/fp16 (a communication hook), or DDP's fp32
         model.__dict__["_mixprec"].ddp = ddp
         self._wrappers[id(model)] = ddp
         return model

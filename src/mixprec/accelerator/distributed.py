@@ -44,6 +44,7 @@ from mixprec.accelerator.prepared import patch_forward
 from mixprec.precision.base import default_device
 
 if TYPE_CHECKING:
+    from mixprec.accelerator.comm import CommPrecision
     from mixprec.precision.base import Precision
 
 logger = logging.getLogger("mixprec.accelerator")
@@ -397,10 +398,12 @@ def make_strategy(
     fsdp_shard: Callable[[torch.nn.Module], bool] | None = None,
     fsdp_sharded_state: bool = False,
     timeout: float | None = None,
+    comm: CommPrecision | None = None,
 ) -> DistributedStrategy:
     """``None``: DDP when several processes were launched (or a group exists), else one process;
     ``"ddp"`` / ``"fsdp"``: that kind, also with one process. ``timeout``: seconds a collective waits
-    (None: :data:`~mixprec.accelerator.peers.DEFAULT_TIMEOUT_S`)."""
+    (None: :data:`~mixprec.accelerator.peers.DEFAULT_TIMEOUT_S`). ``comm``: the dtype gradients travel in
+    (None: fp32; one process has no traffic, so it is kept only for the multi-process kinds)."""
     if distributed is not None and distributed not in KINDS:
         raise ValueError(f"Accelerator(distributed={distributed!r}): choose one of: None, {', '.join(KINDS)}")
     several = env.world_size > 1 or (dist.is_initialized() and dist.get_world_size() > 1)
@@ -408,11 +411,13 @@ def make_strategy(
     if kind == "ddp":
         from mixprec.accelerator.ddp import DDPStrategy
 
-        return DDPStrategy(env, device, ddp_kwargs=ddp_kwargs, timeout=timeout)
+        return DDPStrategy(env, device, ddp_kwargs=ddp_kwargs, timeout=timeout, comm=comm)
     if kind == "fsdp":
         from mixprec.accelerator.fsdp import FSDP2Strategy
 
-        return FSDP2Strategy(env, device, shard=fsdp_shard, sharded_state=fsdp_sharded_state, timeout=timeout)
+        return FSDP2Strategy(
+            env, device, shard=fsdp_shard, sharded_state=fsdp_sharded_state, timeout=timeout, comm=comm
+        )
     timeout_delta(timeout)  # one process waits for no one, but a bad value is still an error
     return DistributedStrategy(env, device)
 

@@ -2,10 +2,11 @@
 
 Mixed precision. ``fully_shard`` gets ``MixedPrecisionPolicy(param_dtype=compute dtype,
 reduce_dtype=float32)``: parameters are all-gathered in fp16/bf16 (half the traffic and memory of fp32),
-gradients are reduce-scattered in fp32, and the sharded master weights and optimizer state stay fp32. The
-forward *also* runs under the precision's autocast, because the policy alone would run every op in the low
-precision: autocast keeps softmax, norms, losses and reductions in fp32, as in the single-process mixed
-modes. (Under autocast the matmuls' casts are no-ops, as the gathered weights already have the compute
+gradients are reduce-scattered in fp32 (in bf16/fp16 with ``comm_dtype``: :mod:`mixprec.accelerator.comm`),
+and the sharded master weights and optimizer state stay fp32. The forward *also* runs under the precision's
+autocast, because the policy alone would run every op in the low precision: autocast keeps softmax, norms,
+losses and reductions in fp32, as in the single-process mixed modes. (Under autocast the matmuls' casts are
+no-ops, as the gathered weights already have the compute
 dtype.) One difference remains from DDP with autocast: ops that autocast leaves alone (embedding lookups,
 residual additions) see fp16/bf16 weights here, fp32 ones there; see the tolerance in the tests.
 
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from mixprec.accelerator.comm import CommPrecision
 from mixprec.accelerator.distributed import LaunchEnv, ProcessGroupStrategy
 from mixprec.accelerator.model_checks import check_no_low_precision_trainable
 from mixprec.accelerator.prepared import patch_forward
@@ -55,8 +57,10 @@ class FSDP2Strategy(ProcessGroupStrategy):
         reshard_after_forward: bool = True,
         timeout: float | None = None,
         sharded_state: bool = False,
+        comm: CommPrecision | None = None,
     ) -> None:
         super().__init__(env, device, timeout)
+        self.comm = comm if comm is not None else CommPrecision()
         self.shard = shard
         self.sharded_state = sharded_state
         self.reshard_after_forward = reshard_after_forward
@@ -79,7 +83,8 @@ class FSDP2Strategy(ProcessGroupStrategy):
                 dist.broadcast(tensor, src=0)
         names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         low = precision.compute_dtype if precision.compute_dtype != torch.float32 else None
-        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
+        reduce = self.comm.fsdp_reduce_dtype(precision.compute_dtype)  # comm_dtype="bf16": reduce-scatter in bf16
+        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce)
         mesh = init_device_mesh(self.device.type, (self.num_processes,))
         options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": self.reshard_after_forward}
         for sub in self._units(model):

@@ -61,7 +61,7 @@ def launcher_store(timeout: datetime.timedelta, environ: Mapping[str, str] = os.
     1 restart in 3 failed with "Gloo connectFullMesh failed ... Connection refused" or hung forever. One
     prefix per restart makes every worker group start from an empty namespace."""
     if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in environ:
-        return None
+        return _opened.get(_launch_key(environ))  # the store rank 0 opened before the group (open_early_store)
     if restarts_allowed_on_several_nodes(environ):  # the nodes' restart counts can differ (restarts.py)
         logger.warning(
             "several nodes with --max-restarts share torchrun's rendezvous store: after a restart their workers "
@@ -70,6 +70,38 @@ def launcher_store(timeout: datetime.timedelta, environ: Mapping[str, str] = os.
     client = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     run, restart = environ.get("TORCHELASTIC_RUN_ID", "-"), environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"mixprec/{run}/attempt_{restart}/", client)
+
+
+_opened: dict[tuple[str, ...], dist.Store] = {}
+
+
+def _launch_key(environ: Mapping[str, str]) -> tuple[str, ...]:
+    names = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "RANK")
+    return tuple(environ.get(name, "") for name in names)
+
+
+def open_early_store(timeout: datetime.timedelta, environ: Mapping[str, str] = os.environ) -> dist.Store | None:
+    """The launch's store before any process group exists (None: one process, or no MASTER_ADDR/PORT).
+
+    torchrun's agent store when it offers one; else (``mixprec torchrun`` turns torch's shared store off, and
+    other launchers never had one) the store ``init_process_group("env://")`` would open: a TCPStore served by
+    rank 0 on MASTER_PORT. It is opened once per process and launch attempt, and :func:`launcher_store` hands
+    the same one to the process group later (a second server on that port could not bind)."""
+    if int(environ.get("WORLD_SIZE", "1")) < 2 or "MASTER_ADDR" not in environ or "MASTER_PORT" not in environ:
+        return None
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return launcher_store(timeout, environ)
+    key = _launch_key(environ)
+    if key not in _opened:
+        rank = int(environ.get("RANK", "0"))
+        server = dist.TCPStore(
+            environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), int(environ["WORLD_SIZE"]), is_master=rank == 0,
+            timeout=timeout, wait_for_workers=False,
+        )  # fmt: skip
+        # No restart count in the prefix: each worker group serves a fresh store (rank 0 of this group binds
+        # it), and after a restart the nodes' counts can differ (restarts.py), which would part the ranks.
+        _opened[key] = dist.PrefixStore(f"mixprec/{environ.get('TORCHELASTIC_RUN_ID', '-')}/", server)
+    return _opened[key]
 
 
 def is_collective_failure(err: BaseException) -> bool:

@@ -143,14 +143,20 @@ def check_new_run_dir(run_dir: Path) -> None:
 
 def lock_run_dir(run_dir: Path) -> Any:
     """Create and lock the run folder on the main process (a no-op context elsewhere: the Trainer makes the
-    processes agree). FolderInUseError names the process already running there."""
+    processes agree). FolderInUseError names the process already running there, on every process under
+    torchrun (the main one's verdict goes through the launcher's store, before any process group exists:
+    mixprec.accelerator.verdict), so none waits for a group the main process will never join."""
     import contextlib
 
-    from mixprec.checkpoint import lock_folder
+    from mixprec.accelerator.verdict import main_decides
+    from mixprec.checkpoint import FolderInUseError, lock_folder
 
-    if not is_main():
-        return contextlib.nullcontext()
-    return lock_folder(run_dir, what="run folder")
+    held = main_decides(
+        f"lock:{os.path.realpath(run_dir)}",
+        lambda: lock_folder(run_dir, what="run folder"),
+        (FolderInUseError, OSError),
+    )
+    return held if held is not None else contextlib.nullcontext()
 
 
 def check_printable_paths(args: argparse.Namespace) -> None:

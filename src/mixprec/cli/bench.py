@@ -37,6 +37,7 @@ examples:
   mixprec bench --output bench.png              also write a PNG chart
   mixprec bench --data notes.txt --model ./my-hf-model --batch-size 8 --seq-len 256
   mixprec bench --threads 2                     a multi-threaded CPU run (default: 1 thread, steadier)
+  mixprec bench --nproc-per-node 2 --model tiny gradients on the wire: bytes and step time per --comm-dtypes
 
 bench's defaults differ from train's: --batch-size 4 and --seq-len 64 (an fp16 or bf16 step can be ~10x
 an fp32 step on a CPU without native support), and one torch thread on a CPU (several threads of a small
@@ -48,6 +49,10 @@ Each precision trains its own copy of the same initial model on the same batches
 reported with its interquartile range. Peak memory: CUDA max_memory_allocated, or on a CPU (Linux) the
 growth of the process's peak resident set while a fresh copy trains, after warm-up. MFU is against a
 matmul of the same dtype measured at start on this machine (the peak is named in the output).
+
+--nproc-per-node N (N >= 2) launches N processes (torch's launcher, one machine) that train DDP copies of the
+model with their gradients all-reduced in each of --comm-dtypes (default fp32,bf16,fp16), and reports bytes
+all-reduced per step (profiled) and step time per setting; --precisions then names one precision (default fp32).
 """
 
 
@@ -79,6 +84,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=None,
         help=f"torch intra-op threads (default: {CPU_THREADS} on a CPU, see below; torch's own with CUDA)",
+    )
+    group.add_argument(
+        "--nproc-per-node",
+        metavar="N",
+        type=positive_int,
+        default=1,
+        help="N >= 2: DDP over N processes, comparing --comm-dtypes (the dtype gradients are all-reduced in)",
+    )
+    group.add_argument(
+        "--comm-dtypes",
+        metavar="LIST",
+        default="fp32,bf16,fp16",
+        help="with --nproc-per-node: comma-separated communication dtypes to compare (default: fp32,bf16,fp16)",
     )
     group.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     group.add_argument("--json", action="store_true", help="print only the JSON document on stdout")
@@ -122,9 +140,68 @@ def run(args: argparse.Namespace) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     try:
+        if args.nproc_per_node > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return _run_comm(args)
         return _run(args)
     finally:
         torch.set_num_threads(previous)  # a caller of main() (a notebook, a test) keeps its own setting
+
+
+def _run_comm(args: argparse.Namespace) -> int:
+    """--nproc-per-node: launch the processes (from the command line), or be one of them (under the launcher)."""
+    from mixprec.accelerator.comm import make_comm
+
+    comms = [c.strip() for c in args.comm_dtypes.split(",") if c.strip()]
+    try:
+        names = [make_comm(c, "--comm-dtypes").name for c in comms]
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if not names:
+        raise CliError("--comm-dtypes: give at least one of fp32, bf16, fp16")
+    precisions = args.precisions.split(",") if "precisions" in explicit_flags(args) else ["fp32"]
+    if len(precisions) != 1:
+        raise CliError(f"--nproc-per-node compares communication dtypes: give one precision (--precisions fp32), "
+                       f"not {args.precisions!r}")  # fmt: skip
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        from mixprec.cli import torchrun
+
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in _workload_args(args).items() if v is not None]
+        flags += [f"--precisions={precisions[0]}", f"--comm-dtypes={','.join(names)}", f"--steps={args.steps}",
+                  f"--rounds={args.rounds}", f"--warmup={args.warmup}", f"--lr={args.lr}"]  # fmt: skip
+        flags += [f"--threads={args.threads}"] if args.threads is not None else []
+        launch = ["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "mixprec.cli.main", "bench"]
+        return torchrun.main([*launch, *flags])
+    return _comm_worker(args, precisions[0], names)
+
+
+def _comm_worker(args: argparse.Namespace, precision_name: str, comms: list[str]) -> int:
+    import torch.distributed as dist
+
+    from mixprec.bench.comm import format_comm_table, run_comm_bench
+    from mixprec.precision.registry import resolve_precision
+
+    env_rank = int(os.environ.get("RANK", "0"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else None
+    precision = resolve_precision(precision_name, device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if precision.device.type == "cuda" else "gloo")
+    try:
+        values = _workload_args(args)
+        workload = _build_workload(values, min(_MAX_BATCHES, args.warmup + args.rounds * args.steps + 2))
+
+        def log(msg: str) -> None:
+            if env_rank == 0:
+                print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+        log(f"workload: {workload.description}; precision {precision.name}")
+        rows = run_comm_bench(workload, precision, comms, steps=args.steps, rounds=args.rounds, warmup=args.warmup,
+                              lr=args.lr, log=log)  # fmt: skip
+        if env_rank == 0:
+            print(format_comm_table(rows, dist.get_world_size(), f"{workload.description}; precision {precision.name}"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:

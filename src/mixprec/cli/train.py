@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import Subset
 
+from mixprec.accelerator.comm import COMM_NAMES
 from mixprec.accelerator.distributed import LaunchEnv
 from mixprec.accelerator.restarts import restarted_anywhere, restarted_by_launcher, restarts_allowed_on_several_nodes
 from mixprec.cli import _rundir, report
@@ -77,6 +78,7 @@ examples:
   mixprec train --model gpt-1b --compile --seq-len 1024 --batch-size 8 --max-steps 100  0.91B GPT on a GPU
   mixprec train --model path/to/hf-model --lora-r 8 --precision bf16   LoRA on a frozen bf16 base (needs peft)
   torchrun --nproc_per_node=2 -m mixprec.cli.main train --output-dir runs/ddp
+  mixprec torchrun --nproc-per-node 2 -m mixprec.cli.main train --comm-dtype bf16   gradients sent in bf16
 
 an epoch is --epoch-tokens tokens of new chunks drawn from the training split (the whole split if it is
 smaller); the run evaluates on the held-out last 10% of the corpus at the end of every epoch.
@@ -149,6 +151,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="continue from the last checkpoint of --output-dir (or of the newest run in runs/), or of the run "
         "or checkpoint folder PATH; the run's saved flags are the defaults",
     )
+    g.add_argument(
+        "--comm-dtype",
+        choices=COMM_NAMES,
+        default=None,
+        help="dtype gradients travel in between processes under torchrun: fp32 (default), bf16 (half the bytes), fp16",
+    )
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument(
         "--gradient-checkpointing",
@@ -195,11 +203,13 @@ def _training_arguments(args: argparse.Namespace, info: DataModelInfo, output_di
         weight_decay=0.1,
         max_grad_norm=0.0 if args.step_in_backward else 1.0,  # clipping needs every gradient at once
         step_in_backward=args.step_in_backward,
+        comm_dtype=args.comm_dtype,
         warmup_ratio=0.05,
         lr_scheduler_type="cosine",
         eval_strategy="epoch",
         save_strategy="epoch",
         save_total_limit=2,
+        async_save=True,  # a checkpoint stalls the step only for a host copy (benchmarks/README.md)
         logging_steps=10,
         logging_first_step=True,
         seed=args.seed,

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from mixprec.accelerator.comm import make_comm
 from mixprec.accelerator.config import parse_state_dict_type
 from mixprec.accelerator.distributed import LaunchEnv, select_device
 from mixprec.precision.registry import canonical_name
@@ -122,6 +123,10 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
     """"no", "steps", "epoch", or "best" (save whenever an evaluation finds a new best metric)."""
     save_steps: float = 500
     save_total_limit: int | None = None
+    async_save: bool = False
+    """Write checkpoints on a background thread while training goes on (HF has no such field): a save stalls
+    the step only for a host copy of the state (Accelerator.save_state(async_save=True)). ``on_save`` then
+    fires before the folder is complete, and save_total_limit may be exceeded by one while a save is written."""
 
     # -- logging --------------------------------------------------------------------------------------
     logging_strategy: str = "steps"
@@ -159,6 +164,9 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
     ddp_timeout: float = 300
     """Seconds a collective waits for every process before the run ends naming the rank that did not answer
     (HF's name; its default is 1800, torch's too: mixprec waits 5 minutes, see mixprec.accelerator.peers)."""
+    comm_dtype: str | None = None
+    """Dtype gradients travel in between processes (HF has no such field): None/"fp32", "bf16" (half the bytes
+    per step), "fp16"; DDP communication hooks or FSDP2's reduce_dtype (mixprec.accelerator.comm)."""
 
     # -- precision watch ------------------------------------------------------------------------------
     precision_watch: int | str | dict | None = None
@@ -200,6 +208,7 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
         timeout = self.ddp_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             fail("ddp_timeout", self.ddp_timeout, "must be a number of seconds > 0")
+        make_comm(self.comm_dtype, f"TrainingArguments(comm_dtype={self.comm_dtype!r})")  # raises naming the field
         WatchConfig.parse(self.precision_watch, f"TrainingArguments(precision_watch={self.precision_watch!r})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             fail("seed", self.seed, "must be an integer")

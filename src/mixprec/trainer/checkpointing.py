@@ -239,10 +239,13 @@ def agree_on_resume(
     return Path(output_dir) / f"{PREFIX}{code}"
 
 
-def save_checkpoint(output_dir: str | os.PathLike[str], step: int, accelerator: Any, files: dict[str, Any]) -> Path:
+def save_checkpoint(
+    output_dir: str | os.PathLike[str], step: int, accelerator: Any, files: dict[str, Any], async_save: bool = False
+) -> Path:
     """Write checkpoint-``step`` atomically with the trainer's JSON ``files`` ({name: object}) inside.
-    Collective: every process calls it (each saves its RNG state; sharded models gather)."""
-    return accelerator.save_state(Path(output_dir) / f"{PREFIX}{step}", extra_json=files)
+    Collective: every process calls it (each saves its RNG state; sharded models gather). ``async_save``: the
+    folder is written and committed by a background thread (it appears once complete)."""
+    return accelerator.save_state(Path(output_dir) / f"{PREFIX}{step}", extra_json=files, async_save=async_save)
 
 
 def prune_checkpoints(output_dir: str | os.PathLike[str], limit: int | None, keep: str | None = None) -> list[Path]:
@@ -309,23 +312,48 @@ def save_trainer_checkpoint(run: RunContext, position: DataPosition) -> Path:
         ARGS_NAME: args.to_dict(),
         **model_config_file(acc.unwrap_model(run.model)),
     }
-    try:
-        save_checkpoint(args.output_dir, state.global_step, acc, files)
-    except DiskFullError as err:
-        last = latest_checkpoint(args.output_dir)
-        intact = f"the previous checkpoint, {last}, is intact" if last else "no earlier checkpoint exists"
-        raise DiskFullError(
-            err.errno,
-            f"disk full: {path.name} could not be saved (no space left while writing "
-            f"{Path(err.filename or '?').name}); {intact}. Free space on {args.output_dir}, then resume with "
-            f"{run.resume_command}",
-            err.filename,
-        ) from None
-    if acc.is_main_process:  # only now that the new one is complete
+    with _disk_full_explained(run, None if args.async_save else path.name):  # async: maybe the previous one
+        save_checkpoint(args.output_dir, state.global_step, acc, files, async_save=args.async_save)
+    if acc.is_main_process:  # only now that the new one is complete (async_save: it still lands, so one extra)
         prune_checkpoints(args.output_dir, args.save_total_limit, keep=state.best_model_checkpoint)
     acc.wait_for_everyone()
     run.events.fire("on_save", checkpoint=str(path))
     return path
+
+
+def wait_for_checkpoint(run: RunContext) -> None:
+    """Collective: an asynchronous checkpoint still being written lands (its failure raised, a full disk
+    explained as for a synchronous save); then the pruning its save could not do yet (save_total_limit)."""
+    with _disk_full_explained(run, None):
+        run.accelerator.wait_for_checkpoint()
+    if run.args.async_save and run.accelerator.is_main_process:
+        prune_checkpoints(run.args.output_dir, run.args.save_total_limit, keep=run.state.best_model_checkpoint)
+
+
+@contextlib.contextmanager
+def _disk_full_explained(run: RunContext, name: str | None) -> Any:
+    """A full disk during a save as one sentence: which checkpoint failed (``name``, or for an asynchronous
+    save the one whose unfinished folder held the file), that the previous one is intact, how to resume."""
+    try:
+        yield
+    except DiskFullError as err:
+        output_dir = run.args.output_dir
+        failed = name or _checkpoint_of(err.filename) or "a checkpoint"
+        last = latest_checkpoint(output_dir)
+        intact = f"the previous checkpoint, {last}, is intact" if last else "no earlier checkpoint exists"
+        raise DiskFullError(
+            err.errno,
+            f"disk full: {failed} could not be saved (no space left while writing "
+            f"{Path(err.filename or '?').name}); {intact}. Free space on {output_dir}, then resume with "
+            f"{run.resume_command}",
+            err.filename,
+        ) from None
+
+
+def _checkpoint_of(filename: str | None) -> str | None:
+    """``checkpoint-N`` from a file inside its unfinished folder (``.checkpoint-N.tmp-<tag>/...``)."""
+    match = re.search(rf"\.({PREFIX}\d+)\.tmp-", filename or "")
+    return match.group(1) if match else None
 
 
 def load_trainer_checkpoint(run: RunContext, path: Path) -> DataPosition:

@@ -332,6 +332,7 @@ class Trainer:
             ddp_kwargs=args.ddp_kwargs() or None,
             watch=args.precision_watch,
             timeout=args.ddp_timeout,
+            comm_dtype=args.comm_dtype,
             step_in_backward=args.step_in_backward,
             dataloader_config=args.dataloader_configuration(),
         )
@@ -507,6 +508,7 @@ class Trainer:
         steps_before = self.state.global_step
         with neftune(acc.unwrap_model(model), args.neftune_noise_alpha):  # embedding noise while training only
             loop.run()
+        ckpt.wait_for_checkpoint(run)  # async_save: the last checkpoint is complete before anything reads it
         interrupted = loop.interrupted
         if interrupted is None and args.load_best_model_at_end:
             weights.load_best_model(acc, model, args, self.state)

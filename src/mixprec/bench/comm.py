@@ -1,0 +1,158 @@
+"""Gradients on the wire: the same DDP training step with each communication dtype, side by side.
+
+``mixprec bench --nproc-per-node N`` launches N processes (torch's launcher); each runs this, and the main
+process reports. Per setting (``comm_dtype`` fp32 / bf16 / fp16, :mod:`mixprec.accelerator.comm`):
+
+- **bytes all-reduced per step**, measured: one extra, untimed step runs under torch's profiler, and every
+  collective the backend ran (``gloo:all_reduce`` / ``nccl:all_reduce`` events: element count and dtype) is
+  added up on this process. That is the payload each process hands the backend; a ring all-reduce moves
+  about 2 (N-1)/N times it over each process's links, the same factor for every setting;
+- **step time**: median and interquartile range over interleaved rounds (each round times every setting,
+  starting with a different one; STYLE.md habit 13), on the main process, whose steps wait for the others
+  at every all-reduce;
+- the **last training loss**, to show the settings trained alike.
+
+Each setting trains its own DDP copy of the same initial model with its own AdamW, through the bench's one
+step (``runner.train_step``). Depends on the precision layer and on :mod:`mixprec.accelerator.comm` (a leaf:
+the hooks); it wraps the model in DDP itself rather than through the Accelerator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mixprec.accelerator.comm import CommPrecision, make_comm
+from mixprec.bench.runner import train_step
+from mixprec.bench.timing import Summary, make_timer, summarize, synchronize
+from mixprec.bench.workload import Batch, Workload
+from mixprec.precision.base import Precision
+from mixprec.scaling.scaler import GradScaler
+
+_ITEMSIZE = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "int": 4, "long int": 8,
+             "unsigned char": 1, "signed char": 1, "bool": 1, "short int": 2}  # fmt: skip
+"""Bytes per element of the dtype names torch's profiler gives a collective's inputs."""
+
+
+@dataclass
+class CommRow:
+    """One setting's measurements."""
+
+    comm: str
+    bytes_per_step: int
+    step: Summary
+    last_loss: float
+
+
+@dataclass
+class _Arm:
+    comm: CommPrecision
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: GradScaler
+    times: list[float] = field(default_factory=list)
+    loss: float = float("nan")
+    steps_done: int = 0
+
+
+def bytes_all_reduced(step: Callable[[], object]) -> int:
+    """Bytes this process handed the backend's collectives during ``step()`` (profiled: one untimed step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    total = 0
+    for event in prof.events():
+        if not event.name.endswith(":all_reduce"):  # gloo:all_reduce, nccl:all_reduce (the backend's own)
+            continue
+        for shape, dtype in zip(event.input_shapes, event.input_dtypes):
+            numel = 1
+            for size in shape:
+                numel *= size
+            total += numel * _ITEMSIZE.get(dtype, 4)
+    return total
+
+
+def run_comm_bench(
+    workload: Workload,
+    precision: Precision,
+    comms: list[str],
+    *,
+    steps: int,
+    rounds: int,
+    warmup: int,
+    lr: float,
+    log: Callable[[str], None],
+) -> list[CommRow]:
+    """Every process calls it (a process group must exist); returns the rows (the same on every process
+    but the times, which are this process's)."""
+    device, rank = precision.device, dist.get_rank()
+    batches = [{k: v.to(device) for k, v in b.items()} for b in workload.batches]
+    arms = [_make_arm(workload, precision, make_comm(c, "--comm-dtypes"), lr) for c in comms]
+    for arm in arms:
+        _run(arm, batches, precision, warmup, rank, timed=False)
+    for r in range(rounds):
+        for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:  # each round starts with another setting
+            dist.barrier()  # every process starts the setting's steps together
+            _run(arm, batches, precision, steps, rank, timed=True)
+        log(f"round {r + 1}/{rounds} done")
+    rows = []
+    for arm in arms:
+        counted = bytes_all_reduced(lambda arm=arm: _run(arm, batches, precision, 1, rank, timed=False))
+        rows.append(CommRow(arm.comm.name, counted, summarize(arm.times), arm.loss))
+    return rows
+
+
+def _make_arm(workload: Workload, precision: Precision, comm: CommPrecision, lr: float) -> _Arm:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = precision.convert_module(workload.fresh_model(precision.device))
+    device_ids = [precision.device.index] if precision.device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=device_ids)  # broadcasts rank 0's weights
+    comm.register(ddp)
+    optimizer = precision.convert_optimizer(torch.optim.AdamW(ddp.parameters(), lr=lr))
+    return _Arm(comm, ddp, optimizer, precision.make_scaler())
+
+
+def _run(arm: _Arm, batches: list[Batch], precision: Precision, n: int, rank: int, *, timed: bool) -> None:
+    timer = make_timer(precision.device)
+    loss = None
+    for _ in range(n):
+        batch = batches[(arm.steps_done + rank) % len(batches)]  # each process its own batch
+        if timed:
+            timer.start()
+        loss = train_step(arm.model, batch, precision, arm.optimizer, arm.scaler)
+        if timed:
+            timer.stop()
+        arm.steps_done += 1
+    if timed:
+        arm.times.extend(timer.times())
+    else:
+        synchronize(precision.device)
+    if loss is not None:
+        arm.loss = float(loss.float())
+
+
+def format_comm_table(rows: list[CommRow], processes: int, description: str) -> str:
+    """The report: one line per setting, bytes and time also as ratios to the first setting (fp32)."""
+    base = rows[0]
+    lines = [
+        f"mixprec bench: gradients on the wire, {processes} processes, DDP",
+        f"  {description}",
+        f"  {'comm':<6} {'bytes/step':>12} {'vs ' + base.comm:>8} {'step ms':>9} {'IQR ms':>8} "
+        f"{'vs ' + base.comm:>8} {'last loss':>10}",
+    ]
+    for row in rows:
+        lines.append(
+            f"  {row.comm:<6} {row.bytes_per_step:>12,} {row.bytes_per_step / max(base.bytes_per_step, 1):>8.2f} "
+            f"{row.step.median * 1e3:>9.1f} {row.step.spread * 1e3:>8.1f} "
+            f"{row.step.median / base.step.median:>8.2f} {row.last_loss:>10.4f}"
+        )
+    lines.append(
+        "  bytes/step: the payload this process handed the backend's all-reduces in one step (profiled); "
+        "step ms: median on the main process"
+    )
+    return "\n".join(lines)
