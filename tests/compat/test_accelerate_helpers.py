@@ -57,7 +57,7 @@ def test_ddp_kwargs_reach_distributed_data_parallel_and_comm_hook_becomes_comm_d
     )
     acc = Accelerator(kwargs_handlers=[handler], verbose=False)
     assert acc.config.ddp_kwargs == {"bucket_cap_mb": 15, "find_unused_parameters": True}
-    assert acc.config.comm_dtype == "bf16"
+    assert acc.config.comm_dtype.name == "bf16"  # parsed into the DDP strategy's CommPrecision
     wrapper = utils.DistributedDataParallelKwargs(comm_wrapper=utils.DDPCommunicationHookType.FP16)
     with pytest.raises(ValueError, match=r"DistributedDataParallelKwargs\(comm_wrapper=.*not supported"):
         Accelerator(kwargs_handlers=[wrapper])
