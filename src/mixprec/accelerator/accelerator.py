@@ -199,14 +199,22 @@ class Accelerator:
         return applied
 
     def settle_precision(
-        self, loss_fn: Callable[[], torch.Tensor], batch: Any = None, *, excluded: Mapping[str, str] | None = None
+        self,
+        loss_fn: Callable[[], torch.Tensor],
+        batch: Any = None,
+        *,
+        excluded: Mapping[str, str] | None = None,
+        run_steps: int | None = None,
     ) -> AutoDecision | None:
         """For precision="auto": race the candidate modes on ``loss_fn`` (the forward of one real training
         step through a prepared model, returning its loss) and keep the fastest safe one, now. Nothing of
         the race reaches training (gradients, buffers and RNG states are restored). The Trainer calls it
         before its first step; a hand-written loop need not (its first training forward does it). A no-op
-        for a named precision, or once decided. Costs a few forward+backward passes, once per run."""
-        return self._precision.settle(loss_fn, self._registry.models, batch=batch, excluded=excluded)
+        for a named precision, or once decided. Costs a few forward+backward passes, once per run: at most a
+        small share of it when ``run_steps`` (the run's length in steps) is given."""
+        return self._precision.settle(
+            loss_fn, self._registry.models, batch=batch, excluded=excluded, run_steps=run_steps
+        )
 
     @property
     def device(self) -> torch.device:
