@@ -107,7 +107,7 @@ def test_a_race_beside_a_busy_neighbour_gives_the_same_verdict_whatever_the_burs
         chosen = []
         for seed in range(30):
             rng = random.Random(seed)
-            clock = FakeClock(cost, noise=lambda name: 1.0 + (2.0 * rng.random() if rng.random() < 0.1 else 0.0))
+            clock = FakeClock(cost, noise=lambda name, rng=rng: 1.0 + (2.0 * rng.random() if rng.random() < 0.1 else 0))
             chosen.append(decide(["fp32", "bf16"], clock.run, device="cpu", threads=1, clock=clock).chosen)
         assert chosen == [expected] * 30, (cost, chosen)
 
