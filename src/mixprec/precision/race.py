@@ -293,10 +293,10 @@ def recheck(decision: AutoDecision, run: Run, clock: Clock, clock_name: str) -> 
         times.append(clock() - t0)
     now = min(times)
     holds = best / CHECK_RATIO <= now <= median * CHECK_RATIO
-    verdict = "within the noise" if holds else f"off by over {CHECK_RATIO:g}x, so raced again"
+    outcome = "within the noise" if holds else f"off by over {CHECK_RATIO:g}x, so raced again"
     return holds, (
         f"checked now: {decision.chosen}'s best trial {now * 1e3:.1f} ms against {best * 1e3:.1f}-"
-        f"{median * 1e3:.1f} ms cached (best-median): {verdict}"
+        f"{median * 1e3:.1f} ms cached (best-median): {outcome}"
     )
 
 
