@@ -18,15 +18,14 @@ from mixprec.precision.base import default_device
 # non-finite search costs ~10x an fp32 pass, so one batch is searched; the fp32 histograms use every batch.
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_BATCHES = 2
-DEFAULT_PLOT = "mixprec-diagnose.png"
 
-EPILOG = f"""\
+EPILOG = """\
 examples:
   mixprec diagnose                           the built-in GPT and corpus of `mixprec train`
   mixprec diagnose --json > report.json      the report alone on stdout, as JSON
   mixprec diagnose --precision bf16          search for the first non-finite module under bf16
   mixprec diagnose --data notes.txt --model ./my-hf-model --batches 4
-  mixprec diagnose --plot hist.png           where the histogram PNG goes (default: {DEFAULT_PLOT})
+  mixprec diagnose --plot runs/hist.png      also draw the histograms into that PNG (default: no file)
 
 The diagnosis runs a few forward/backward passes in fp32 with hooks, histograms each layer's activations
 and gradients against the fp16 and bf16 ranges, recommends a precision and an initial loss scale, and runs
@@ -55,8 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     group.add_argument("--lr", metavar="X", type=float, default=1e-3, help="for the bf16 lost-update estimate")
     group.add_argument("--top", metavar="N", type=positive_int, default=15, help="layers shown (default: 15)")
-    group.add_argument("--plot", metavar="PNG", default=DEFAULT_PLOT, help=f"histogram PNG (default: {DEFAULT_PLOT})")
-    group.add_argument("--no-plot", action="store_true", help="write no PNG")
+    # no file unless asked (issue 29: a PNG appeared in whatever folder the user stood in)
+    group.add_argument("--plot", metavar="PNG", default=None, help="draw the histograms into this PNG (default: none)")
+    group.add_argument("--no-plot", action="store_true", help=argparse.SUPPRESS)  # the default; kept for old scripts
     group.add_argument("--json", action="store_true", help="print only the report as JSON on stdout")
     parser.set_defaults(func=run)
 
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         nonfinite_batches=min(args.nonfinite_batches, args.batches),
         lr=args.lr,
     )
-    if not args.no_plot:
+    if args.plot is not None and not args.no_plot:
         path = report.plot(Path(args.plot))
         log(f"histograms written to {path}")
     if args.json:
