@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any
 
+from mixprec.trainer.callbacks import TrainerCallback
+
 
 class LineProgress:
     """tqdm's part the callback uses (update, set_postfix, write, close), as whole lines on stderr: one at
@@ -51,8 +53,6 @@ class LineProgress:
 
     def close(self) -> None:
         self.write(self._line())
-
-from mixprec.trainer.callbacks import TrainerCallback
 
 
 class ProgressCallback(TrainerCallback):
