@@ -46,6 +46,13 @@ def test_table_names_the_recommendation_and_the_layers(corpus, tmp_path, capsys,
     assert main(["diagnose", "--data", str(corpus), *FAST, "--top", "5"]) == 0
     out = capsys.readouterr().out
     assert "recommended precision:" in out and "initial loss scale" in out
+    # issue 29: safety and speed named apart; the recommendation is the fastest safe mode, by auto's race
+    (rec,) = [line for line in out.splitlines() if line.startswith("recommended precision:")]
+    (safety,) = [line for line in out.splitlines() if line.startswith("  safety: ")]
+    (speed,) = [line for line in out.splitlines() if line.startswith("  speed: auto's race on this batch")]
+    chosen = speed.rsplit("fastest safe: ", 1)[1]
+    assert rec.startswith(f"recommended precision: {chosen} (the fastest of the safe modes)")
+    assert chosen == "fp32" or chosen in safety
     assert "first non-finite under fp16: none found" in out
     assert [p for p in tmp_path.iterdir() if p != corpus] == []
 

@@ -4,9 +4,11 @@ loss scale to start from — measured on the user's model and data (default: tho
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -61,6 +63,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device, log: Any) -> dict[str, Any]:
+    """Race the modes the diagnosis judged safe on one batch, as ``mixprec train`` under auto does on its
+    first (same race, same rule), and make the recommendation the fastest of them (issue 29: diagnose
+    recommended fp16 where bench measured fp16 at 0.10x fp32 and auto picked bf16). Costs a few
+    forward+backward passes; the model is left as found (the race runs on a copy)."""
+    from mixprec import Accelerator
+    from mixprec.models.outputs import extract_loss
+
+    log("racing the safe modes on one batch (what auto would pick here)")
+    acc = Accelerator(mixed_precision="auto", device=device, verbose=False)
+    copy_ = acc.prepare(copy.deepcopy(model))
+    batch = {k: v.to(device) for k, v in batch.items()}
+    excluded = {n: "the diagnosis judged it unsafe for this model" for n in ("fp16", "bf16")}
+    for name in report.safe_precisions:
+        excluded.pop(name, None)
+    decision = acc.settle_precision(lambda: extract_loss(copy_(**batch)), batch, excluded=excluded)
+    if decision is None:
+        return {}
+    report.recommended_precision = decision.chosen
+    speed = decision.speedups()
+    timed = ", ".join(f"{n} {speed[n]:.2f}x" for n in decision.step_seconds)
+    dropped = "".join(f"; {n} dropped: not faster" for n in decision.dropped)
+    summary = (
+        f"auto's race on this batch ({decision.clock}, {decision.rounds} paired rounds): {timed or '-'}{dropped}; "
+        f"fastest safe: {decision.chosen}"
+    )
+    return {**decision.to_dict(), "summary": summary}
+
+
 def run(args: argparse.Namespace) -> int:
     from mixprec.diagnostics import diagnose  # heavy: only when this subcommand runs
 
@@ -81,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         nonfinite_batches=min(args.nonfinite_batches, args.batches),
         lr=args.lr,
     )
+    report.speed = _speed(model, next(iter(loader)), report, device, log)
     if args.plot is not None and not args.no_plot:
         path = report.plot(Path(args.plot))
         log(f"histograms written to {path}")
