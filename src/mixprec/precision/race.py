@@ -102,6 +102,11 @@ class AutoDecision:
     measured_at: str = ""  # when the race ran (UTC, ISO 8601): a cached decision says how old it is
     checked: str = ""  # a cached decision's re-check in this run: what was measured, and the verdict
 
+    def _ordered(self, names: Any) -> list[str]:
+        """``names`` safest first (the cache's JSON keeps its keys sorted by name)."""
+        rank = {name: i for i, name in enumerate(self.candidates)}
+        return sorted(names, key=lambda n: rank.get(n, len(rank)))
+
     def speedups(self) -> dict[str, float]:
         """Each measured mode's speed relative to the safest measured one (fp32 where measured)."""
         if not self.step_seconds:
@@ -113,7 +118,7 @@ class AutoDecision:
         """One line per candidate: median and best ms, speed vs fp32, or why it was excluded."""
         lines = []
         speed = self.speedups()
-        for name in [*self.step_seconds, *(n for n in self.excluded if n not in self.step_seconds)]:
+        for name in [*self._ordered(self.step_seconds), *(n for n in self.excluded if n not in self.step_seconds)]:
             cells = [f"{name:<6}"]
             if name in self.step_seconds:
                 cells.append(f"{self.step_seconds[name] * 1e3:9.1f} ms median")
@@ -138,7 +143,8 @@ class AutoDecision:
             return self.measured
         speed = self.speedups()
         parts = []
-        for name, seconds in self.step_seconds.items():
+        for name in self._ordered(self.step_seconds):
+            seconds = self.step_seconds[name]
             cell = f"{name} {seconds * 1e3:.1f} ms ({speed.get(name, 0.0):.2f}x"
             if name in self.speedup_interval:
                 low, high = self.speedup_interval[name]
