@@ -126,7 +126,9 @@ def auto_rows(auto: dict[str, Any] | None) -> list[tuple[str, str]]:
     medians, best = auto["step_seconds"], auto.get("best_seconds", {})
     base = medians.get("fp32") or next(iter(medians.values()))
     rows = []
-    for name in [*medians, *(n for n in auto.get("excluded", {}) if n not in medians)]:
+    rank = {n: i for i, n in enumerate(auto.get("candidates", []))}
+    ordered = sorted(medians, key=lambda n: rank.get(n, len(rank)))  # safest first, as raced
+    for name in [*ordered, *(n for n in auto.get("excluded", {}) if n not in medians)]:
         if name in medians:
             text = f"{medians[name] * 1e3:.1f} ms median, {best.get(name, medians[name]) * 1e3:.1f} ms best"
             text += f" ({base / medians[name]:.2f}x fp32"
