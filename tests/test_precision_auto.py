@@ -137,16 +137,13 @@ def test_a_mode_wins_only_against_every_safer_mode_still_racing():
     assert race.choose_paired(["fp32", "bf16", "fp16"], samples, {"fp16": 3}) == "bf16"
 
 
-def test_a_pair_still_undecided_when_the_rounds_run_out_is_settled_by_the_best_times():
-    # A busy machine: bf16 1.12x faster, but bursts leave the paired interval wide after 6 rounds. The best
-    # times (noise only adds) decide, by the same margin: bf16 here, every time; a 2% gain stays fp32's.
+def test_a_pair_still_undecided_when_the_rounds_run_out_is_a_tie_for_the_safer_mode():
+    # A busy machine: bf16's best times look 10% faster, but the paired interval still spans the margin
+    # when the rounds run out: a tie, fp32 every time (not whichever way the best times fell).
     fp32 = [1.00, 1.30, 1.02, 1.00, 1.25, 1.01]
     bf16 = [0.90, 0.89, 1.20, 0.92, 0.90, 1.10]
     assert race.verdict(bf16, fp32) == race.UNDECIDED
-    assert race.choose_paired(["fp32", "bf16"], {"fp32": fp32, "bf16": bf16}, {}) == "bf16"
-    level = [t * 0.98 / 0.9 for t in bf16]
-    assert race.verdict(level, fp32) == race.UNDECIDED
-    assert race.choose_paired(["fp32", "bf16"], {"fp32": fp32, "bf16": level}, {}) == "fp32"
+    assert race.choose_paired(["fp32", "bf16"], {"fp32": fp32, "bf16": bf16}, {}) == "fp32"
 
 
 def test_the_race_stays_within_its_budget_share_of_the_run():
