@@ -15,13 +15,11 @@ while bf16's step was 1.68x faster), so the protocol is (STYLE.md habit 13, as `
    a row got no further (``Unfinished.progress``) than the furthest before: a mode paying one-time setup
    (per layer, per kernel shape) gets further every trial or two, an emulated fp16 15x slower than fp32
    stops at the same place every time, and is dropped after three trials of 1.5x the safest one's;
-2. **paired rounds**: each round runs every candidate twice, there and back (A B B A, the order rotated
-   each round) and keeps each one's better trial (a burst on one trial is dropped, not carried into the
-   ratio), and the comparison is the ratio of two modes' times *in the same round* (a neighbour's slow
-   spell slows both halves of a pair, not one mode's whole median). The clock is the race thread's CPU
-   time on a CPU (it stops while the thread waits for a core, so a neighbour's work is not counted against
-   whichever mode was running) and the wall clock after a device sync on a GPU (its work does not show in
-   host CPU time);
+2. **paired rounds**: each round runs every candidate once, back to back in a rotated order, and the
+   comparison is the ratio of two modes' times *in the same round* (a neighbour's burst slows both halves
+   of a pair, not one mode's whole median). The clock is the race thread's CPU time on a CPU (it stops while
+   the thread waits for a core, so a neighbour's work is not counted against whichever mode was running)
+   and the wall clock after a device sync on a GPU (its work does not show in host CPU time);
 3. **confidence**: after ``MIN_ROUNDS`` rounds and after each further one, each less safe mode's paired
    time ratio against each safer mode gets a 95% interval for its median (the sign test's: a neighbour's
    bursts are outliers that only add time, not Gaussian noise). Entirely below ``1 - MARGIN``: it
@@ -227,15 +225,10 @@ def race(
     racing = same([c for c in racing if c not in out and c not in dropped])
     for r in range(rounds):
         order = racing[r % len(racing) :] + racing[: r % len(racing)] if racing else []
-        # there and back (A B B A): each mode's sample is the better of its two trials, so a burst that
-        # hits one trial is dropped rather than carried into the pair's ratio (noise only adds time)
-        times: dict[str, float] = {}
-        for name in [*order, *reversed(order)]:
+        for name in order:
             t0 = clock()
             run(name, None)
-            times[name] = min(times.get(name, math.inf), clock() - t0)
-        for name in order:
-            samples[name].append(times[name])
+            samples[name].append(clock() - t0)
         if r + 1 < MIN_ROUNDS or len(racing) < 2:
             if len(racing) < 2:
                 break
