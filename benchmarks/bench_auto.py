@@ -3,6 +3,7 @@
     python -m benchmarks.bench_auto                          # all three workloads (several minutes)
     python -m benchmarks.bench_auto --only mlp --rounds 8    # one of: bench, gpt2, mlp
     python -m benchmarks.bench_auto --json auto.json
+    python -m benchmarks.bench_auto --repeat 10 --neighbour   # does the verdict agree with itself? (issue 29)
 
 - ``bench``: ``mixprec bench``'s default workload (the built-in small GPT, batch 4 x 64, one thread);
 - ``gpt2``: ``mixprec bench --model gpt2 --batch-size 2 --seq-len 128`` (GPT-2 124M from its config);
@@ -14,6 +15,12 @@ mode it chose, so the verdict is ``auto's mode's median / the fastest candidate'
 four arms (auto's included, after its race) run interleaved rounds of ``--steps`` steps; the verdict is auto's
 median over the fastest named mode's. Goal: within 5% (``AUTO_TOLERANCE``). Also reported: what the race
 measured and what it cost.
+
+``--repeat N``: N fresh races (no cache) of the default ``mixprec train`` step (the small GPT, batch 16 x 128
+of the embedded corpus, the threads train would choose), and how many agree with the most common choice;
+with ``--neighbour`` the same N again beside a busy process this script starts (one thread of 512 x 512
+matmuls in a loop) and stops. ``--clock wall`` races on the wall clock instead of the thread's CPU time, to
+compare. Goal: N/N agree in each condition.
 """
 
 from __future__ import annotations
@@ -116,6 +123,68 @@ def mlp_loop(steps: int, rounds: int, batch: int = 256, width: int = 1024) -> di
     }
 
 
+NEIGHBOUR = "import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nwhile True:\n    a = (a @ a).tanh()\n"
+
+
+def train_step_races(repeat: int, clock: str, threads: int | None) -> dict[str, Any]:
+    """``repeat`` fresh races of the default ``mixprec train`` step; each one's choice, interval and cost."""
+    import argparse as _argparse
+    import copy
+
+    from mixprec.cli import _threads
+    from mixprec.cli._common import load_model_and_data
+    from mixprec.cli.train import DEFAULT_BATCH_SIZE, DEFAULT_SEQ_LEN
+
+    chosen_threads = threads or _threads.choose_threads().threads
+    torch.set_num_threads(chosen_threads)
+    ns = _argparse.Namespace(precision="auto", seed=42, batch_size=DEFAULT_BATCH_SIZE, seq_len=DEFAULT_SEQ_LEN)
+    model, train, _, info = load_model_and_data(ns)
+    batch = {k: torch.stack([train[i][k] for i in range(DEFAULT_BATCH_SIZE)]) for k in train[0]}
+    runs = []
+    for _ in range(repeat):
+        acc = Accelerator(mixed_precision="auto", verbose=False)
+        m = copy.deepcopy(model)
+        m, _opt = acc.prepare(m, torch.optim.AdamW(m.parameters(), lr=1e-3))
+        kwargs = {"clock": time.perf_counter} if clock == "wall" else {}
+        d = acc.precision.settle(  # pending: the "auto" strategy itself
+            lambda m=m: m(**batch).loss, [m], batch=batch, use_cache=False, run_steps=300, **kwargs
+        )
+        runs.append({"chosen": d.chosen, "speedups": d.speedups(), "interval": d.speedup_interval,
+                     "rounds": d.rounds, "dropped": d.dropped, "cost_s": d.cost_seconds})  # fmt: skip
+    choices = [r["chosen"] for r in runs]
+    top = max(set(choices), key=choices.count)
+    return {
+        "workload": f"mixprec train's step: {info.model_description}, batch {DEFAULT_BATCH_SIZE} x {info.seq_len}, "
+        f"{chosen_threads} thread(s), {clock} clock",
+        "choices": choices,
+        "agreement": f"{choices.count(top)}/{len(choices)} chose {top}",
+        "runs": runs,
+    }
+
+
+def repeat_main(args: argparse.Namespace) -> dict[str, Any]:
+    import subprocess
+    import sys
+
+    out: dict[str, Any] = {"quiet": train_step_races(args.repeat, args.clock, args.threads)}
+    if args.neighbour:
+        proc = subprocess.Popen([sys.executable, "-c", NEIGHBOUR])
+        try:
+            time.sleep(1.0)
+            out["beside a busy neighbour"] = train_step_races(args.repeat, args.clock, args.threads)
+        finally:
+            proc.kill()
+            proc.wait()
+    for condition, r in out.items():
+        print(f"{condition}: {r['workload']}\n  agreement: {r['agreement']}")
+        for run in r["runs"]:
+            sp = ", ".join(f"{k} {v:.2f}x" for k, v in run["speedups"].items())
+            iv = ", ".join(f"{k} {lo:.2f}-{hi:.2f}x" for k, (lo, hi) in run["interval"].items())
+            print(f"    {run['chosen']:<5} {sp}; 95% interval {iv or '-'}; {run['rounds']} rounds; "
+                  f"race {run['cost_s']:.1f}s" + (f"; dropped {run['dropped']}" if run["dropped"] else ""))  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", choices=("bench", "gpt2", "mlp"), action="append")
@@ -128,7 +197,17 @@ def main(argv: list[str] | None = None) -> int:
         help="the modes timed on GPT-2 (default: fp32,fp16,bf16,auto); e.g. fp32,bf16,auto where emulated fp16 "
         "takes minutes a step (auto's own race still tries fp16 and reports it)",
     )
+    p.add_argument("--repeat", type=int, default=0, help="N fresh races of mixprec train's step: their agreement")
+    p.add_argument("--neighbour", action="store_true", help="with --repeat: again beside a busy process")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="with --repeat: the race's clock")
+    p.add_argument("--threads", type=int, default=None, help="with --repeat: torch threads (default: train's)")
     args = p.parse_args(argv)
+    if args.repeat:
+        result = repeat_main(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return 0
     chosen = args.only or ["bench", "gpt2", "mlp"]
     out: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     if "bench" in chosen:

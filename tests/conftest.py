@@ -12,6 +12,11 @@ import os
 # One intra-op thread for the whole suite and the processes it launches: its models are tiny, and on a
 # shared 2-core machine a second OpenMP thread mostly waits for a core (tests ran ~2x slower with two).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Tests write only under temporary folders: wandb's core writes core-debug-*.log under $WANDB_CACHE_DIR (else
+# ~/.cache/wandb/logs) whatever a run's dir is (issue 29), so its folders point into one for the session.
+_WANDB_TMP = __import__("tempfile").mkdtemp(prefix="mixprec-tests-wandb-")
+for _var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+    os.environ[_var] = _WANDB_TMP
 # "auto" measures every run afresh in tests (its on-disk cache is tested on its own, in a temporary folder).
 os.environ["MIXPREC_AUTO_CACHE"] = "0"
 

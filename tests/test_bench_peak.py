@@ -33,3 +33,18 @@ def test_peak_keeps_the_best_rate_seen(monkeypatch):
     result = peak.measure_peak_flops(torch.float32, "cpu")
     assert result.size == 256
     assert result.flops_per_s == pytest.approx(4e9)
+
+
+def test_every_dtype_is_timed_at_the_same_sizes(monkeypatch):
+    # issue 29: fp32 stopped at 512 (fast enough to hit the time target) and bf16 went on to 1024, so the
+    # fastest row showed the lowest MFU. Every dtype must see every size.
+    sizes: dict[torch.dtype, list[int]] = {}
+
+    def fake(a, b, device):
+        sizes.setdefault(a.dtype, []).append(a.shape[0])
+        return 1.0 if a.dtype == torch.float32 else 0.001  # fp32 "slow": the old rule stopped it at once
+
+    monkeypatch.setattr(peak, "_time_linear", fake)
+    for dtype in (torch.float32, torch.bfloat16):
+        peak.measure_peak_flops(dtype, "cpu")
+    assert sizes[torch.float32] == sizes[torch.bfloat16] and set(sizes[torch.float32]) == {256, 512}

@@ -53,3 +53,10 @@ def test_json_writes_nan_as_null(result, monkeypatch):
 def test_chart_is_a_png(result, tmp_path):
     path = write_chart(result, tmp_path / "sub" / "bench.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_difference_that_rounds_to_zero_prints_without_a_minus():
+    from mixprec.bench.report import _num
+
+    assert _num(-1e-7, "+.4f") == "+0.0000" and _num(-0.25, "+.4f") == "-0.2500" and _num(-1e-9, ".4f") == "0.0000"
+    assert _num(None, ".4f") == "-"

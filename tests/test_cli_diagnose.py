@@ -41,12 +41,20 @@ def test_json_is_the_report_alone_on_stdout(corpus, tmp_path):
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_table_names_the_recommendation_and_the_layers(corpus, tmp_path, capsys):
-    assert main(["diagnose", "--data", str(corpus), *FAST, "--no-plot", "--top", "5"]) == 0
+def test_table_names_the_recommendation_and_the_layers(corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # issue 29: no PNG in the folder the user stands in unless asked for
+    assert main(["diagnose", "--data", str(corpus), *FAST, "--top", "5"]) == 0
     out = capsys.readouterr().out
     assert "recommended precision:" in out and "initial loss scale" in out
+    # issue 29: safety and speed named apart; the recommendation is the fastest safe mode, by auto's race
+    (rec,) = [line for line in out.splitlines() if line.startswith("recommended precision:")]
+    (safety,) = [line for line in out.splitlines() if line.startswith("  safety: ")]
+    (speed,) = [line for line in out.splitlines() if line.startswith("  speed: auto's race on this batch")]
+    chosen = speed.rsplit("fastest safe: ", 1)[1]
+    assert rec.startswith(f"recommended precision: {chosen} (the fastest of the safe modes)")
+    assert chosen == "fp32" or chosen in safety
     assert "first non-finite under fp16: none found" in out
-    assert not (tmp_path / "mixprec-diagnose.png").exists()
+    assert [p for p in tmp_path.iterdir() if p != corpus] == []
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):

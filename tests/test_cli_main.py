@@ -117,3 +117,23 @@ def test_mixprec_torchrun_hands_its_arguments_to_torchs_launcher_untouched(monke
     argv = ["torchrun", "--nproc_per_node=2", "--max-restarts=3", "-m", "mixprec.cli.main", "train", "--help"]
     assert main(argv) == 0
     assert seen == [argv[1:]]  # nothing parsed by mixprec's own parser (train's --help included)
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["train", "--batch-size", "0"], "--batch-size"),
+        (["train", "--lr", "-1"], "--lr"),
+        (["train", "--epochs", "0"], "--epochs"),
+        (["train", "--max-steps", "-5"], "--max-steps"),
+        (["bench", "--steps", "0"], "--steps"),
+        (["train", "--no-such-flag"], "--no-such-flag"),
+    ],
+)
+def test_a_bad_flag_is_one_line_naming_it_without_the_usage_block(capsys, argv, flag):
+    # issue 29: numeric flag errors printed argparse's 8-line usage block before the message
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and flag in err and "usage:" not in err
+    assert "--help" in err

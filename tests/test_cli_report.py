@@ -47,7 +47,9 @@ def test_the_rows_hold_what_the_issue_asks_for():
     assert rows["precision"] == "fp16: fp16 was asked for"
     assert rows["steps"] == "300 (3 epochs), 3 skipped"
     assert rows["loss scale"] == "32768 at the end"
-    assert rows["train loss"].startswith("1.9000 nats/byte (perplexity 6.69)")
+    assert rows["train loss"].startswith("1.9000 nats/byte (perplexity 6.69)")  # no mean: the last logged
+    mean = _rows(summary={**SUMMARY, "train_loss": 2.25, "train_loss_steps": 300})["train loss"]
+    assert mean == "2.2500 nats/byte (perplexity 9.49), the mean over the 300 steps this run took"
     assert rows["validation loss"] == "1.8000 nats/byte (perplexity 6.05)"
     assert rows["unigram baseline"].startswith("3.1000 nats/byte (perplexity 22.20)")
     assert rows["learned"] == "validation loss 1.30 nats/byte below the unigram baseline"

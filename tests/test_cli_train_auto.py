@@ -36,7 +36,18 @@ def _events(run: Path, name: str) -> list[dict]:
 def test_auto_races_on_the_real_step_and_says_so_everywhere(tmp_path, corpus, capsys, bf16_wins):  # noqa: F811
     run = tmp_path / "run"
     assert main(["train", "--data", corpus, *AUTO, "--max-steps", "2", "--output-dir", str(run)]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # issue 29, one story per run: the decision told once on stderr, on a line of its own (stderr is not a
+    # terminal here, as in a log file: progress comes as whole lines, no carriage returns), once in the summary
+    assert err.count("raced the candidates") == 1 and out.count("raced the candidates") == 1
+    (decision,) = [line for line in err.splitlines() if "raced the candidates" in line]
+    assert decision.startswith("mixprec: bf16 on cpu") and "\r" not in err
+    assert any(line.startswith("train: 2/2 steps") for line in err.splitlines())
+    # one train-loss figure, with its definition, the same on stderr and in the summary
+    (loss_line,) = [line for line in err.splitlines() if "train loss" in line]
+    figure = loss_line.split("train loss ")[1].split()[0]
+    (row,) = [line for line in out.splitlines() if line.startswith("train loss")]
+    assert f"{figure} nats/byte" in row and "the mean over the 2 steps this run took" in row
     assert "precision         bf16: auto on cpu raced the candidates on the training step" in out
     assert "auto: fp32" in out and "auto: bf16" in out and "<- chosen" in out
     summary = json.loads((run / "train_summary.json").read_text())

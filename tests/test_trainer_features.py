@@ -270,10 +270,13 @@ def test_report_to_wandb_offline_writes_a_run(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # its core's debug logs too, into this test's folder, never the home folder (issue 29)
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
     args = quiet_args(tmp_path, max_steps=2, logging_steps=1, report_to="wandb")
     Trainer(make_model(), args, train_dataset=make_examples(16)).train()
     runs = list((Path(args.output_dir) / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+    assert list((tmp_path / "wandb-cache").rglob("core-debug-*.log"))  # where WANDB_CACHE_DIR sends them
 
 
 def test_a_missing_reporter_package_says_what_to_install(tmp_path, monkeypatch):

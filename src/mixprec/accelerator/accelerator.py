@@ -60,6 +60,18 @@ from mixprec.watch.watch import PrecisionWatch
 logger = logging.getLogger("mixprec.accelerator")
 
 
+def _print_line(line: str) -> None:
+    """``line`` on stderr on a line of its own: through tqdm when one of its bars is drawn on the terminal
+    (it clears the bar, prints, redraws), else a plain print (the Trainer draws no bar into a file)."""
+    tqdm = sys.modules.get("tqdm")
+    bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
+    if bars:
+        tqdm.tqdm.write(line, file=sys.stderr)  # type: ignore[union-attr]
+        sys.stderr.flush()
+    else:
+        builtins.print(line, file=sys.stderr, flush=True)
+
+
 class Accelerator:
     """Mixed precision, loss scaling, gradient accumulation and distribution for a hand-written loop.
 
@@ -216,14 +228,22 @@ class Accelerator:
         return applied
 
     def settle_precision(
-        self, loss_fn: Callable[[], torch.Tensor], batch: Any = None, *, excluded: Mapping[str, str] | None = None
+        self,
+        loss_fn: Callable[[], torch.Tensor],
+        batch: Any = None,
+        *,
+        excluded: Mapping[str, str] | None = None,
+        run_steps: int | None = None,
     ) -> AutoDecision | None:
         """For precision="auto": race the candidate modes on ``loss_fn`` (the forward of one real training
         step through a prepared model, returning its loss) and keep the fastest safe one, now. Nothing of
         the race reaches training (gradients, buffers and RNG states are restored). The Trainer calls it
         before its first step; a hand-written loop need not (its first training forward does it). A no-op
-        for a named precision, or once decided. Costs a few forward+backward passes, once per run."""
-        return self._precision.settle(loss_fn, self._registry.models, batch=batch, excluded=excluded)
+        for a named precision, or once decided. Costs a few forward+backward passes, once per run: at most a
+        small share of it when ``run_steps`` (the run's length in steps) is given."""
+        return self._precision.settle(
+            loss_fn, self._registry.models, batch=batch, excluded=excluded, run_steps=run_steps
+        )
 
     @property
     def device(self) -> torch.device:
@@ -331,14 +351,14 @@ class Accelerator:
 
     def _report(self) -> None:
         d = self._precision.describe()
-        if self._precision.pending:
-            line = f"mixprec: auto on {d['device']}, {self._strategy.describe()}: {d['reason']}"
-        else:
-            line = (
-                f"mixprec: {d['precision']} on {d['device']} (compute {d['compute_dtype']}, master weights "
-                f"{d['param_dtype']}, loss scaling {'on' if d['loss_scaling'] else 'off'}), "
-                f"{self._strategy.describe()}: {d['reason']}"
-            )
+        if self._precision.pending:  # said once, when decided (issue 29: one story per run)
+            logger.info("mixprec: auto on %s, %s: %s", d["device"], self._strategy.describe(), d["reason"])
+            return
+        line = (
+            f"mixprec: {d['precision']} on {d['device']} (compute {d['compute_dtype']}, master weights "
+            f"{d['param_dtype']}, loss scaling {'on' if d['loss_scaling'] else 'off'}), "
+            f"{self._strategy.describe()}: {d['reason']}"
+        )
         if self.config.step_in_backward:
             line += "; optimizer steps in backward (each gradient freed once applied)"
         self._say(line)
@@ -347,7 +367,7 @@ class Accelerator:
         if self.is_main_process:
             logger.info(line)
             if self.config.verbose:
-                builtins.print(line, file=sys.stderr, flush=True)
+                _print_line(line)
 
     # -- prepare -------------------------------------------------------------------------------------
 

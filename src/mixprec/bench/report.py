@@ -23,7 +23,14 @@ def _time(s: float | None) -> str:
 
 
 def _num(x: float | None, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
+    """``x`` formatted, "-" for None; a value that rounds to zero prints without a sign's minus (issue 29:
+    fp32's own loss-fp32 printed "-0.0000")."""
+    if x is None:
+        return "-"
+    text = format(x, fmt)
+    if text.startswith("-") and not text.strip("-+0.,%"):  # only zeros after the sign
+        return ("+" if "+" in fmt else "") + text[1:]
+    return text
 
 
 def format_table(result: BenchResult) -> str:

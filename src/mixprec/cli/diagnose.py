@@ -4,9 +4,11 @@ loss scale to start from — measured on the user's model and data (default: tho
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -18,15 +20,14 @@ from mixprec.precision.base import default_device
 # non-finite search costs ~10x an fp32 pass, so one batch is searched; the fp32 histograms use every batch.
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_BATCHES = 2
-DEFAULT_PLOT = "mixprec-diagnose.png"
 
-EPILOG = f"""\
+EPILOG = """\
 examples:
   mixprec diagnose                           the built-in GPT and corpus of `mixprec train`
   mixprec diagnose --json > report.json      the report alone on stdout, as JSON
   mixprec diagnose --precision bf16          search for the first non-finite module under bf16
   mixprec diagnose --data notes.txt --model ./my-hf-model --batches 4
-  mixprec diagnose --plot hist.png           where the histogram PNG goes (default: {DEFAULT_PLOT})
+  mixprec diagnose --plot runs/hist.png      also draw the histograms into that PNG (default: no file)
 
 The diagnosis runs a few forward/backward passes in fp32 with hooks, histograms each layer's activations
 and gradients against the fp16 and bf16 ranges, recommends a precision and an initial loss scale, and runs
@@ -55,10 +56,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     group.add_argument("--lr", metavar="X", type=float, default=1e-3, help="for the bf16 lost-update estimate")
     group.add_argument("--top", metavar="N", type=positive_int, default=15, help="layers shown (default: 15)")
-    group.add_argument("--plot", metavar="PNG", default=DEFAULT_PLOT, help=f"histogram PNG (default: {DEFAULT_PLOT})")
-    group.add_argument("--no-plot", action="store_true", help="write no PNG")
+    # no file unless asked (issue 29: a PNG appeared in whatever folder the user stood in)
+    group.add_argument("--plot", metavar="PNG", default=None, help="draw the histograms into this PNG (default: none)")
+    group.add_argument("--no-plot", action="store_true", help=argparse.SUPPRESS)  # the default; kept for old scripts
     group.add_argument("--json", action="store_true", help="print only the report as JSON on stdout")
     parser.set_defaults(func=run)
+
+
+def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device, log: Any) -> dict[str, Any]:
+    """Race the modes the diagnosis judged safe on one batch, as ``mixprec train`` under auto does on its
+    first (same race, same rule), and make the recommendation the fastest of them (issue 29: diagnose
+    recommended fp16 where bench measured fp16 at 0.10x fp32 and auto picked bf16). Costs a few
+    forward+backward passes; the model is left as found (the race runs on a copy)."""
+    from mixprec import Accelerator
+    from mixprec.models.outputs import extract_loss
+
+    log("racing the safe modes on one batch (what auto would pick here)")
+    acc = Accelerator(mixed_precision="auto", device=device, verbose=False)
+    copy_ = acc.prepare(copy.deepcopy(model))
+    batch = {k: v.to(device) for k, v in batch.items()}
+    excluded = {n: "the diagnosis judged it unsafe for this model" for n in ("fp16", "bf16")}
+    for name in report.safe_precisions:
+        excluded.pop(name, None)
+    decision = acc.settle_precision(lambda: extract_loss(copy_(**batch)), batch, excluded=excluded)
+    if decision is None:
+        return {}
+    report.recommended_precision = decision.chosen
+    speed = decision.speedups()
+    timed = ", ".join(f"{n} {speed[n]:.2f}x" for n in decision.step_seconds)
+    dropped = "".join(f"; {n} dropped: not faster" for n in decision.dropped)
+    summary = (
+        f"auto's race on this batch ({decision.clock}, {decision.rounds} paired rounds): {timed or '-'}{dropped}; "
+        f"fastest safe: {decision.chosen}"
+    )
+    return {**decision.to_dict(), "summary": summary}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
         nonfinite_batches=min(args.nonfinite_batches, args.batches),
         lr=args.lr,
     )
-    if not args.no_plot:
+    report.speed = _speed(model, next(iter(loader)), report, device, log)
+    if args.plot is not None and not args.no_plot:
         path = report.plot(Path(args.plot))
         log(f"histograms written to {path}")
     if args.json:

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from mixprec import __version__
 
@@ -60,9 +61,17 @@ class CliError(Exception):
     """A problem with the user's input: printed as one line, exit code 2."""
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line naming the flag and the fix, as every other bad input is
+    (issue 29: ``--batch-size 0`` printed the 8-line usage block first); --help still shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The parser with ``commands`` fully registered (default: all); the others are listed by name only."""
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="mixprec",
         description="Mixed-precision training for PyTorch that works as written, on CPU and GPU.",
         epilog=EPILOG,

@@ -87,8 +87,14 @@ def summary_rows(
         rows.append(("loss scale", f"none ({summary.get('precision')} trains without loss scaling)"))
     else:
         rows.append(("loss scale", f"{scale:g} at the end"))
-    train = last_value(log_history, "loss")
-    rows.append(("train loss", _loss(train[0]) + f", last logged at step {train[1]}" if train else "-"))
+    # one train-loss figure, the Trainer's (its stderr line says the same): the mean over the steps this run
+    # took. The last logged value (a mean of the last few steps) was a second, different "train loss"
+    mean, over = summary.get("train_loss"), summary.get("train_loss_steps")
+    if isinstance(mean, (int, float)) and over:
+        rows.append(("train loss", f"{_loss(mean)}, the mean over the {over} steps this run took"))
+    else:
+        train = last_value(log_history, "loss")
+        rows.append(("train loss", _loss(train[0]) + f", last logged at step {train[1]}" if train else "-"))
     rows.append(("validation loss", _loss(eval_loss)))
     base = f"{_loss(unigram_baseline)}, the best a model ignoring context can do"
     rows.append(("unigram baseline", base))
@@ -120,10 +126,16 @@ def auto_rows(auto: dict[str, Any] | None) -> list[tuple[str, str]]:
     medians, best = auto["step_seconds"], auto.get("best_seconds", {})
     base = medians.get("fp32") or next(iter(medians.values()))
     rows = []
-    for name in [*medians, *(n for n in auto.get("excluded", {}) if n not in medians)]:
+    rank = {n: i for i, n in enumerate(auto.get("candidates", []))}
+    ordered = sorted(medians, key=lambda n: rank.get(n, len(rank)))  # safest first, as raced
+    for name in [*ordered, *(n for n in auto.get("excluded", {}) if n not in medians)]:
         if name in medians:
             text = f"{medians[name] * 1e3:.1f} ms median, {best.get(name, medians[name]) * 1e3:.1f} ms best"
-            text += f" ({base / medians[name]:.2f}x fp32)"
+            text += f" ({base / medians[name]:.2f}x fp32"
+            if name in auto.get("speedup_interval", {}):
+                low, high = auto["speedup_interval"][name]
+                text += f", 95% interval {low:.2f}-{high:.2f}x"
+            text += ")"
         else:
             text = "not timed"
         if name in auto.get("dropped", {}):

@@ -24,7 +24,7 @@ from torch.utils.data import Subset
 from mixprec.accelerator.comm import COMM_NAMES
 from mixprec.accelerator.distributed import LaunchEnv
 from mixprec.accelerator.restarts import restarted_anywhere, restarted_by_launcher, restarts_allowed_on_several_nodes
-from mixprec.cli import _rundir, report
+from mixprec.cli import _rundir, _threads, report
 from mixprec.cli._common import (
     DataModelInfo,
     add_data_model_args,
@@ -285,6 +285,10 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         if not restarted_by_launcher() and not deferred_check:
             _rundir.check_new_run_dir(run_dir)
 
+    threads = None
+    if _rundir.world_size() == 1 and not torch.cuda.is_available():  # a CPU run: threads for the load it meets
+        threads = _threads.choose_threads()
+        torch.set_num_threads(threads.threads)
     lora = lora_plan(args)  # a bad --lora-* flag fails before anything is loaded
     model, train_chunks, val_chunks, info = load_model_and_data(args, lora.base_dtype if lora else None)
     if lora is not None:
@@ -307,6 +311,8 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         f"batch {args.batch_size}" + (f", at most {args.max_steps} steps" if args.max_steps else "")
     )
     _emit(f"  eval        {len(eval_dataset):,} validation chunks per epoch; unigram baseline {baseline:.3f} nats/byte")
+    if threads is not None:
+        _emit(f"  threads     {threads.describe()}")
     _emit(f"  run folder  {run_dir}" + (f" (resuming from {resume_from.name})" if resume_from else ""))
 
     hold.enter_context(_rundir.lock_run_dir(run_dir))  # before anything is written (re-entrant on a resume)

@@ -197,6 +197,7 @@ def diagnose(
         seconds=time.perf_counter() - start,
         bf16_supported=supported["bf16"] is None,
         nonfinite_checks=dict(rec.nonfinite_checks),
+        safe_precisions=list(rec.safe),
         summary=summary,
         losses=losses,
         totals=m.totals,

@@ -44,6 +44,7 @@ class Recommendation:
     scale_exp: int
     reasons: list[str] = field(default_factory=list)
     nonfinite_checks: dict[str, NonfiniteEvent | None] = field(default_factory=dict)
+    safe: list[str] = field(default_factory=list)  # every 16-bit format that passed, in the order judged
 
 
 PURE_BF16_LOSS_LIMIT = 0.001  # above 0.1% of updates rounding away, pure bf16 must compensate
@@ -136,6 +137,7 @@ def recommend(
     if target not in FORMATS:  # fp32 target: still report where fp32 itself goes non-finite
         checks[target] = nonfinite(target, 1.0)
     chosen = None
+    safe: list[str] = []
     for name in order:
         scale = float(2**k) if name == "fp16" else 1.0
         problems = []
@@ -143,7 +145,9 @@ def recommend(
             problems.append(supported[name])
         else:
             problems += _range_problems(name, grads, acts, layers, k, underflow_tolerance)
-        if (name == target or not problems) and not supported.get(name):
+        # the non-finite pass runs as before (the target, and the first fallback that passes): a format judged
+        # after a safe one is judged by its ranges alone (no extra pass, no clash with an ambient autocast)
+        if (name == target or (not problems and chosen is None)) and not supported.get(name):
             checks[name] = event = nonfinite(name, scale)
             if event is not None:
                 problems.append(
@@ -152,9 +156,9 @@ def recommend(
                 )
         if problems:
             reasons += [f"not {name}: {p}" for p in problems]
-        elif chosen is None:
-            chosen = name
-            break
+        else:  # every format is judged (not only up to the first that passes): speed picks among the safe
+            safe.append(name)
+            chosen = chosen or name
     if chosen is None:
         chosen = "fp32"
         reasons.append("fp32: neither 16-bit format holds this model's values on this device")
@@ -177,4 +181,4 @@ def recommend(
             f"{100 * PURE_BF16_LOSS_LIMIT:g}%): precision='bf16-pure' needs no compensation for this model, "
             "though its stochastic rounding costs little"
         )
-    return Recommendation(chosen, k, reasons, checks)
+    return Recommendation(chosen, k, reasons, checks, safe)

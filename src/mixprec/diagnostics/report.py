@@ -138,6 +138,11 @@ class Report:
     """Model-wide histograms per kind ("act", "act_grad", "weight_grad")."""
     settings: dict[str, Any] = field(default_factory=dict)
     """The DiagnoseConfig values used."""
+    safe_precisions: list[str] = field(default_factory=list)
+    """Every 16-bit format whose range holds this model's values on this device (safety alone, not speed)."""
+    speed: dict[str, Any] | None = None
+    """What "auto"'s race measured on the same batch (``AutoDecision.to_dict``), when the caller raced it:
+    the recommendation is then the fastest of the safe modes, as ``mixprec train`` under auto would pick."""
 
     def to_dict(self, histograms: bool = False) -> dict[str, Any]:
         """JSON-ready (``json.dumps`` works on it). ``histograms=True`` adds each layer's histograms; the
@@ -156,6 +161,8 @@ class Report:
             "summary": {k: _json_float(v) for k, v in self.summary.items()},
             "losses": {k: [_json_float(x) for x in v] for k, v in self.losses.items()},
             "settings": dict(self.settings),
+            "safe_precisions": list(self.safe_precisions),
+            "speed": self.speed,
             "histograms": {k: h.to_dict() for k, h in self.totals.items()},
             "layers": [layer.to_dict(histograms) for layer in self.layers],
         }
@@ -167,10 +174,15 @@ class Report:
     def table(self, top: int = 15) -> str:
         """A readable text table of the ``top`` worst layers, with the recommendation above it."""
         scale = self.recommended_init_scale
+        basis = "the fastest of the safe modes" if self.speed else "the first safe mode (speed not measured)"
         lines = [
-            f"recommended precision: {self.recommended_precision}    initial loss scale (fp16): "
+            f"recommended precision: {self.recommended_precision} ({basis})    initial loss scale (fp16): "
             f"2^{int(math.log2(scale))} = {scale:g}",
+            f"  safety: {', '.join(self.safe_precisions) or 'no 16-bit format'} "
+            f"hold{'s' if len(self.safe_precisions) == 1 else ''} this model's values; fp32 always does",
         ]
+        if self.speed:
+            lines.append(f"  speed: {self.speed.get('summary', '')}")
         lines += [f"  - {r}" for r in self.reasons]
         fn = self.first_nonfinite
         where = f"{fn.module} ({fn.phase}, {fn.what}, {fn.dtype}, batch {fn.batch})" if fn else "none found"

@@ -16,7 +16,6 @@ chosen mode by name. A decision is made once per run: resuming adopts the one th
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +24,8 @@ import torch
 from mixprec.precision import auto_cache
 from mixprec.precision.base import Precision
 from mixprec.precision.master_weights import master_names
-from mixprec.precision.race import ROUNDS, Agree, AutoDecision, Clock, decide
-from mixprec.precision.trial import no_trace, run_trial
+from mixprec.precision.race import ROUNDS, Agree, AutoDecision, Clock, Unfinished, decide, recheck
+from mixprec.precision.trial import no_trace, race_clock, run_trial
 
 if TYPE_CHECKING:
     from mixprec.scaling.scaler import GradScaler
@@ -187,33 +186,35 @@ class AutoPrecision(Precision):
         batch: Any = None,
         excluded: Mapping[str, str] | None = None,
         rounds: int = ROUNDS,
-        clock: Clock = time.perf_counter,
+        clock: Clock | None = None,
         use_cache: bool = True,
+        run_steps: int | None = None,
     ) -> AutoDecision | None:
         """Race the candidates on ``loss_fn`` (one forward of the real step, returning its loss) and adopt
         the winner; return the decision. A no-op once decided. ``excluded`` names candidates that may not
-        win, with why (a diagnosis that saw fp16 overflow). Costs a few forward+backward passes and host
-        syncs, once per run; the state of ``models`` and the RNG are left exactly as found."""
+        win, with why (a diagnosis that saw fp16 overflow); ``run_steps`` (the run's length, if known) caps
+        the race at a share of it; ``clock`` defaults to :func:`~mixprec.precision.trial.race_clock`'s. A
+        cached decision is re-checked by timing its chosen mode now, and raced again if it is off. Costs a
+        few forward+backward passes and host syncs, once per run; the state of ``models`` and the RNG are
+        left exactly as found."""
         if self.decision is not None:
             return self.decision
+        clock_name = "given clock"
+        if clock is None:
+            clock, clock_name = race_clock(self.device)
         names = [p.name for p in self.candidates]
         key = auto_cache.fingerprint(self.device, models, auto_cache.shapes_of(batch), names, self.processes)
         cached = auto_cache.lookup(key) if use_cache else None
         same = self._agree or (lambda xs: xs)
         hit = same([cached.chosen] if cached is not None and cached.chosen in names else [])
-        if hit:
-            source = "cache" if cached is not None and cached.chosen == hit[0] else "main process"
-            base = cached if cached is not None else AutoDecision(hit[0], {}, device=self.device.type)
-            self.adopt(AutoDecision(**{**base.to_dict(), "chosen": hit[0], "source": source}))
-            return self.decision
         by_name = {p.name: p for p in self.candidates}
         scales = {p.name: (p.scaler.get_scale() if p.needs_loss_scaling else 1.0) for p in self.candidates}
+        # several processes run every trial in lockstep (a backward is a collective): none stops early
+        alone = self._agree is None
 
         with no_trace(models, self.device) as state:
-            # several processes run every trial in lockstep (a backward is a collective): none stops early
-            alone = self._agree is None
 
-            def run(name: str, deadline: float | None) -> bool | None:
+            def run(name: str, deadline: float | None) -> bool | Unfinished:
                 while True:
                     finite = run_trial(
                         by_name[name], loss_fn, state, self._selecting, scales[name],
@@ -225,6 +226,19 @@ class AutoPrecision(Precision):
                         return finite
                     scales[name] = max(scales[name] * _SCALE_BACKOFF, 1.0)
 
+            stale = ""
+            if hit:
+                source = "cache" if cached is not None and cached.chosen == hit[0] else "main process"
+                base = cached if cached is not None else AutoDecision(hit[0], {}, device=self.device.type)
+                reused = AutoDecision(**{**base.to_dict(), "chosen": hit[0], "source": source, "checked": ""})
+                holds, note = True, "not re-checked (several processes take the main one's)"
+                if source == "cache" and alone:  # checked, not trusted (issue 29)
+                    holds, note = recheck(reused, run, clock, clock_name)
+                if holds:
+                    self.adopt(AutoDecision(**{**reused.to_dict(), "checked": note}))
+                    return self.decision
+                stale = f"the cached race of {reused.measured_at or 'an earlier run'} did not hold ({note})"
+
             decision = decide(
                 names,
                 run,
@@ -232,9 +246,13 @@ class AutoPrecision(Precision):
                 threads=torch.get_num_threads(),
                 rounds=rounds,
                 clock=clock,
+                clock_name=clock_name,
                 agree=self._agree,
                 excluded=dict(excluded or {}),
+                run_steps=run_steps,
             )
+        if stale:
+            decision = AutoDecision(**{**decision.to_dict(), "checked": stale})
         if not self._is_main:
             decision = decision.with_source("main process")
         if use_cache and decision.source == "measured":

@@ -2,41 +2,75 @@
 
 A stand-in workload cannot know which mode wins for *this* model, batch and device (on one CPU fp16 matmuls
 win, on the next bf16 runs 5x slower than fp32, on a third 4x faster), so the race runs the real thing:
-``run(name)`` is one forward and backward of the user's model on the user's batch under mode ``name``, with
-the threads training will use. The protocol (STYLE.md habit 13, as ``mixprec bench``):
+``run(name, deadline)`` is one forward and backward of the user's model on the user's batch under mode
+``name``, with the threads training will use. Its verdict must not depend on the moment it ran (issue 29:
+three fresh races on one quiet machine gave bf16, bf16, fp32; beside a busy neighbour 5 bf16 and 3 fp32,
+while bf16's step was 1.68x faster), so the protocol is (STYLE.md habit 13, as ``mixprec bench``):
 
-1. a warm-up run of every candidate (first calls pay for kernel selection and allocation), not timed
-   but bounded: a candidate still running ``ABORT_RATIO`` times as long as the safest one's warm-up is
-   stopped mid-forward and dropped (an emulated fp16 step can take 15x fp32's: one whole run of it would
-   cost more than the rest of the race);
-2. ``rounds`` timed rounds, the order rotated each round so a noisy neighbour hurts every mode alike (two
-   when, after two, every mode is far from the margin: the race's cost is a share of the user's run);
-   from the third round on, a mode whose best time is ``DROP_RATIO`` times the fastest one's stops
-   running (an emulated low precision can be 10x slower: timing it again would only cost);
-3. a lower-precision mode is chosen only if it beats every safer mode by ``MARGIN`` on the median time and
-   its best time is lower too (noise only ever adds time), so ties go to the numerically safer mode;
-4. a candidate whose trial is non-finite while the fp32 one is finite is excluded, with the reason.
+1. **warm-up until settled** (issue 28: a GPU's first bf16 calls pay cuBLAS handles and kernel selection,
+   and counting that against bf16 made auto train in fp32 at a quarter of bf16's speed): every candidate
+   runs untimed trials until two consecutive ones differ by less than ``SETTLED`` (at most ``MAX_WARMUP``).
+   Bounded without being fooled by one-time setup: a candidate's trial is stopped at ``ABORT_RATIO`` times
+   the safest mode's settled trial, and the candidate is dropped only when ``MAX_STALLS`` stopped trials in
+   a row got no further (``Unfinished.progress``) than the furthest before: a mode paying one-time setup
+   (per layer, per kernel shape) gets further every trial or two, an emulated fp16 15x slower than fp32
+   stops at the same place every time, and is dropped after three trials of 1.5x the safest one's;
+2. **paired rounds**: each round runs every candidate once, back to back in a rotated order, and the
+   comparison is the ratio of two modes' times *in the same round* (a neighbour's burst slows both halves
+   of a pair, not one mode's whole median). The clock is the race thread's CPU time on a CPU (it stops while
+   the thread waits for a core, so a neighbour's work is not counted against whichever mode was running)
+   and the wall clock after a device sync on a GPU (its work does not show in host CPU time);
+3. **confidence**: after ``MIN_ROUNDS`` rounds and after each further one, each less safe mode's paired
+   time ratio against each safer mode gets a 95% interval for its median (the sign test's: a neighbour's
+   bursts are outliers that only add time, not Gaussian noise). Entirely below ``1 - MARGIN``: it
+   *wins*; entirely above: it is *not faster* (a tie goes to the safer mode; a mode not faster than the
+   safest stops running). Rounds continue while a pair is undecided, up to ``MAX_ROUNDS`` or the budget
+   (``BUDGET_SHARE`` of the run, when the run's length is known); a pair still undecided then is a tie;
+4. a lower-precision mode is chosen only if it wins against every safer mode still racing; a candidate
+   whose trial is non-finite while the safest one's is finite is excluded, with the reason.
 
 Processes of one job must make the same decision and run the same trials (under DDP or FSDP a backward is
-a collective): ``agree`` hands every process the main one's list of modes still racing after each round.
+a collective): ``agree`` hands every process the main one's list (of modes still racing, or of a verdict)
+at each point where the trials that follow depend on it.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 MARGIN = 0.05  # a lower precision must be at least 5% faster than every safer one
-DROP_RATIO = 1.5  # stop timing a mode this much slower (best vs best) than the fastest
-ABORT_RATIO = 1.5  # stop a warm-up run taking this much longer than the safest mode's warm-up
-ROUNDS = 3
+ABORT_RATIO = 1.5  # stop a warm-up trial taking this much longer than the safest mode's settled trial
+SETTLED = 0.9  # warmed up: a trial no more than 10% faster than the one before it
+MAX_WARMUP = 5  # whole untimed trials per candidate at most
+MAX_STOPPED = 20  # warm-up trials stopped at their deadline, per candidate, at most
+MAX_STALLS = 2  # stopped trials in a row that got no further: the candidate is this slow, dropped
+PROGRESS_STEP = 0.1  # a stopped trial is still setting up if it got 10% further (one checkpoint at least)
+MIN_ROUNDS = 6  # paired rounds before any verdict: the sign test's 95% interval needs 6 pairs
+MAX_ROUNDS = 20
+ROUNDS = MAX_ROUNDS
+BUDGET_SHARE = 0.03  # the timed rounds stop once the race has cost this share of the run (issue 28: <= 3%)
+
+WINS, NOT_FASTER, UNDECIDED = "wins", "not faster", "undecided"
 
 Agree = Callable[[list[str]], list[str]]
 Clock = Callable[[], float]
-Run = Callable[[str, "float | None"], "bool | None"]
+
+
+@dataclass(frozen=True)
+class Unfinished:
+    """What ``run`` returns for a trial stopped at its deadline: ``progress`` counts the checkpoints it passed
+    (module calls in the forward, saved-tensor reads in the backward) before it was stopped."""
+
+    progress: int
+
+
+Run = Callable[[str, "float | None"], "bool | Unfinished"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +95,16 @@ class AutoDecision:
     source: str = "measured"
     measured: str = "the training step (forward and backward of its first batch)"
     candidates: list[str] = field(default_factory=list)  # every mode that could have been chosen, safest first
+    # each less safe mode's speed against the safest, as a 95% interval from the paired rounds (low, high)
+    speedup_interval: dict[str, list[float]] = field(default_factory=dict)
+    clock: str = "wall clock"  # what the times are: "thread CPU time" on a CPU, the wall clock on a GPU
+    measured_at: str = ""  # when the race ran (UTC, ISO 8601): a cached decision says how old it is
+    checked: str = ""  # a cached decision's re-check in this run: what was measured, and the verdict
+
+    def _ordered(self, names: Any) -> list[str]:
+        """``names`` safest first (the cache's JSON keeps its keys sorted by name)."""
+        rank = {name: i for i, name in enumerate(self.candidates)}
+        return sorted(names, key=lambda n: rank.get(n, len(rank)))
 
     def speedups(self) -> dict[str, float]:
         """Each measured mode's speed relative to the safest measured one (fp32 where measured)."""
@@ -73,15 +117,18 @@ class AutoDecision:
         """One line per candidate: median and best ms, speed vs fp32, or why it was excluded."""
         lines = []
         speed = self.speedups()
-        for name in [*self.step_seconds, *(n for n in self.excluded if n not in self.step_seconds)]:
+        for name in [*self._ordered(self.step_seconds), *(n for n in self.excluded if n not in self.step_seconds)]:
             cells = [f"{name:<6}"]
             if name in self.step_seconds:
                 cells.append(f"{self.step_seconds[name] * 1e3:9.1f} ms median")
                 if name in self.best_seconds:
                     cells.append(f"{self.best_seconds[name] * 1e3:9.1f} ms best")
                 cells.append(f"{speed.get(name, 0.0):5.2f}x")
+            if name in self.speedup_interval:
+                low, high = self.speedup_interval[name]
+                cells.append(f"(95% interval {low:.2f}-{high:.2f}x)")
             if name in self.dropped:
-                cells.append(f"dropped after {self.dropped[name]} timed round(s): too slow to win")
+                cells.append(f"dropped after {self.dropped[name]} timed round(s): not faster")
             if name in self.excluded:
                 cells.append(f"excluded: {self.excluded[name]}")
             if name == self.chosen:
@@ -90,17 +137,21 @@ class AutoDecision:
         return "\n".join(lines)
 
     def explain(self) -> str:
-        """One sentence: what was measured and what was chosen."""
+        """One sentence: what was measured, where, when and how, and what was chosen."""
         if self.source == "guess":
             return self.measured
         speed = self.speedups()
         parts = []
-        for name, seconds in self.step_seconds.items():
-            note = " (dropped: too slow)" if name in self.dropped else ""
-            parts.append(f"{name} {seconds * 1e3:.1f} ms ({speed.get(name, 0.0):.2f}x){note}")
+        for name in self._ordered(self.step_seconds):
+            seconds = self.step_seconds[name]
+            cell = f"{name} {seconds * 1e3:.1f} ms ({speed.get(name, 0.0):.2f}x"
+            if name in self.speedup_interval:
+                low, high = self.speedup_interval[name]
+                cell += f", 95% interval {low:.2f}-{high:.2f}x"
+            parts.append(cell + ")" + (" (dropped: not faster)" if name in self.dropped else ""))
         for name in self.dropped:
             if name not in self.step_seconds:
-                parts.append(f"{name} dropped (its warm-up ran over {ABORT_RATIO:g}x the safest mode's)")
+                parts.append(f"{name} dropped (its warm-up trials ran over {ABORT_RATIO:g}x the safest mode's)")
         for name, why in self.excluded.items():
             parts.append(f"{name} excluded: {why}")
         how = {
@@ -109,11 +160,14 @@ class AutoDecision:
             "checkpoint": "kept the checkpoint's decision from racing",
             "main process": "took the main process's race of",
         }.get(self.source, self.source)
-        cost = f"; the race took {self.cost_seconds:.2f}s" if self.source == "measured" else ""
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
+        when = f", {self.measured_at}" if self.measured_at else ""
+        cost = f"; the race took {self.cost_seconds:.1f}s" if self.source == "measured" else ""
+        checked = f"; {self.checked}" if self.checked else ""
         return (
-            f"auto on {self.device} {how} the candidates on {self.measured} ({threads}, {self.rounds} timed "
-            f"rounds, medians: {'; '.join(parts) or 'nothing timed'}) and chose {self.chosen}{cost}"
+            f"auto on {self.device} {how} the candidates on {self.measured} ({threads}, {self.clock}, "
+            f"{self.rounds} paired rounds{when}; medians: {'; '.join(parts) or 'nothing timed'}) and chose "
+            f"{self.chosen}{cost}{checked}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,36 +186,41 @@ def race(
     candidates: Sequence[str],
     run: Run,
     *,
-    rounds: int = ROUNDS,
+    rounds: int = MAX_ROUNDS,
     clock: Clock = time.perf_counter,
     agree: Agree | None = None,
     excluded: dict[str, str] | None = None,
+    run_steps: int | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, str], dict[str, int]]:
-    """Run the trials; return each mode's timed samples, the excluded modes with why, and the dropped ones.
+    """Run the trials; return each mode's timed samples (one per round, paired by index), the excluded modes
+    with why, and the dropped ones (mode -> timed rounds it ran).
 
     ``candidates`` are in order of numerical safety (safest first). ``run(name, deadline)`` performs one
-    trial and returns whether it was finite, or None if it stopped at ``deadline`` (a ``clock()`` value)
-    unfinished; it must leave the device idle when it returns (the clock is read around it). ``agree``
-    (several processes) returns the main process's list for everyone.
+    trial and returns whether it was finite, or :class:`Unfinished` if it stopped at ``deadline`` (a
+    ``clock()`` value); it must leave the device idle when it returns (the clock is read around it).
+    ``rounds`` caps the paired rounds; ``run_steps`` (the run's length in steps, if known) caps the race's
+    cost at ``BUDGET_SHARE`` of it. ``agree`` (several processes) returns the main process's list for all.
     """
     same: Agree = agree or (lambda names: names)
     out: dict[str, str] = dict(excluded or {})
     racing = same([c for c in candidates if c not in out])
     samples: dict[str, list[float]] = {c: [] for c in racing}
     dropped: dict[str, int] = {}
-    finite: dict[str, bool | None] = {}
-    reference = racing[0] if racing else None  # the safest mode: its trial tells a broken step from overflow
-    budget: float | None = None
-    for name in racing:  # warm-up, untimed: its finiteness is the safety check
-        t0 = clock()
-        finite[name] = run(name, None if budget is None else t0 + budget)
-        if budget is None:  # the safest mode's first run (inflated by one-time costs: a lenient deadline)
-            budget = (clock() - t0) * ABORT_RATIO
-        if finite[name] is None:
+    start = clock()
+    limit: float | None = None  # a candidate's trial may take this long: ABORT_RATIO x the safest's settled trial
+    finite: dict[str, bool] = {}
+    for name in racing:
+        warm = warm_up(name, run, clock, limit, same)
+        if warm is None:
             dropped[name] = 0
-    if reference is not None and finite[reference]:
+            continue
+        finite[name], settled_time = warm
+        if limit is None:  # the safest mode: no deadline for it, and its settled trial sets the others'
+            limit = settled_time * ABORT_RATIO
+    reference = racing[0] if racing else None  # the safest mode: its trial tells a broken step from overflow
+    if reference is not None and finite.get(reference):
         for name in racing[1:]:
-            if finite[name] is False:
+            if finite.get(name) is False:
                 out[name] = f"its trial's loss or gradients were inf/NaN while {reference}'s were finite"
     racing = same([c for c in racing if c not in out and c not in dropped])
     for r in range(rounds):
@@ -170,38 +229,143 @@ def race(
             t0 = clock()
             run(name, None)
             samples[name].append(clock() - t0)
-        if len(racing) > 1 and r >= 2:  # three samples at least: a noisy sample or two must not drop a mode
-            fastest = min(min(samples[c]) for c in racing)
-            keep = [c for c in racing if min(samples[c]) <= fastest * DROP_RATIO or c == racing[0]]
-            for c in racing:
-                if c not in keep:
-                    dropped[c] = r + 1
-            racing = same(keep)
-        # every mode far from the margin after two rounds: a third would not change the choice (the main
-        # process's verdict for all, as a non-empty list: every process must run the same trials)
-        if r == 1 and r + 1 < rounds and same(list(racing) if _decided(racing, samples) else []):
+        if r + 1 < MIN_ROUNDS or len(racing) < 2:
+            if len(racing) < 2:
+                break
+            continue
+        # a mode not faster than the safest one cannot be chosen: stop timing it
+        keep = [c for c in racing if c == racing[0] or verdict(samples[c], samples[racing[0]]) != NOT_FASTER]
+        for c in racing:
+            if c not in keep:
+                dropped[c] = r + 1
+        racing = same(keep)
+        fastest = min(statistics.median(samples[c]) for c in racing)
+        over_budget = run_steps is not None and clock() - start > BUDGET_SHARE * run_steps * fastest
+        settled = all(verdict(samples[c], samples[s]) != UNDECIDED for i, c in enumerate(racing) for s in racing[:i])
+        if same(["stop"] if settled or over_budget else []):
             break
     return {c: s for c, s in samples.items() if s}, out, dropped
 
 
-def _decided(racing: Sequence[str], samples: dict[str, list[float]]) -> bool:
-    """Whether each less safe mode is clearly on one side of the margin against the safest one: within half
-    the margin of it or slower, on both samples' mean (it cannot win), or faster by twice the margin on both
-    samples (it wins whatever a third sample says). Close calls get the third round."""
-    base = statistics.mean(samples[racing[0]])
-    for name in racing[1:]:
-        ratio = statistics.mean(samples[name]) / base
-        if not (ratio >= 1 - MARGIN / 2 or max(samples[name]) < min(samples[racing[0]]) * (1 - 2 * MARGIN)):
-            return False
-    return True
+def warm_up(name: str, run: Run, clock: Clock, limit: float | None, same: Agree) -> tuple[bool, float] | None:
+    """Untimed trials of ``name`` until its trial time settles (at most ``MAX_WARMUP`` whole trials): whether
+    it was finite and its last trial's time. None when it is dropped: ``MAX_STALLS`` trials in a row stopped
+    at their deadline no further (by ``PROGRESS_STEP``) than the furthest one before (slow, not setting
+    up: setup that repeats at one place, as a recompile on the second call, stalls once), or ``MAX_STOPPED``
+    stopped trials. Several processes agree after each trial whether to go on (they run the same trials;
+    their trials are never stopped)."""
+    times: list[float] = []
+    furthest, stalls, stopped = -1, 0, 0
+    finite = True
+    while len(times) < MAX_WARMUP:
+        t0 = clock()
+        outcome = run(name, None if limit is None else t0 + limit)
+        elapsed = clock() - t0
+        if isinstance(outcome, Unfinished):
+            stopped += 1
+            if outcome.progress >= furthest + max(1, furthest * PROGRESS_STEP):
+                furthest, stalls = outcome.progress, 0
+            else:
+                stalls += 1
+            if stalls >= MAX_STALLS or stopped >= MAX_STOPPED:
+                return None  # stuck at the same place: it is this slow, not paying one-time setup
+            continue
+        finite = finite and bool(outcome)
+        times.append(elapsed)
+        settled = not finite or (len(times) >= 2 and times[-1] >= SETTLED * times[-2])
+        if same(["settled"] if settled else []):  # every process asks, every time: same trials for all
+            break
+    return finite, times[-1]
+
+
+CHECK_TRIALS = 5  # timed trials of the chosen mode when a cached decision is re-checked
+CHECK_RATIO = 1.3  # a cached decision whose chosen mode now times this far off (either way) is raced again
+
+
+def recheck(decision: AutoDecision, run: Run, clock: Clock, clock_name: str) -> tuple[bool, str]:
+    """Time a cached decision's chosen mode now (warmed up, then ``CHECK_TRIALS`` trials) and compare with
+    what the race measured. Returns whether the cache still holds and a sentence saying what was compared
+    (issue 29: a race taken under load, 6x off the quiet machine's step, was reused as fact). It holds when
+    now's best trial lies within ``CHECK_RATIO`` of the cached race's range (its best to its median): noise
+    only adds time, so best against best is the steady comparison. Costs a few trials of one mode."""
+    best, median = decision.best_seconds.get(decision.chosen), decision.step_seconds.get(decision.chosen)
+    if best is None or median is None or decision.clock != clock_name:
+        return False, f"the cached race has no {decision.chosen} time on this clock ({clock_name}) to check against"
+    warm_up(decision.chosen, run, clock, None, lambda xs: xs)
+    times = []
+    for _ in range(CHECK_TRIALS):
+        t0 = clock()
+        run(decision.chosen, None)
+        times.append(clock() - t0)
+    now = min(times)
+    holds = best / CHECK_RATIO <= now <= median * CHECK_RATIO
+    outcome = "within the noise" if holds else f"off by over {CHECK_RATIO:g}x, so raced again"
+    return holds, (
+        f"checked now: {decision.chosen}'s best trial {now * 1e3:.1f} ms against {best * 1e3:.1f}-"
+        f"{median * 1e3:.1f} ms cached (best-median): {outcome}"
+    )
+
+
+def _sign_rank(n: int) -> int:
+    """The rank k (1-based) such that the k-th smallest and k-th largest of n samples bound their median with
+    at least 95% confidence (the sign test's interval: distribution-free); 0 when n is too small (< 6)."""
+    k, below = 0, 0.0
+    for j in range(n + 1):
+        below += math.comb(n, j) / 2**n
+        if below > 0.025:
+            break
+        k = j + 1
+    return k
+
+
+def speedup_interval(mode: Sequence[float], safer: Sequence[float]) -> tuple[float, float, float]:
+    """``safer``'s time over ``mode``'s from paired samples (round i of each): the median ratio and a 95%
+    interval of it (low, median, high); above 1 means ``mode`` is faster. The interval is the sign test's
+    (order statistics of the ratios), not a mean's: a neighbour's burst is an outlier that only ever adds
+    time, not Gaussian noise, and a few of them must not move the verdict. (0, median, inf) below 6 pairs."""
+    n = min(len(mode), len(safer))
+    ratios = sorted(s / m for m, s in zip(mode[:n], safer[:n]) if m > 0 and s > 0)
+    if not ratios:
+        return (0.0, 1.0, math.inf)
+    k = _sign_rank(len(ratios))
+    if k == 0:
+        return (0.0, statistics.median(ratios), math.inf)
+    return (ratios[k - 1], statistics.median(ratios), ratios[-k])
+
+
+def verdict(mode: Sequence[float], safer: Sequence[float]) -> str:
+    """Whether ``mode`` is faster than ``safer`` by ``MARGIN`` on their paired samples: ``WINS`` when the
+    whole 95% interval of the time ratio is below ``1 - MARGIN``, ``NOT_FASTER`` when it is whole above it
+    (within the margin or slower: a tie, which goes to the safer mode), ``UNDECIDED`` otherwise."""
+    low, _, high = speedup_interval(mode, safer)  # speedups: a time ratio of 1/speedup
+    bar = 1 / (1 - MARGIN)
+    if low > bar:
+        return WINS
+    if high < bar:
+        return NOT_FASTER
+    return UNDECIDED
+
+
+def choose_paired(order: Sequence[str], samples: dict[str, list[float]], dropped: Mapping[str, int]) -> str:
+    """The least safe mode that wins (:func:`verdict`) against every safer mode still racing at the end;
+    the safest mode if none does. ``order`` is safest first; dropped modes lost to the safest already. A
+    pair still undecided when the rounds ran out is a tie, the safer mode's. (Settling it by the best times
+    instead was tried: with bf16 1.05-1.17x faster on a busy box, the flip point sat inside that range and
+    10 fresh races split 5/5; undecided-to-the-safer split 8/2 and 10/0: benchmarks/README.md.)"""
+    timed = [name for name in order if samples.get(name) and name not in dropped]
+    if not timed:
+        return order[0]
+    best = timed[0]
+    for i, name in enumerate(timed[1:], start=1):
+        if all(verdict(samples[name], samples[s]) == WINS for s in timed[:i]):
+            best = name
+    return best
 
 
 def choose(order: Sequence[str], medians: dict[str, float], minima: dict[str, float]) -> str:
-    """The safest mode, unless a less safe one (later in ``order``) beats the current pick by ``MARGIN`` on
-    the median time, and its best time is lower too (noise only ever adds time: a median win that the best
-    times contradict is a busy machine's, not the mode's). Requiring the margin of the best times as well
-    made the choice flip on noise: on the default ``mixprec train`` a bf16 step 8% faster by the median lost
-    to fp32 on a 4% difference of the best of three samples, while the run trained 12% faster in bf16."""
+    """For unpaired measurements (the probe's stand-in workload): the safest mode, unless a less safe one
+    beats the current pick by ``MARGIN`` on the median time and its best time is lower too (noise only ever
+    adds time). The race itself decides on paired samples (:func:`choose_paired`)."""
     timed = [name for name in order if name in medians]
     if not timed:
         return order[0]
@@ -220,19 +384,30 @@ def decide(
     threads: int,
     rounds: int = ROUNDS,
     clock: Clock = time.perf_counter,
+    clock_name: str = "wall clock",
     agree: Agree | None = None,
     excluded: dict[str, str] | None = None,
     measured: str | None = None,
+    run_steps: int | None = None,
 ) -> AutoDecision:
-    """Race ``candidates`` (safest first) and return the decision, its table and its cost."""
+    """Race ``candidates`` (safest first) and return the decision, its table and its cost (wall seconds)."""
     start = time.perf_counter()
-    samples, out, dropped = race(candidates, run, rounds=rounds, clock=clock, agree=agree, excluded=excluded)
+    samples, out, dropped = race(
+        candidates, run, rounds=rounds, clock=clock, agree=agree, excluded=excluded, run_steps=run_steps
+    )
     ran = max((len(ts) for ts in samples.values()), default=0)
     medians = {name: statistics.median(ts) for name, ts in samples.items()}
     minima = {name: min(ts) for name, ts in samples.items()}
-    chosen = choose([c for c in candidates if c not in out], medians, minima)
+    chosen = choose_paired([c for c in candidates if c not in out], samples, dropped)
     if agree is not None:
         chosen = agree([chosen])[0]
+    reference = next(iter(samples), None)
+    intervals = {}
+    for name, ts in samples.items():
+        if reference is not None and name != reference:
+            low, _, high = speedup_interval(ts, samples[reference])
+            if 0 < low and high < math.inf:
+                intervals[name] = [round(low, 4), round(high, 4)]
     return AutoDecision(
         chosen=chosen,
         step_seconds=medians,
@@ -244,5 +419,8 @@ def decide(
         cost_seconds=time.perf_counter() - start,
         device=device,
         candidates=list(candidates),
+        speedup_interval=intervals,
+        clock=clock_name,
+        measured_at=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         **({"measured": measured} if measured else {}),
     )

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec.precision.race import Unfinished
+
 if TYPE_CHECKING:
     from mixprec.precision.base import Precision
 
@@ -66,6 +68,18 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def race_clock(device: torch.device) -> tuple[Callable[[], float], str]:
+    """The clock the race times trials with, and its name. On a CPU the calling thread's CPU time: it stops
+    while the thread waits for a core, so a busy neighbour is not counted against whichever mode ran (issue
+    29: wall-clock races beside one busy process gave bf16 0.85x-2.17x); torch's CPU backward runs on
+    this thread, and the intra-op workers' share shows as this thread's wait at their barrier (spinning
+    counts, a descheduled worker's sleep does not). On a GPU the wall clock after a device sync: the GPU's
+    work never shows in host CPU time."""
+    if device.type == "cpu":
+        return time.thread_time, "thread CPU time"
+    return time.perf_counter, "wall clock"
+
+
 class _PastDeadline(Exception):
     """Raised by the forward pre-hook of a trial that ran out of time."""
 
@@ -78,20 +92,23 @@ def run_trial(
     loss_scale: float = 1.0,
     deadline: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
-) -> bool | None:
+) -> bool | Unfinished:
     """Forward (under ``select(precision)``, which makes the prepared model run in that mode) and backward
     of ``loss_fn``'s loss times ``loss_scale``, then restore ``state``. Returns whether the loss and the
-    gradients were finite, or None when ``clock()`` passed ``deadline`` first: the forward is stopped at
-    the next module call (so a mode 15x slower costs little to rule out). Leaves the device idle.
-    Call with a deadline only in a single process: stopping one process mid-forward would leave the
-    others waiting in a collective."""
+    gradients were finite, or :class:`Unfinished` (with how many checkpoints it passed: module calls, then
+    saved-tensor reads in backward) when ``clock()`` passed ``deadline`` first: the trial is stopped at the
+    next checkpoint (so a mode 15x slower costs little to rule out, and one paying one-time setup shows it
+    got further on its next try). Leaves the device idle. Call with a deadline only in a single process:
+    stopping one process mid-forward would leave the others waiting in a collective."""
     handles = []
     watch: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    passed = [0]
     if deadline is not None:
 
         def check(*_: Any) -> None:
             if clock() > deadline:
                 raise _PastDeadline
+            passed[0] += 1
 
         def unpack(saved: torch.Tensor) -> torch.Tensor:
             check()
@@ -113,7 +130,7 @@ def run_trial(
         return finite
     except _PastDeadline:
         synchronize(state.device)
-        return None
+        return Unfinished(passed[0])
     finally:
         for handle in handles:
             handle.remove()

@@ -213,7 +213,11 @@ class TrainingLoop:
         ``compute_loss`` (nothing of it reaches training), log the measurement, then train in the winner."""
         ctx, acc = self.run_ctx, self.run_ctx.accelerator
         excluded = fp16_overflow(ctx.diagnosis)
-        decision = acc.settle_precision(lambda: ctx.compute_loss(ctx.model, batch), batch, excluded=excluded)
+        # the race's budget is a share of the forward+backward passes still to run (one per micro-batch)
+        passes = max(1, ctx.state.max_steps - ctx.state.global_step) * ctx.args.gradient_accumulation_steps
+        decision = acc.settle_precision(
+            lambda: ctx.compute_loss(ctx.model, batch), batch, excluded=excluded, run_steps=passes
+        )
         if decision is not None:
             ctx.events.record("auto_precision", ctx.state.global_step, **decision.to_dict())
             logger.info("%s", decision.explain())

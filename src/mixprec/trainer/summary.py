@@ -60,6 +60,7 @@ def build_summary(
         "train_samples_per_second": round(samples / runtime, 3),
         "train_steps_per_second": round(steps_this_run / runtime, 3),
         "train_loss": train_loss,
+        "train_loss_steps": steps_this_run,  # train_loss is the mean over these steps (this run's)
         "epoch": epoch,
         "global_step": global_step,
         "skipped_steps": skipped_steps,
@@ -82,9 +83,11 @@ def build_summary(
 def format_summary(summary: dict[str, Any]) -> str:
     """A few readable lines for the end of a run."""
     lines = [
-        f"trained {summary['global_step']} steps in {summary['train_runtime']:.1f}s "
-        f"({summary['precision']}; {summary['precision_reason']})",
-        f"  mean train loss {summary['train_loss']:.4f}; skipped steps {summary['skipped_steps']}"
+        # the precision's reason was said when it was decided (or asked for): here the name alone (issue 29:
+        # the same sentence three times per run)
+        f"trained {summary['global_step']} steps in {summary['train_runtime']:.1f}s ({summary['precision']})",
+        f"  train loss {summary['train_loss']:.4f} (the mean over the {summary.get('train_loss_steps', '')} steps "
+        f"this run took); skipped steps {summary['skipped_steps']}"
         + (f"; final loss scale {summary['final_loss_scale']:g}" if summary.get("final_loss_scale") else ""),
         f"  throughput {summary['train_samples_per_second']:.1f} samples/s"
         + (f", {summary['train_tokens_per_second']:.0f} tokens/s" if "train_tokens_per_second" in summary else ""),
