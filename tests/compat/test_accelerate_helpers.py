@@ -82,13 +82,26 @@ def test_autocast_kwargs_per_block_and_refused_for_the_whole_run():
         Accelerator(mixed_precision="bf16", kwargs_handlers=[utils.AutocastKwargs(enabled=False)])
 
 
-def test_fp8_and_profile_handlers_are_accepted_or_refused_by_name():
+def test_fp8_handlers_are_accepted_or_refused_by_name():
     if hasattr(utils, "AORecipeKwargs"):
         Accelerator(kwargs_handlers=[utils.AORecipeKwargs()], verbose=False)  # torchao's default: mixprec's fp8
         with pytest.raises(ValueError, match=r"AORecipeKwargs\(.*pad_inner_dim=False.*mixprec's torchao fp8"):
             Accelerator(kwargs_handlers=[utils.AORecipeKwargs(pad_inner_dim=False)])
-    with pytest.raises(ValueError, match=r"ProfileKwargs\(.*torch.profiler.profile"):
-        Accelerator(kwargs_handlers=[utils.ProfileKwargs(with_flops=True)])
+
+
+def test_profile_kwargs_drive_accelerator_profile_and_write_accelerates_trace(tmp_path):
+    """accelerate's by_feature/profiler.py: ProfileKwargs in kwargs_handlers, then ``with accelerator.profile()``;
+    the recorded ops and the Chrome trace under output_trace_dir are what the script reads."""
+    handler = utils.ProfileKwargs(activities=["cpu"], record_shapes=True, output_trace_dir=str(tmp_path / "trace"))
+    acc = Accelerator(kwargs_handlers=[handler], verbose=False)
+    a = torch.randn(16, 16)
+    with acc.profile() as prof:
+        (a @ a).sum()
+    assert any("mm" in event.key for event in prof.key_averages())
+    assert (tmp_path / "trace" / "trace_0.json").stat().st_size > 0
+    with acc.profile(utils.ProfileKwargs(activities=["cpu"])) as other:  # a handler per call wins
+        a + a
+    assert other is not prof and not (tmp_path / "trace" / "trace_1.json").exists()
 
 
 def test_handlers_that_contradict_arguments_or_are_unknown_are_refused():

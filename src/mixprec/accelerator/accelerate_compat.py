@@ -79,6 +79,8 @@ class HandlerSettings:
     ddp_kwargs: dict[str, Any]
     timeout: float | None
     comm_dtype: str | None
+    profile: Any = None
+    """accelerate's ProfileKwargs, for ``accelerator.profile()``."""
 
     def merge(self, field: str, values: Mapping[str, Any], handler: str) -> None:
         target = getattr(self, field)
@@ -181,7 +183,8 @@ def _other_fp8(handler: Any, out: HandlerSettings) -> None:
 
 
 def _profile(handler: Any, out: HandlerSettings) -> None:
-    _refuse(handler, "mixprec has no accelerator.profile(): wrap the loop in torch.profiler.profile(...) yourself")
+    # kept whole: ProfileKwargs builds its own torch.profiler.profile (accelerator.profile(), profiling.py)
+    out.profile = handler
 
 
 HANDLERS: dict[str, Callable[[Any, HandlerSettings], None]] = {

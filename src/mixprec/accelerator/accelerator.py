@@ -34,6 +34,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader
 
+from mixprec.accelerator import profiling
 from mixprec.accelerator.accelerate_compat import SharedState, adopt, autocast_for, read_handlers
 from mixprec.accelerator.checkpoints import StateCheckpoints, check_checkpointable
 from mixprec.accelerator.config import AcceleratorConfig
@@ -133,6 +134,7 @@ class Accelerator:
                 "gradient_accumulation_plugin=...): pass only one of gradient_accumulation_steps and "
                 "gradient_accumulation_plugin (set num_steps in the plugin)"
             )
+        self.profile_handler = handled.profile  # accelerate's ProfileKwargs, for profile()
         self.dataloader_config = dataloader_config if dataloader_config is not None else DataLoaderConfiguration()
         non_blocking = non_blocking or self.dataloader_config.non_blocking
         self.config = AcceleratorConfig(
@@ -463,6 +465,16 @@ class Accelerator:
         """The precision's autocast, for code outside a prepared model's forward (a loss computed apart);
         ``autocast_handler``: accelerate's ``AutocastKwargs`` (``enabled=False`` turns autocast off inside)."""
         return autocast_for(autocast_handler, self._precision)
+
+    def profile(self, profile_handler: Any = None) -> contextlib.AbstractContextManager[torch.profiler.profile]:
+        """torch.profiler over the block, as accelerate's ``accelerator.profile()``: ``profile_handler`` (or the
+        ``ProfileKwargs`` given in ``kwargs_handlers``) builds the profiler; with its ``output_trace_dir``, each
+        process writes ``trace_<index>.json`` there."""
+        return profiling.profile(
+            profile_handler if profile_handler is not None else self.profile_handler,
+            process_index=self.process_index,
+            wait_for_everyone=self.wait_for_everyone,
+        )
 
     def accumulate(self, *models: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-batch: no gradient sync and no optimizer step before the
