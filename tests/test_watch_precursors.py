@@ -8,7 +8,6 @@ rate must not be warned about.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 
@@ -17,43 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from mixprec import Accelerator
-from mixprec.data import to_tensor
 from mixprec.models import GPT, GPTConfig
 from mixprec.watch import WatchConfig
 from mixprec.watch.numerics import NumericsChecks
 from mixprec.watch.precursors import InstabilityWarning, PrecursorJudge
+from planted_text import corpus
 
 BATCH, SEQ = 8, 32
 WARMUP = 80
 EVERY = 5
-
-
-WORDS = [
-    "the",
-    "model",
-    "learns",
-    "a",
-    "small",
-    "language",
-    "of",
-    "short",
-    "words",
-    "while",
-    "its",
-    "loss",
-    "falls",
-    "and",
-    "then",
-    "it",
-    "spikes",
-]
-
-
-@functools.cache
-def _corpus() -> torch.Tensor:
-    """Fixed text with structure to learn (spelling), made here: the stdlib corpus takes seconds to read."""
-    picks = torch.randint(0, len(WORDS), (4000,), generator=torch.Generator().manual_seed(0)).tolist()
-    return to_tensor(" ".join(WORDS[i] for i in picks).encode())
 
 
 def _train(peak_lr: float, steps: int):
@@ -62,7 +33,7 @@ def _train(peak_lr: float, steps: int):
     acc = Accelerator(mixed_precision="fp32", cpu=True, watch={"every": EVERY}, verbose=False)
     opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
     model, opt = acc.prepare(model, opt)
-    data, g = _corpus(), torch.Generator().manual_seed(1)
+    data, g = corpus(), torch.Generator().manual_seed(1)
     losses = []
     for step in range(steps):
         for group in opt.param_groups:

@@ -1,8 +1,8 @@
 """bf16 stagnation (mixprec.watch.stagnation): updates that round away are measured per layer and warned about.
 
 The planted case: the built-in GPT at a small learning rate (1e-5). With its weights held in bf16 and updated
-with round-to-nearest (``model.to(torch.bfloat16)`` + ``torch.optim.AdamW``: what bf16-pure is without its
-stochastic rounding or Kahan summation), most updates are below half a bf16 ulp of the weight and vanish:
+with round-to-nearest (``model.to(torch.bfloat16)`` + ``Bf16AdamW(rounding="nearest")`` under bf16-pure: bf16-pure
+without its stochastic rounding or Kahan summation), most updates are below half a bf16 ulp of the weight and vanish:
 the loss barely moves while fp32's falls. The watch must say so within the first 100 steps at its default
 interval, and the Kahan variant (``bf16-pure-kahan``) must bring the stagnant fraction to about zero.
 """
@@ -16,43 +16,15 @@ import torch
 from torch import nn
 
 from mixprec import Accelerator
-from mixprec.data import to_tensor
 from mixprec.models import GPT
 from mixprec.optim import Bf16AdamW
 from mixprec.watch import DEFAULT_EVERY
 from mixprec.watch.stagnation import StagnationProbe, StagnationWarning, stagnant_fractions
+from planted_text import corpus
 
 LR = 1e-5
 STEPS = 100
 BATCH, SEQ = 8, 32
-
-
-WORDS = [
-    "the",
-    "model",
-    "learns",
-    "a",
-    "small",
-    "language",
-    "of",
-    "short",
-    "words",
-    "while",
-    "its",
-    "loss",
-    "falls",
-    "and",
-    "then",
-    "it",
-    "spikes",
-]
-
-
-@functools.cache
-def _corpus() -> torch.Tensor:
-    """Fixed text with structure to learn (spelling), made here: the stdlib corpus takes seconds to read."""
-    picks = torch.randint(0, len(WORDS), (4000,), generator=torch.Generator().manual_seed(0)).tolist()
-    return to_tensor(" ".join(WORDS[i] for i in picks).encode())
 
 
 def _train(precision: str, *, bf16_weights: bool = False, steps: int = STEPS, every: int = DEFAULT_EVERY):
@@ -66,7 +38,7 @@ def _train(precision: str, *, bf16_weights: bool = False, steps: int = STEPS, ev
         opt = Bf16AdamW(model.parameters(), lr=LR, rounding="nearest")
     acc = Accelerator(mixed_precision=precision, cpu=True, watch={"every": every}, verbose=False)
     model, opt = acc.prepare(model, opt)
-    data, g = _corpus(), torch.Generator().manual_seed(1)
+    data, g = corpus(), torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
         starts = torch.randint(0, len(data) - SEQ, (BATCH,), generator=g)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec.optim.wrapped import WrappedOptimizer
+
 if TYPE_CHECKING:
     from mixprec.accelerator.gradients import GradientState
     from mixprec.accelerator.step_in_backward import BackwardStepper
@@ -139,7 +141,7 @@ def original_forward(module: torch.nn.Module) -> Any:
     return module.__dict__.get("_mixprec_forward", module.forward)
 
 
-class PreparedOptimizer(torch.optim.Optimizer):
+class PreparedOptimizer(WrappedOptimizer):
     """The user's optimizer, stepped through the loss scaler.
 
     ``step()`` is the precision strategy's ``optimizer_step`` (for fp16: unscale unless ``clip_grad_norm_``
@@ -170,30 +172,6 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self._gradients = gradients
         self.stepper = stepper  # step_in_backward: the hooks that already stepped each parameter
         self.step_was_skipped = False
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
 
     def step(self, closure: Any = None) -> Any:
         gradients = self._gradients

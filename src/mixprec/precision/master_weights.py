@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from mixprec.optim.wrapped import WrappedOptimizer
+
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 STATE_KEY = "mixprec_master_weights"  # the masters in param_groups order, beside the optimizer's own state
 
@@ -91,7 +93,7 @@ def refresh_params(optimizer: Any) -> None:
         optimizer.refresh_params()
 
 
-class MasterWeightsOptimizer(torch.optim.Optimizer):
+class MasterWeightsOptimizer(WrappedOptimizer):
     """The user's optimizer over fp32 masters of its trainable fp16/bf16 parameters.
 
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's (the groups hold the masters);
@@ -174,30 +176,6 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
                 p.grad.zero_()
 
     # -- the optimizer's own surface -----------------------------------------------------------------
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         params = param_group["params"]
