@@ -26,7 +26,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,7 @@ class Accelerator:
         dataloader_config: DataLoaderConfiguration | None = None,
         step_in_backward: bool = False,
         log_with: str | list[str] | None = None,
+        fp32_ops: Sequence[str] | str | None = None,
     ) -> None:
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
             raise ValueError(
@@ -114,6 +115,7 @@ class Accelerator:
         self.config = AcceleratorConfig(
             mixed_precision, gradient_accumulation_steps, distributed, device, cpu, scaler_kwargs,
             ddp_kwargs, fsdp_shard, non_blocking, verbose, timeout, fsdp_state_dict_type, step_in_backward,
+            fp32_ops,
         )  # fmt: skip
         env = LaunchEnv.from_environ()
         dev = select_device(self.config.device, self.config.cpu, env)
