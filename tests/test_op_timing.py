@@ -23,11 +23,11 @@ def test_every_kind_faster_in_low_precision_is_the_base_mode_itself():
     assert policy_from_timings("bf16", timings) == "bf16"  # a GPU where uniform bf16 wins: nothing changes
 
 
-def test_a_tie_goes_to_fp32_and_the_margin_decides_what_a_tie_is():
-    within = KindTiming("norm", 9, 0.97, 1.0)  # 3% faster: inside the 5% margin
-    beyond = KindTiming("activation", 4, 0.90, 1.0)  # 10% faster
-    assert policy_from_timings("fp16", [within, beyond]) == "fp16:fp32_ops=norm"
-    assert policy_from_timings("fp16", [within, beyond], margin=0.0) == "fp16"
+def test_a_tie_stays_with_autocast_and_the_margin_decides_what_a_tie_is():
+    within = KindTiming("norm", 9, 1.0, 0.97)  # fp32 3% faster: inside the 5% margin
+    beyond = KindTiming("activation", 4, 1.0, 0.90)  # fp32 10% faster
+    assert policy_from_timings("fp16", [within, beyond]) == "fp16:fp32_ops=activation"
+    assert policy_from_timings("fp16", [within, beyond], margin=0.0) == "fp16:fp32_ops=norm,activation"
 
 
 def test_the_report_shows_both_timings_and_the_choice_per_kind():
