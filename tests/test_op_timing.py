@@ -8,7 +8,13 @@ import torch
 
 from mixprec.models.gpt import GPT, GPTConfig
 from mixprec.precision.op_policy import OP_KINDS
-from mixprec.precision.op_timing import KindTiming, OpTimingReport, measure_op_kinds, policy_from_timings
+from mixprec.precision.op_timing import (
+    KindTiming,
+    OpTimingReport,
+    measure_op_kinds,
+    policy_candidate,
+    policy_from_timings,
+)
 from mixprec.precision.registry import canonical_name, resolve_precision
 
 
@@ -58,3 +64,13 @@ def test_measurement_records_the_model_s_own_calls_and_builds_a_runnable_policy(
 def test_a_base_without_autocast_is_refused_by_name():
     with pytest.raises(ValueError, match=r"measure_op_kinds\(base='fp32'\): choose one of bf16, fp16"):
         measure_op_kinds(lambda: None, "cpu", base="fp32")
+
+
+def test_the_race_gets_the_policy_as_a_candidate_only_when_it_differs_from_the_base():
+    timings = (KindTiming("linear", 17, 30.0, 60.0), KindTiming("attention", 4, 48.0, 12.4))
+    report = OpTimingReport("bf16", "cpu", timings, policy_from_timings("bf16", timings), 1.2)
+    candidate = policy_candidate(report, "cpu")
+    assert candidate.name == "bf16:fp32_ops=attention" and not candidate.pending
+    assert "per-op-kind timing" in candidate.reason
+    uniform = OpTimingReport("bf16", "cpu", timings[:1], "bf16", 0.5)
+    assert policy_candidate(uniform, "cpu") is None

@@ -7,7 +7,8 @@ are one entry). Each entry is then replayed forward+backward two ways, interleav
 - ``low``: under ``torch.autocast`` with the inputs in the dtypes it received them in, casts included —
   what the kind costs when a policy leaves it to autocast;
 - ``fp32``: autocast off, inputs cast to fp32 — what :class:`~mixprec.precision.op_policy.Fp32Regions`
-  runs. A kind whose fp32 time beats its low one by ``margin`` is kept in fp32; a tie stays with autocast. The result is a policy name ("bf16:fp32_ops=attention") and a report of both timings per kind.
+  runs. A kind whose fp32 time beats its low one by ``margin`` is kept in fp32; a tie stays with autocast.
+  The result is a policy name ("bf16:fp32_ops=attention") and a report of both timings per kind.
 
 Bounded: replays stop at ``budget_s`` (after at least one timed round each); inputs are random tensors of
 the recorded layout (the kernels' speed does not depend on the values), integer inputs (indices, labels)
@@ -26,6 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from mixprec.precision.base import Precision
 from mixprec.precision.op_policy import OP_KINDS, OpPolicy, kind_of
 
 # fp32 must be 5% faster than the low-precision kernel to be forced: a kind within the noise stays as autocast
@@ -219,3 +221,16 @@ def _timed(call: _Call, variant: str, device: torch.device, low: torch.dtype, cl
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def policy_candidate(report: OpTimingReport, device: torch.device | str) -> Precision | None:
+    """The measured policy as a strategy for "auto"'s race (its whole-step confirmation against the uniform
+    modes), with the report in its ``reason``; None when the policy is the base mode itself (already a
+    candidate)."""
+    if report.policy == report.base:
+        return None
+    from mixprec.precision.registry import make_precision
+
+    candidate = make_precision(report.policy, device)
+    candidate.reason = f"per-op-kind timing: {report.policy} ({report.elapsed_s:.2f} s)"
+    return candidate
