@@ -129,3 +129,16 @@ def test_public_autocast_applies_the_policy():
         assert lin(q).dtype == torch.float16
     with pytest.raises(ValueError, match="auto"):
         mixprec.autocast("auto")
+
+
+def test_a_prepared_model_runs_the_policy_in_its_forward():
+    # the Accelerator's prepared forward enters the strategy's autocast: attention fp32, matmuls bf16
+    acc = mixprec.Accelerator(mixed_precision="bf16", fp32_ops=["attention"], cpu=True, verbose=False)
+    model = _gpt()
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ids = torch.randint(0, 64, (2, 16))
+    with _KernelDtypes() as rec:
+        acc.backward(model(ids, labels=ids).loss)
+    opt.step()
+    assert rec.kernels("scaled_dot_product") == {torch.float32}
+    assert torch.bfloat16 in rec.kernels("addmm") | rec.kernels("mm")
