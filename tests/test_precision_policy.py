@@ -142,3 +142,17 @@ def test_a_prepared_model_runs_the_policy_in_its_forward():
     opt.step()
     assert rec.kernels("scaled_dot_product") == {torch.float32}
     assert torch.bfloat16 in rec.kernels("addmm") | rec.kernels("mm")
+
+
+def test_activation_checkpointing_is_refused_in_one_line_with_the_fix():
+    # torch's recompute does not see the policy's regions (a known limit): said by name, not a metadata dump
+    p = resolve_precision("bf16:fp32_ops=attention", "cpu")
+    model = _gpt()
+    model.gradient_checkpointing_enable()
+    ids = torch.randint(0, 64, (2, 16))
+    with p.autocast():
+        loss = model(ids, labels=ids).loss
+    with pytest.raises(
+        RuntimeError, match=r"gradient\) checkpointing.*turn gradient checkpointing off or use precision='bf16'"
+    ):
+        p.backward(loss)

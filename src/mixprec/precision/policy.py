@@ -15,7 +15,13 @@ from typing import Any, ClassVar
 import torch
 
 from mixprec.precision.mixed import AutocastMixedPrecision, Bf16MixedPrecision, Fp16MixedPrecision
-from mixprec.precision.op_policy import AUTOCAST_DEFAULT, OP_KINDS, OpPolicy, check_op_kinds, policy_autocast
+from mixprec.precision.op_policy import (
+    AUTOCAST_DEFAULT,
+    OP_KINDS,
+    OpPolicy,
+    check_op_kinds,
+    policy_autocast,
+)
 
 
 class PolicyMixedPrecision(AutocastMixedPrecision):
@@ -33,6 +39,22 @@ class PolicyMixedPrecision(AutocastMixedPrecision):
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return policy_autocast(self.policy, self.device.type, self.compute_dtype)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """The base mode's backward. Activation checkpointing recomputes the forward inside backward, where
+        torch restores autocast but not the policy's torch function mode (measured on torch 2.13: the mode
+        is not seen by the recompute even when active around ``backward``), so the recompute runs the fp32
+        kinds in low precision and torch's metadata check fails: said here in one line, with the fix. No
+        host sync."""
+        from torch.utils.checkpoint import CheckpointError
+
+        try:
+            super().backward(loss, **kwargs)
+        except CheckpointError as err:
+            raise RuntimeError(
+                f"precision {self.name!r} with activation (gradient) checkpointing: the recompute does not run "
+                f"the policy's fp32 regions; turn gradient checkpointing off or use precision={self.base_name!r}"
+            ) from err
 
     def op_dtypes(self) -> dict[str, str]:
         """Each op kind's dtype under this policy: "fp32 (policy)" or what autocast does with it here."""
