@@ -15,7 +15,9 @@ threads (``--threads``, OMP_NUM_THREADS for both processes). nanoGPT's ``train.p
 whatever its ``dtype`` (its autocast context is only for CUDA): that is its best setting here. Differences
 kept as they are: nanoGPT draws random windows and estimates the validation loss on ``eval_iters`` random
 windows of val.bin (set to the same 64 Ki tokens mixprec evaluates on); its loss covers T positions per
-row, mixprec's T - 1; it trains one step past its last evaluation.
+row, mixprec's T - 1; it trains one step past its last evaluation. So each final model (nanoGPT's ckpt.pt
+from that evaluation, mixprec's last checkpoint) is also scored on the same windows (the validation split's
+first 64 Ki tokens, every position, fp32): the "same-windows val" column, the one to compare.
 
 Per round (the order alternates each round), each tool's whole process: wall time (start-up, evaluations
 and saving included), training time (its median step time x steps: evaluations and the first step's warm-up
@@ -35,8 +37,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
+import torch.nn.functional as F
 
 from mixprec.cli._common import VAL_FRACTION
 from mixprec.cli.train import DEFAULT_LR, EVAL_TOKENS
@@ -53,6 +59,9 @@ class Run:
     train_s: float
     tokens_per_s: float
     val_loss: float
+    """The tool's own estimate (its own windows of the validation split)."""
+    shared_val_loss: float = float("nan")
+    """Its final model on the same windows for both (:func:`shared_val_loss`), in fp32."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -160,17 +169,71 @@ def parse_mixprec(metrics: Path, steps: int, tokens_per_step: int, wall: float) 
     return Run("mixprec", wall, step_s * steps, tokens_per_step / step_s, float(evals[-1]["eval_loss"]))
 
 
+def shared_windows(a: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) over the validation split's first EVAL_TOKENS: consecutive windows of T + 1 tokens."""
+    _, val = load_corpus(a.data).split(VAL_FRACTION)
+    n = min(EVAL_TOKENS, len(val) - 1) // a.seq_len
+    w = val[: n * a.seq_len + 1].long()
+    x = torch.stack([w[i * a.seq_len : (i + 1) * a.seq_len] for i in range(n)])
+    y = torch.stack([w[i * a.seq_len + 1 : (i + 1) * a.seq_len + 1] for i in range(n)])
+    return x, y
+
+
+@torch.no_grad()
+def shared_val_loss(logits_of: Callable[[torch.Tensor], torch.Tensor], windows: tuple[torch.Tensor, ...]) -> float:
+    """Mean next-token cross-entropy over every position of the shared windows, fp32, batches of 16."""
+    x, y = windows
+    total = 0.0
+    for i in range(0, len(x), 16):
+        logits = logits_of(x[i : i + 16]).float()
+        total += F.cross_entropy(logits.flatten(0, 1), y[i : i + 16].flatten(), reduction="sum").item()
+    return total / y.numel()
+
+
+def nanogpt_logits(a: argparse.Namespace, work: Path) -> Callable[[torch.Tensor], torch.Tensor]:
+    """nanoGPT's model at its last evaluation (the ckpt.pt train.py saved there), from its own model.py."""
+    from benchmarks.vs_nanogpt_gpu import load_nanogpt
+
+    module = load_nanogpt(a.nanogpt / "model.py")
+    ckpt = torch.load(work / "out" / "ckpt.pt", map_location="cpu", weights_only=False)
+    model = module.GPT(module.GPTConfig(**ckpt["model_args"]))
+    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
+    model.eval()
+    return lambda x: model(x, x)[0]  # targets given: logits at every position, not only the last
+
+
+def mixprec_logits(a: argparse.Namespace, out: Path) -> Callable[[torch.Tensor], torch.Tensor]:
+    """mixprec's model at its last checkpoint (step ``--steps``)."""
+    from safetensors.torch import load_file
+
+    from mixprec.models import GPT
+
+    model = GPT(GPT_PRESETS[a.model])
+    result = model.load_state_dict(load_file(str(out / f"checkpoint-{a.steps}" / "model.safetensors")), strict=False)
+    # the head is tied to the embedding and safetensors stores the shared tensor once
+    if set(result.missing_keys) - {"lm_head.weight"} or result.unexpected_keys:
+        raise RuntimeError(f"mixprec's checkpoint does not fit its GPT: {result}")
+    model.eval()
+    return lambda x: model(x).logits
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     with tempfile.TemporaryDirectory(prefix="vs_nanogpt-") as tmp:
         work = a.workdir or Path(tmp)
         prepare(a, work)
+        windows = shared_windows(a)
         runs: list[Run] = []
         for r in range(a.rounds):
             order = ("nanogpt", "mixprec") if r % 2 == 0 else ("mixprec", "nanogpt")
             for tool in order:
-                run = run_nanogpt(a, work, env) if tool == "nanogpt" else run_mixprec(a, work / f"mixprec-{r}", env)
+                if tool == "nanogpt":
+                    run = run_nanogpt(a, work, env)
+                    run.shared_val_loss = shared_val_loss(nanogpt_logits(a, work), windows)
+                else:
+                    run = run_mixprec(a, work / f"mixprec-{r}", env)
+                    run.shared_val_loss = shared_val_loss(mixprec_logits(a, work / f"mixprec-{r}"), windows)
                 print(f"[vs_nanogpt] round {r + 1}: {run}", file=sys.stderr, flush=True)
                 runs.append(run)
     med = {t: {f: statistics.median(getattr(x, f) for x in runs if x.tool == t) for f in Run.__dataclass_fields__
@@ -182,12 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     precision = a.precision + (f" --fp32-ops {a.fp32_ops}" if a.fp32_ops else "")
     print(f"{a.model} GPT, batch {a.batch_size} x {a.seq_len}, {a.steps} steps, {a.threads} threads, {a.rounds} "
           f"interleaved rounds (medians); mixprec --precision {precision}; nanoGPT fp32 (its CPU path)")  # fmt: skip
-    print(f"{'':<10}{'wall s':>9}{'train s':>9}{'tokens/s':>10}{'val loss':>10}")
+    print(f"{'':<10}{'wall s':>9}{'train s':>9}{'tokens/s':>10}{'own val':>10}{'same-windows val':>18}")
     for tool, m in med.items():
-        print(f"{tool:<10}{m['wall_s']:>9.1f}{m['train_s']:>9.1f}{m['tokens_per_s']:>10,.0f}{m['val_loss']:>10.4f}")
+        print(f"{tool:<10}{m['wall_s']:>9.1f}{m['train_s']:>9.1f}{m['tokens_per_s']:>10,.0f}{m['val_loss']:>10.4f}"
+              f"{m['shared_val_loss']:>18.4f}")  # fmt: skip
     ratio = {f: mp[f] / ng[f] for f in mp}
     print(f"mixprec / nanoGPT: wall {ratio['wall_s']:.2f}x, train time {ratio['train_s']:.2f}x, "
-          f"tokens/s {ratio['tokens_per_s']:.2f}x, val loss {ratio['val_loss'] - 1:+.2%}")  # fmt: skip
+          f"tokens/s {ratio['tokens_per_s']:.2f}x, "
+          f"same-windows val loss {ratio['shared_val_loss'] - 1:+.2%}")  # fmt: skip
     return 0
 
 
