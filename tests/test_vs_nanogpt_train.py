@@ -65,3 +65,19 @@ def test_mixprec_s_log_is_read_the_same_way(tmp_path):
     run = vs_nanogpt.parse_mixprec(tmp_path / "metrics.jsonl", steps=31, tokens_per_step=2048, wall=45.0)
     assert run.val_loss == 2.97
     assert abs(run.train_s / 31 - 0.2) < 1e-9  # the first step's 10 s warm-up is not a step time
+
+
+def test_both_models_are_scored_on_the_same_next_token_windows(tmp_path):
+    import math
+
+    import torch
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(256)) * 40)
+    a = _args(tmp_path, data=str(corpus), seq_len=16)
+    x, y = vs_nanogpt.shared_windows(a)
+    _, val = load_corpus(str(corpus)).split(0.1)
+    assert len(val) == 1024 and x.shape == y.shape == (63, 16)  # windows of 17 tokens inside the 1,024
+    assert torch.equal(x.flatten()[1:], y.flatten()[:-1]) and x[0, 0].item() == val[0].item()
+    uniform = vs_nanogpt.shared_val_loss(lambda xb: torch.zeros(*xb.shape, 256), (x, y))
+    assert abs(uniform - math.log(256)) < 1e-5  # every position counted once, mean over tokens
