@@ -52,6 +52,8 @@ def test_json_alone_on_stdout_table_on_stderr_and_a_chart(tmp_path):
         (["--precisions", "fp32,fp17"], "unknown precision 'fp17'"),
         (["--precision", "bf16"], "use --precisions"),
         (["--lr", "0"], "--lr must be > 0"),
+        (["--policy", "bf16:fp32_ops=attn"], "--policy: precision 'bf16:fp32_ops=attn': unknown op kind 'attn'"),
+        (["--policy", "measured:fp32"], "measured policies refine bf16 or fp16"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
@@ -59,3 +61,19 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     err = capsys.readouterr().err.strip()
     assert message in err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_policy_row_beside_the_uniform_modes(capsys):
+    # the policy's own commas survive (it has its own flag); it runs as itself, not as bf16
+    assert main([*FAST, "--precisions", "fp32,bf16", "--policy", "bf16:fp32_ops=attention,norm", "--no-memory"]) == 0
+    rows = [line.split()[:2] for line in capsys.readouterr().out.splitlines() if line.split()]
+    assert ["bf16:fp32_ops=attention,norm", "bf16:fp32_ops=attention,norm"] in rows
+
+
+def test_a_measured_policy_row_comes_with_its_timings(capsys):
+    assert main([*FAST, "--precisions", "fp32", "--policy", "measured", "--no-memory"]) == 0
+    captured = capsys.readouterr()
+    assert "per-op-kind timing on cpu" in captured.err and "attention" in captured.err  # each kind's two timings
+    chosen = next(line for line in captured.out.splitlines() if "--policy measured ->" in line)
+    policy = chosen.split("-> ")[1].split()[0]
+    assert [policy, policy] in [line.split()[:2] for line in captured.out.splitlines() if line.split()]

@@ -83,3 +83,23 @@ def test_a_subcommand_sets_its_own_default_sequence_length(tmp_path):
     parser = argparse.ArgumentParser(prog="t")
     add_data_model_args(parser, seq_len=1000)  # capped at the tiny model's block size
     assert load_model_and_data(parser.parse_args(["--data", str(corpus), "--model", "tiny"]))[3].seq_len == 64
+
+
+def test_fp32_ops_flag_folds_into_the_precision_and_a_typo_is_one_line():
+    from mixprec.cli._common import check_precision
+
+    assert check_precision("bf16", "attention") == "bf16:fp32_ops=attention"
+    assert check_precision("bf16:fp32_ops=attention") == "bf16:fp32_ops=attention"  # the same, spelled out
+    with pytest.raises(CliError, match=r"^--fp32-ops: .*unknown op kind 'attn'; choose from: linear, attention"):
+        check_precision("bf16", "attn")
+
+
+def test_fp32_ops_is_a_config_file_key(tmp_path):
+    from mixprec.cli._config import apply_config
+    from mixprec.cli.main import build_parser
+
+    config = tmp_path / "run.toml"
+    config.write_text('precision = "bf16"\nfp32_ops = "attention,norm"\n')
+    args = build_parser().parse_args(["train", "--config", str(config)])
+    apply_config(args)
+    assert check_precision(args.precision, args.fp32_ops) == "bf16:fp32_ops=attention,norm"

@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "PrecisionNotSupportedError": "mixprec.precision.base",
     "resolve_precision": "mixprec.precision.registry",
     "available_precisions": "mixprec.precision.registry",
+    "autocast": "mixprec.precision.autocast_context",
     # mid level
     "Accelerator": "mixprec.accelerator.accelerator",
     "ProjectConfiguration": "mixprec.accelerator.project",
@@ -80,6 +81,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.diagnostics.diagnose import diagnose
     from mixprec.diagnostics.report import Report
     from mixprec.models.gpt import GPT, GPTConfig
+    from mixprec.precision.autocast_context import autocast
     from mixprec.precision.base import Precision, PrecisionNotSupportedError
     from mixprec.precision.registry import available_precisions, resolve_precision
     from mixprec.scaling.record import ScaleRecord

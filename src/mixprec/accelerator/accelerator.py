@@ -26,7 +26,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +118,7 @@ class Accelerator:
         log_with: str | list[str] | None = None,
         kwargs_handlers: list[Any] | None = None,
         comm_dtype: Any = None,
+        fp32_ops: Sequence[str] | str | None = None,
     ) -> None:
         # accelerate's own helper objects, from a script that swapped only its Accelerator (accelerate_compat).
         project_config = adopt(project_config, ProjectConfiguration, "project_config")
@@ -140,7 +141,7 @@ class Accelerator:
         self.config = AcceleratorConfig(
             mixed_precision, gradient_accumulation_steps, distributed, device, cpu, handled.scaler_kwargs or None,
             handled.ddp_kwargs or None, fsdp_shard, non_blocking, verbose, handled.timeout, fsdp_state_dict_type,
-            step_in_backward, handled.comm_dtype,
+            step_in_backward, handled.comm_dtype, fp32_ops,
         )  # fmt: skip
         env = LaunchEnv.from_environ()
         dev = select_device(self.config.device, self.config.cpu, env)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,10 +70,22 @@ class AcceleratorConfig:
     """Dtype gradients travel in between processes: None/"fp32" (DDP's and FSDP2's default), "bf16" (half the
     bytes), "fp16"; or a :class:`~mixprec.accelerator.comm.CommPrecision` (:mod:`mixprec.accelerator.comm`)."""
 
+    fp32_ops: Sequence[str] | str | None = None
+    """Op kinds kept in fp32 under a bf16/fp16 ``mixed_precision`` (mixprec.precision.op_policy.OP_KINDS:
+    linear, attention, norm, softmax, embedding, activation), e.g. ["attention"]; folded into the name
+    ("bf16:fp32_ops=attention")."""
+
     def __post_init__(self) -> None:
         # Arguments left at their defaults take what `accelerate launch` set, as HF's Accelerator does.
         if self.mixed_precision is None:
             self.mixed_precision = launch_env.launcher_mixed_precision()
+        if self.fp32_ops:
+            from mixprec.precision.registry import policy_name
+
+            try:
+                self.mixed_precision = policy_name(self.mixed_precision, self.fp32_ops)
+            except ValueError as err:
+                raise ValueError(f"Accelerator(fp32_ops={self.fp32_ops!r}): {err}") from None
         if self.device is None and not self.cpu:
             self.device = launch_env.launcher_device()
         self.cpu = self.cpu or launch_env.launcher_cpu()

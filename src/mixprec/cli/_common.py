@@ -29,7 +29,8 @@ from mixprec.cli._config import track_explicit
 from mixprec.cli.main import CliError
 from mixprec.data import VOCAB_SIZE, CausalLMDataset, load_corpus, unigram_entropy
 from mixprec.models import GPT, GPT_PRESETS
-from mixprec.precision.registry import available_precisions, canonical_name
+from mixprec.precision.op_policy import OP_KINDS
+from mixprec.precision.registry import available_precisions, canonical_name, policy_name
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -166,14 +167,22 @@ def add_data_model_args(
         default=precision,
         help=f"{', '.join(available_precisions())} (default: {precision}{': ' + meaning if meaning else ''})",
     )
+    group.add_argument(
+        "--fp32-ops",
+        metavar="KIND[,KIND]",
+        default=None,
+        help=f"op kinds kept in fp32 under a bf16/fp16 --precision ({', '.join(OP_KINDS)}), e.g. attention; "
+        "the same as --precision bf16:fp32_ops=attention",
+    )
 
 
-def check_precision(name: str) -> str:
-    """The canonical precision name ("fp32", "fp16", "bf16", "auto"), or CliError listing the valid ones."""
+def check_precision(name: str, fp32_ops: str | None = None) -> str:
+    """The canonical precision name ("fp32", "fp16", "bf16", "auto", "bf16:fp32_ops=attention"), with
+    ``--fp32-ops`` folded in, or CliError listing the valid ones."""
     try:
-        return canonical_name(name)
+        return canonical_name(policy_name(name, fp32_ops))
     except (TypeError, ValueError) as exc:
-        raise CliError(f"--precision: {exc}") from None
+        raise CliError(f"--{'fp32-ops' if fp32_ops else 'precision'}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -283,7 +292,7 @@ def load_model_and_data(
     """Build the model and the (train, validation) datasets that ``args`` (from :func:`add_data_model_args`)
     describe (a Hugging Face model loaded in ``dtype`` when given). Reads the corpus from disk; no device
     work. Raises CliError/FileNotFoundError/ValueError with a one-line message for every input problem."""
-    precision = check_precision(getattr(args, "precision", "auto"))
+    precision = check_precision(getattr(args, "precision", "auto"), getattr(args, "fp32_ops", None))
     model_name = getattr(args, "model", DEFAULT_MODEL)
     seed = getattr(args, "seed", 42)
     # data first: a wrong --data path is reported before any model is built

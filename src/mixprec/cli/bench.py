@@ -14,6 +14,7 @@ from mixprec.cli._common import add_data_model_args, load_model_and_data, nonneg
 from mixprec.cli._config import explicit_flags
 from mixprec.cli.main import CliError
 from mixprec.models import GPT_PRESETS
+from mixprec.precision.registry import canonical_name
 
 # The default run must finish in well under a minute on 2 shared CPU cores, where one fp16 step of the
 # default model is ~10x an fp32 step: hence a small batch and few steps. Raise them for steadier numbers.
@@ -38,6 +39,8 @@ examples:
   mixprec bench --data notes.txt --model ./my-hf-model --batch-size 8 --seq-len 256
   mixprec bench --threads 2                     a multi-threaded CPU run (default: 1 thread, steadier)
   mixprec bench --nproc-per-node 2 --model tiny gradients on the wire: bytes and step time per --comm-dtypes
+  mixprec bench --precisions fp32,bf16 --policy bf16:fp32_ops=attention   bf16 with attention in fp32 beside
+  mixprec bench --precisions fp32,bf16 --policy measured   time each op kind first, add the policy it makes
 
 bench's defaults differ from train's: --batch-size 4 and --seq-len 64 (an fp16 or bf16 step can be ~10x
 an fp32 step on a CPU without native support), and one torch thread on a CPU (several threads of a small
@@ -98,6 +101,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="fp32,bf16,fp16",
         help="with --nproc-per-node: comma-separated communication dtypes to compare (default: fp32,bf16,fp16)",
     )
+    group.add_argument(
+        "--policy",
+        metavar="SPEC|measured[:MODE]",
+        default=None,
+        help="add a per-op-kind policy row, e.g. bf16:fp32_ops=attention; 'measured' (or measured:fp16) times "
+        "each op kind on this workload's first batch and adds the policy its winners make",
+    )
     group.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     group.add_argument("--json", action="store_true", help="print only the JSON document on stdout")
     group.add_argument("--output", metavar="PNG", default=None, help="write a chart of step time and memory")
@@ -126,6 +136,29 @@ def _build_workload(values: dict[str, Any], num_batches: int) -> Workload:
         seed=values["seed"],
         description=description,
     )
+
+
+def _measured_base(policy: str | None) -> str | None:
+    """The autocast mode of ``--policy measured[:MODE]`` (default bf16), None for a spelled-out policy."""
+    if policy is None or not policy.strip().lower().startswith("measured"):
+        return None
+    _, _, mode = policy.partition(":")
+    base = canonical_name(mode) if mode.strip() else "bf16"
+    if base not in ("bf16", "fp16"):
+        raise CliError(f"--policy {policy!r}: measured policies refine bf16 or fp16 (e.g. --policy measured:fp16)")
+    return base
+
+
+def _measure_policy(workload: Workload, base: str) -> Any:
+    """Per-op-kind timing on a fresh copy of the model and the workload's first batch (mixprec.precision.op_timing)."""
+    from mixprec.bench.runner import loss_of
+    from mixprec.precision.base import default_device
+    from mixprec.precision.op_timing import measure_op_kinds
+
+    device = default_device()
+    model = workload.fresh_model(device)
+    batch = {k: v.to(device) for k, v in workload.batches[0].items()}
+    return measure_op_kinds(lambda: loss_of(model(**batch)), device, base)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -205,9 +238,19 @@ def _comm_worker(args: argparse.Namespace, precision_name: str, comms: list[str]
 
 
 def _run(args: argparse.Namespace) -> int:
+    def log(msg: str) -> None:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+    precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
+    measured_base = _measured_base(args.policy)
+    if args.policy is not None and measured_base is None:
+        try:  # a policy's own commas ("attention,norm") would be split by --precisions: its own flag
+            precisions += (canonical_name(args.policy),)
+        except ValueError as exc:
+            raise CliError(f"--policy: {exc}") from None
     try:
         config = BenchConfig(
-            precisions=args.precisions,
+            precisions=precisions,
             steps=args.steps,
             rounds=args.rounds,
             warmup=args.warmup,
@@ -217,14 +260,19 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc).replace("BenchConfig.", "--")) from None  # the message names the flag
 
-    def log(msg: str) -> None:
-        print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
     values = _workload_args(args)
     num_batches = min(_MAX_BATCHES, config.warmup + config.rounds * config.steps)
     workload = _build_workload(values, num_batches)
     log(f"workload: {workload.description}")
+    notes: list[str] = []
+    if measured_base is not None:
+        report = _measure_policy(workload, measured_base)
+        log(report.explain())
+        notes.append(f"--policy measured -> {report.policy} (per-op-kind timing: {report.elapsed_s:.2f} s)")
+        if canonical_name(report.policy) not in {canonical_name(p) for p in config.precisions}:
+            config.precisions = (*config.precisions, report.policy)
     result = run_bench(workload, config, log=log)
+    result.notes.extend(notes)
     if result.device == "cpu" and hasattr(os, "getloadavg"):
         load, cores = os.getloadavg()[0], os.cpu_count() or 1
         if load > cores:

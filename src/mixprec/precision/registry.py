@@ -13,6 +13,8 @@ from mixprec.precision.base import Precision, PrecisionNotSupportedError, defaul
 from mixprec.precision.fp8 import Fp8Precision, Fp8RowwisePrecision
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
+from mixprec.precision.op_policy import OpPolicy, check_op_kinds
+from mixprec.precision.policy import POLICY_BASES
 from mixprec.precision.pure import PureBf16KahanPrecision, PureBf16Precision
 
 _STRATEGIES: dict[str, type[Precision]] = {}
@@ -47,6 +49,8 @@ def canonical_name(name: str) -> str:
     if not isinstance(name, str):
         raise TypeError(f"precision must be a string, got {type(name).__name__}: {name!r}")
     key = name.strip().lower()
+    if ":" in key:  # a per-op-kind policy, "bf16:fp32_ops=attention"
+        return _parse_policy(key).spec
     key = _ALIASES.get(key, key)
     if key in _STRATEGIES or key == AUTO:
         return key
@@ -64,6 +68,8 @@ def resolve_precision(name: str = AUTO, device: torch.device | str | None = None
     """
     key = canonical_name(name)
     dev = _device(device)
+    if ":" in key:
+        return _make_policy(key, dev)
     if key == AUTO:
         Precision.check_supported(dev)  # the device must exist before "auto" reasons about it
         key, reason = _guess_auto(dev)
@@ -76,6 +82,8 @@ def make_precision(name: str = AUTO, device: torch.device | str | None = None, *
     :class:`~mixprec.precision.auto.AutoPrecision` that races :func:`auto_candidates` on the first step."""
     key = canonical_name(name)
     dev = _device(device)
+    if ":" in key:
+        return _make_policy(key, dev)
     if key != AUTO:
         return _STRATEGIES[key](dev)
     from mixprec.precision.auto import AutoPrecision
@@ -96,6 +104,41 @@ def auto_candidates(device: torch.device) -> list[Precision]:
         except PrecisionNotSupportedError:
             continue
     return out
+
+
+def policy_name(precision: str, fp32_ops: str | list[str] | tuple[str, ...] | None) -> str:
+    """The precision name for ``precision`` with ``fp32_ops`` kept in fp32 (the ``fp32_ops=`` argument of
+    the Accelerator, TrainingArguments and ``mixprec train``): ``("bf16", ["attention"])`` ->
+    "bf16:fp32_ops=attention"; ``precision`` unchanged when ``fp32_ops`` is empty. Raises a ValueError naming
+    ``fp32_ops`` for an unknown kind or a mode without autocast."""
+    kinds = check_op_kinds(fp32_ops or ())
+    if not kinds:
+        return precision
+    base = canonical_name(precision)
+    if ":" in base:
+        base = OpPolicy.parse(base).base
+    if base not in POLICY_BASES:
+        raise ValueError(
+            f"fp32_ops={sorted(kinds)} needs an autocast mode to refine, not precision {precision!r}; "
+            f"use precision={' or '.join(repr(b) for b in POLICY_BASES)}"
+        )
+    return OpPolicy(base, kinds).spec
+
+
+def _parse_policy(key: str) -> OpPolicy:
+    policy = OpPolicy.parse(key)
+    base = canonical_name(policy.base) if ":" not in policy.base else policy.base
+    if base not in POLICY_BASES:
+        raise ValueError(
+            f"precision {key!r}: a policy refines an autocast mode; start it with "
+            f"{' or '.join(repr(b + ':') for b in POLICY_BASES)}"
+        )
+    return OpPolicy(base, policy.fp32_ops)
+
+
+def _make_policy(key: str, device: torch.device) -> Precision:
+    policy = _parse_policy(key)
+    return POLICY_BASES[policy.base](policy.fp32_ops, device)
 
 
 def _device(device: torch.device | str | None) -> torch.device:

@@ -30,7 +30,7 @@ import torch
 from mixprec.accelerator.comm import make_comm
 from mixprec.accelerator.config import parse_state_dict_type
 from mixprec.accelerator.distributed import LaunchEnv, select_device
-from mixprec.precision.registry import canonical_name
+from mixprec.precision.registry import canonical_name, policy_name
 from mixprec.trainer.configs import (
     DISTRIBUTED,
     REPORTERS,
@@ -67,6 +67,9 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
     """Train with fp16 autocast and loss scaling (really fp16, on CPU too)."""
     bf16: bool = False
     """Train with bf16 autocast."""
+    fp32_ops: list[str] | str | None = None
+    """Op kinds kept in fp32 under bf16/fp16 (linear, attention, norm, softmax, embedding, activation), e.g.
+    ["attention"]: ``precision`` becomes the policy "bf16:fp32_ops=attention" (mixprec.precision.op_policy)."""
     init_loss_scale: float = 2.0**16
     loss_scale_growth_interval: int = 2000
     loss_scale_hysteresis: int = 1
@@ -189,7 +192,7 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
         if self.step_in_backward:
             from mixprec.accelerator.step_in_backward import REFUSALS
 
-            if self.precision in ("fp16", "auto"):  # "auto" may choose fp16
+            if self.precision.partition(":")[0] in ("fp16", "auto"):  # "auto" may choose fp16; a policy is its base
                 fail("step_in_backward", True, f"with precision={self.precision!r}: {REFUSALS['fp16']}")
             if self.max_grad_norm is not None:
                 fail("step_in_backward", True, f"with max_grad_norm={self.max_grad_norm}: {REFUSALS['clip']}")
@@ -249,12 +252,18 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
             name = canonical_name(self.precision)  # the one place precision names are parsed
         except (TypeError, ValueError) as err:
             raise ValueError(f"TrainingArguments(precision={self.precision!r}): {err}") from None
-        if flag is not None and name != flag:
+        if self.fp32_ops:
+            try:
+                name = canonical_name(policy_name(name, self.fp32_ops))
+            except ValueError as err:
+                raise ValueError(f"TrainingArguments(fp32_ops={self.fp32_ops!r}): {err}") from None
+            self.fp32_ops = None  # folded into the name: one source of truth from here on
+        if flag is not None and name.partition(":")[0] != flag:
             fail("precision", self.precision, f"conflicts with {flag}=True; set one of them")
         self.precision = name
         # Keep the HF flags truthful, so code that reads args.fp16 sees what will run.
-        self.fp16 = name == "fp16"
-        self.bf16 = name == "bf16"
+        self.fp16 = name.partition(":")[0] == "fp16"  # a policy ("bf16:fp32_ops=...") is its base mode
+        self.bf16 = name.partition(":")[0] == "bf16"
 
     def _apply_hf_implied(self) -> None:
         """HF's derived settings, so scripts that rely on them behave the same."""

@@ -1,0 +1,236 @@
+"""Measure each op kind's low-precision kernel against fp32 on the shapes a model really runs (issue 23).
+
+One forward under autocast records every call of a policy's op kinds (function, argument shapes, strides,
+dtypes, the non-tensor arguments); identical calls are timed once and counted (a 12-layer model's layers
+are one entry). Each entry is then replayed forward+backward two ways, interleaved round by round:
+
+- ``low``: under ``torch.autocast`` with the inputs in the dtypes it received them in, casts included —
+  what the kind costs when a policy leaves it to autocast;
+- ``fp32``: autocast off, inputs cast to fp32 — what :class:`~mixprec.precision.op_policy.Fp32Regions`
+  runs. A kind whose fp32 time beats its low one by ``margin`` is kept in fp32; a tie stays with autocast.
+  The result is a policy name ("bf16:fp32_ops=attention") and a report of both timings per kind.
+
+Bounded: replays stop at ``budget_s`` (after at least one timed round each); inputs are random tensors of
+the recorded layout (the kernels' speed does not depend on the values), integer inputs (indices, labels)
+are the recorded ones. Costs one forward of the model plus the replays, with a host sync per timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from mixprec.precision.base import Precision
+from mixprec.precision.op_policy import OP_KINDS, OpPolicy, kind_of
+
+# fp32 must be 5% faster than the low-precision kernel to be forced: a kind within the noise stays as autocast
+# runs it (torch's own choice), so a policy changes autocast only where the measurement shows a win (on the
+# main job, norm's 4.5 vs 4.2 ms tie put in fp32 made the whole step slower, not faster).
+MARGIN = 0.05
+_MAX_ROUNDS = 7
+
+
+@dataclasses.dataclass(frozen=True)
+class _Meta:
+    """A floating tensor argument, by layout only."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclasses.dataclass
+class _Call:
+    func: Any
+    kind: str
+    args: Any  # pytree of _Meta / integer tensors / plain values
+    count: int = 1
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, _Call] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        kind = kind_of(func)
+        if kind is not None:
+            packed = pytree.tree_map_only(torch.Tensor, _pack, (args, kwargs))
+            key = f"{kind}|{getattr(func, '__name__', func)}|{packed!r}"
+            if key in self.calls:
+                self.calls[key].count += 1
+            else:
+                self.calls[key] = _Call(func, kind, packed)
+        return func(*args, **kwargs)
+
+
+def _pack(t: torch.Tensor) -> Any:
+    if t.is_floating_point():
+        return _Meta(tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+    return t.detach().clone()  # indices, labels, masks: their values decide what the kernel does
+
+
+def _unpack(x: Any) -> Any:
+    if isinstance(x, _Meta):
+        t = torch.empty_strided(x.shape, x.stride, dtype=x.dtype, device=x.device).normal_()
+        return t.requires_grad_()
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class KindTiming:
+    """One op kind: forward+backward milliseconds per step (all its calls) in low precision and in fp32."""
+
+    kind: str
+    calls: int
+    low_ms: float
+    fp32_ms: float
+
+    def choice(self, margin: float = MARGIN) -> str:
+        """ "fp32" when fp32 beats low precision by ``margin``, else "low" (autocast's own choice on a tie)."""
+        return "fp32" if self.fp32_ms < self.low_ms * (1.0 - margin) else "low"
+
+
+@dataclasses.dataclass(frozen=True)
+class OpTimingReport:
+    """What :func:`measure_op_kinds` measured and the policy it builds."""
+
+    base: str
+    device: str
+    timings: tuple[KindTiming, ...]
+    policy: str
+    """The precision name to race: the base mode itself when every measured kind is faster in it."""
+    elapsed_s: float
+    margin: float = MARGIN
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def explain(self) -> str:
+        """A table: each op kind's two timings and the choice, then the policy."""
+        lines = [f"per-op-kind timing on {self.device} ({self.elapsed_s:.2f} s; forward+backward ms per step)"]
+        lines.append(f"  {'op kind':<11}{'calls':>6}{self.base + ' ms':>11}{'fp32 ms':>10}  choice")
+        for t in self.timings:
+            choice = self.base if t.choice(self.margin) == "low" else "fp32"
+            lines.append(f"  {t.kind:<11}{t.calls:>6}{t.low_ms:>11.2f}{t.fp32_ms:>10.2f}  {choice}")
+        lines.append(f"  policy: {self.policy}")
+        return "\n".join(lines)
+
+
+def policy_from_timings(base: str, timings: list[KindTiming] | tuple[KindTiming, ...], margin: float = MARGIN) -> str:
+    """The precision name the measured winners make: ``base`` with every kind whose fp32 time beats its
+    low-precision time by ``margin`` kept in fp32; ``base`` alone when there is none. Kinds not measured (the
+    model does not call them) stay as autocast runs them."""
+    fp32 = frozenset(t.kind for t in timings if t.choice(margin) == "fp32")
+    return OpPolicy(base, fp32).spec if fp32 else base
+
+
+def measure_op_kinds(
+    forward: Callable[[], Any],
+    device: torch.device | str,
+    base: str = "bf16",
+    *,
+    budget_s: float = 2.0,
+    margin: float = MARGIN,
+    clock: Callable[[], float] = time.perf_counter,
+) -> OpTimingReport:
+    """Time each op kind ``forward`` calls, in ``base``'s dtype against fp32, and build the policy.
+
+    ``forward`` runs the model's forward on a real batch (the race's ``loss_fn``); it is called once, under
+    ``torch.no_grad()`` and autocast, to record the calls. It may touch buffers or the RNG: call this where
+    such state is restored (the race's ``no_trace``). ``budget_s`` bounds the replays (each call is timed
+    at least once per variant). Raises ValueError for a ``base`` without autocast ("bf16" or "fp16").
+    """
+    from mixprec.precision.policy import POLICY_BASES
+
+    if base not in POLICY_BASES:
+        raise ValueError(f"measure_op_kinds(base={base!r}): choose one of {', '.join(POLICY_BASES)}")
+    dev = torch.device(device)
+    low = POLICY_BASES[base].compute_dtype
+    start = clock()
+    recorder = _Recorder()
+    with torch.no_grad(), torch.autocast(dev.type, dtype=low), recorder:
+        forward()
+    calls = list(recorder.calls.values())
+    samples: dict[int, dict[str, list[float]]] = {i: {"low": [], "fp32": []} for i in range(len(calls))}
+    deadline = start + budget_s
+    for call in calls:  # warm-up: the first call of a kernel pays for its setup
+        for variant in ("low", "fp32"):
+            _replay(call, _inputs(call), variant, dev, low)
+    for round_ in range(_MAX_ROUNDS):
+        if round_ > 0 and clock() > deadline:
+            break
+        for i, call in enumerate(calls):
+            for variant in ("low", "fp32") if round_ % 2 == 0 else ("fp32", "low"):  # rotate the order
+                samples[i][variant].append(_timed(call, variant, dev, low, clock))
+    per_kind: dict[str, list[float]] = {}
+    for i, call in enumerate(calls):
+        acc = per_kind.setdefault(call.kind, [0, 0.0, 0.0])
+        acc[0] += call.count
+        acc[1] += call.count * statistics.median(samples[i]["low"]) * 1e3
+        acc[2] += call.count * statistics.median(samples[i]["fp32"]) * 1e3
+    timings = tuple(KindTiming(k, int(v[0]), v[1], v[2]) for k in OP_KINDS if (v := per_kind.get(k)) is not None)
+    return OpTimingReport(
+        base=base,
+        device=str(dev),
+        timings=timings,
+        policy=policy_from_timings(base, timings, margin),
+        elapsed_s=clock() - start,
+        margin=margin,
+    )
+
+
+def _inputs(call: _Call) -> Any:
+    """Fresh leaves of the recorded layout (made outside the timed region: filling them is not the op's)."""
+    return pytree.tree_map(_unpack, call.args, is_leaf=lambda x: isinstance(x, _Meta))
+
+
+def _replay(call: _Call, inputs: Any, variant: str, device: torch.device, low: torch.dtype) -> None:
+    args, kwargs = inputs
+    if variant == "fp32":  # what Fp32Regions does, the casts included
+        args, kwargs = pytree.tree_map_only(torch.Tensor, _fp32, (args, kwargs))
+    with torch.autocast(device.type, dtype=low, enabled=variant == "low"):
+        out = call.func(*args, **kwargs)
+    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
+
+
+def _timed(call: _Call, variant: str, device: torch.device, low: torch.dtype, clock: Callable[[], float]) -> float:
+    inputs = _inputs(call)
+    _sync(device)
+    t0 = clock()
+    _replay(call, inputs, variant, device, low)
+    _sync(device)
+    return clock() - t0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def policy_candidate(report: OpTimingReport, device: torch.device | str) -> Precision | None:
+    """The measured policy as a strategy for "auto"'s race (its whole-step confirmation against the uniform
+    modes), with the report in its ``reason``; None when the policy is the base mode itself (already a
+    candidate)."""
+    if report.policy == report.base:
+        return None
+    from mixprec.precision.registry import make_precision
+
+    candidate = make_precision(report.policy, device)
+    candidate.reason = f"per-op-kind timing: {report.policy} ({report.elapsed_s:.2f} s)"
+    return candidate

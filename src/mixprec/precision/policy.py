@@ -1,0 +1,84 @@
+"""An autocast mode with named op kinds kept in fp32: "bf16:fp32_ops=attention" (issue 23).
+
+The strategy is the autocast mode it refines (a bf16 policy *is* a bf16 mode: fp32 master weights, the same
+scaler, the same step) with one hook changed: ``autocast()`` adds :class:`~mixprec.precision.op_policy.
+Fp32Regions` for the named kinds. Built by the registry from the policy's spelling, never registered as a
+name of its own (the kinds make the name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+
+from mixprec.precision.mixed import AutocastMixedPrecision, Bf16MixedPrecision, Fp16MixedPrecision
+from mixprec.precision.op_policy import (
+    AUTOCAST_DEFAULT,
+    OP_KINDS,
+    OpPolicy,
+    check_op_kinds,
+    policy_autocast,
+)
+
+
+class PolicyMixedPrecision(AutocastMixedPrecision):
+    """Autocast in ``compute_dtype`` with ``policy.fp32_ops`` held in fp32. ``name`` is the policy's spelling."""
+
+    # Chosen by measurement (mixprec.precision.op_timing), not raced as a registered name.
+    auto_candidate = False
+    base_name: ClassVar[str] = ""
+
+    def __init__(self, fp32_ops: Iterable[str], device: torch.device | str | None = None, reason: str = "") -> None:
+        self.policy = OpPolicy(self.base_name, check_op_kinds(fp32_ops))
+        super().__init__(device, reason)
+        self.name = self.policy.spec  # type: ignore[misc]  # the instance's name: the class's is its base
+        self.reason = reason or f"{self.name} was asked for"
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return policy_autocast(self.policy, self.device.type, self.compute_dtype)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """The base mode's backward. Activation checkpointing recomputes the forward inside backward, where
+        torch restores autocast but not the policy's torch function mode (measured on torch 2.13: the mode
+        is not seen by the recompute even when active around ``backward``), so the recompute runs the fp32
+        kinds in low precision and torch's metadata check fails: said here in one line, with the fix. No
+        host sync."""
+        from torch.utils.checkpoint import CheckpointError
+
+        try:
+            super().backward(loss, **kwargs)
+        except CheckpointError as err:
+            raise RuntimeError(
+                f"precision {self.name!r} with activation (gradient) checkpointing: the recompute does not run "
+                f"the policy's fp32 regions; turn gradient checkpointing off or use precision={self.base_name!r}"
+            ) from err
+
+    def op_dtypes(self) -> dict[str, str]:
+        """Each op kind's dtype under this policy: "fp32 (policy)" or what autocast does with it here."""
+        low = str(self.compute_dtype).removeprefix("torch.")
+        defaults = AUTOCAST_DEFAULT.get(self.device.type, AUTOCAST_DEFAULT["cuda"])
+        return {
+            kind: "fp32 (policy)" if kind in self.policy.fp32_ops else defaults[kind].replace("low precision", low)
+            for kind in OP_KINDS
+        }
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "fp32_ops": sorted(self.policy.fp32_ops), "op_dtypes": self.op_dtypes()}
+
+
+class Bf16PolicyPrecision(PolicyMixedPrecision, Bf16MixedPrecision):
+    """bf16 autocast with named op kinds in fp32."""
+
+    base_name = "bf16"
+
+
+class Fp16PolicyPrecision(PolicyMixedPrecision, Fp16MixedPrecision):
+    """fp16 autocast (with loss scaling) with named op kinds in fp32."""
+
+    base_name = "fp16"
+
+
+POLICY_BASES: dict[str, type[PolicyMixedPrecision]] = {"bf16": Bf16PolicyPrecision, "fp16": Fp16PolicyPrecision}
