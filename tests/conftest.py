@@ -19,6 +19,8 @@ for _var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR
     os.environ[_var] = _WANDB_TMP
 # "auto" measures every run afresh in tests (its on-disk cache is tested on its own, in a temporary folder).
 os.environ["MIXPREC_AUTO_CACHE"] = "0"
+# ...and races the uniform modes only: the per-op-kind policy candidate is tested on its own (test_precision_auto)
+os.environ["MIXPREC_AUTO_OP_POLICY"] = "0"
 
 from dataclasses import dataclass  # noqa: E402
 

@@ -492,3 +492,59 @@ def test_the_race_stops_as_soon_as_every_pair_is_separated_and_runs_on_while_one
     assert decision.rounds > race.MIN_ROUNDS
     low, high = decision.speedup_interval["bf16"]
     assert low <= 1 / 0.9 <= high or decision.chosen == "bf16"
+
+
+class AttentionLM(torch.nn.Module):
+    """A tiny model whose attention, when it runs in bf16, burns 20 ms of CPU: bf16 attention slower than fp32
+    attention while its linear layers gain, as measured on avx512_bf16 CPUs (issue 23)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 4, 3, 16).unbind(2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        if out.dtype == torch.bfloat16:
+            _burn(0.02)
+        return out.float().pow(2).mean()
+
+
+def test_a_measured_per_op_policy_joins_the_race_and_wins_when_its_whole_step_is_fastest(monkeypatch):
+    from mixprec.precision import auto as auto_module
+    from mixprec.precision.op_timing import KindTiming, OpTimingReport, policy_from_timings
+
+    timings = (KindTiming("linear", 1, 1.0, 2.0), KindTiming("attention", 1, 12.0, 3.0))
+
+    def measured(forward, device, base, budget_s):  # the per-op timing, planted: attention 4x slower in bf16
+        forward()  # the real forward runs (its state restored by the race), as the real timing's does
+        return OpTimingReport(base, str(device), timings, policy_from_timings(base, timings), 0.01)
+
+    monkeypatch.setattr(auto_module, "measure_op_kinds", measured)
+    monkeypatch.setenv("MIXPREC_AUTO_OP_POLICY", "1")
+    _auto_with(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+    accelerator = Accelerator(mixed_precision="auto", verbose=False)
+    model = accelerator.prepare(AttentionLM())
+    accelerator.backward(model(torch.randn(2, 4, 16)))
+    decision = accelerator.auto_decision
+    assert accelerator.mixed_precision == "bf16:fp32_ops=attention"  # neither uniform mode
+    assert set(decision.step_seconds) == {"fp32", "bf16", "bf16:fp32_ops=attention"}
+    assert decision.step_seconds["bf16:fp32_ops=attention"] < decision.step_seconds["bf16"]
+    assert "attention" in decision.op_timing and "policy: bf16:fp32_ops=attention" in decision.table()
+
+
+def test_per_op_timing_that_finds_nothing_to_keep_in_fp32_races_the_uniform_modes_only(monkeypatch):
+    from mixprec.precision import auto as auto_module
+    from mixprec.precision.op_timing import KindTiming, OpTimingReport
+
+    def measured(forward, device, base, budget_s):
+        return OpTimingReport(base, str(device), (KindTiming("linear", 1, 1.0, 2.0),), base, 0.01)
+
+    monkeypatch.setattr(auto_module, "measure_op_kinds", measured)
+    monkeypatch.setenv("MIXPREC_AUTO_OP_POLICY", "1")
+    _auto_with(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+    accelerator = Accelerator(mixed_precision="auto", verbose=False)
+    _train(accelerator, steps=1)
+    assert accelerator.mixed_precision == "bf16"
+    assert set(accelerator.auto_decision.step_seconds) == {"fp32", "bf16"}

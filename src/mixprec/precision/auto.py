@@ -16,6 +16,7 @@ chosen mode by name. A decision is made once per run: resuming adopts the one th
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ import torch
 from mixprec.precision import auto_cache
 from mixprec.precision.base import Precision
 from mixprec.precision.master_weights import master_names
+from mixprec.precision.op_timing import measure_op_kinds, policy_candidate
 from mixprec.precision.race import ROUNDS, Agree, AutoDecision, Clock, Unfinished, decide, recheck
 from mixprec.precision.trial import no_trace, race_clock, run_trial
 
@@ -31,12 +33,17 @@ if TYPE_CHECKING:
     from mixprec.scaling.scaler import GradScaler
 
 _SCALE_BACKOFF = 2.0**-8  # an fp16 trial that overflows retries at 1/256 of the scale, down to 1
+# Per-op-kind timing before the race (issue 23): bf16 attention's backward can cost 4x fp32's on a CPU whose
+# bf16 matmuls run 2x faster, so a policy that keeps only attention in fp32 can beat both uniform modes. Its
+# replays are bounded; the policy then races the uniform modes on the whole step like any candidate.
+OP_TIMING_BUDGET_S = 1.5
+_POLICY_BASE = "bf16"
 
 
 class AutoPrecision(Precision):
     """ "auto": the fastest safe candidate, measured on the training step; the safest one until then."""
 
-    def __init__(self, candidates: Sequence[Precision], *, processes: int = 1) -> None:
+    def __init__(self, candidates: Sequence[Precision], *, processes: int = 1, op_policy: bool | None = None) -> None:
         if not candidates:
             raise ValueError("precision='auto' needs at least one candidate mode")
         self.candidates = sorted(candidates, key=lambda p: p.safety_rank)
@@ -49,6 +56,11 @@ class AutoPrecision(Precision):
         self._is_main = True
         self._announce: Callable[[], None] | None = None
         self._param_names: list[tuple[str, torch.nn.Parameter]] = []
+        # a measured per-op policy joins the race where bf16 autocast is a candidate (op_timing.py)
+        # (MIXPREC_AUTO_OP_POLICY=0 races the uniform modes only, as MIXPREC_AUTO_CACHE=0 turns the cache off)
+        if op_policy is None:
+            op_policy = os.environ.get("MIXPREC_AUTO_OP_POLICY", "1") != "0"
+        self.op_policy = op_policy and any(p.name == _POLICY_BASE for p in self.candidates)
 
     # -- what it is now ------------------------------------------------------------------------------
 
@@ -128,6 +140,12 @@ class AutoPrecision(Precision):
         for p in self.candidates:
             p.forget_parameters()
 
+    def _add_candidate(self, candidate: Precision) -> None:
+        """A candidate made during the race (the measured policy), configured as the others were."""
+        candidate.configure(getattr(self, "_scaler_kwargs", None), getattr(self, "_found_inf_reducer", None))
+        candidate.register_param_names(self._param_names)
+        self.candidates = sorted([*self.candidates, candidate], key=lambda p: p.safety_rank)
+
     def options(self) -> list[Precision]:
         return [self._chosen] if self._chosen is not None else list(self.candidates)
 
@@ -202,15 +220,25 @@ class AutoPrecision(Precision):
         clock_name = "given clock"
         if clock is None:
             clock, clock_name = race_clock(self.device)
+        # several processes run every trial in lockstep (a backward is a collective): none stops early
+        alone = self._agree is None
+        # the policy is measured by one process alone: under several, its forward-only replays would have to
+        # agree too, so there the uniform modes race as before
+        op_policy = self.op_policy and alone
         names = [p.name for p in self.candidates]
-        key = auto_cache.fingerprint(self.device, models, auto_cache.shapes_of(batch), names, self.processes)
+        key_names = [*names, "op-policy"] if op_policy else names
+        key = auto_cache.fingerprint(self.device, models, auto_cache.shapes_of(batch), key_names, self.processes)
         cached = auto_cache.lookup(key) if use_cache else None
+        if op_policy and cached is not None and cached.chosen not in names and cached.chosen.startswith(_POLICY_BASE):
+            from mixprec.precision.registry import make_precision  # the registry makes "auto": imported late
+
+            self._add_candidate(make_precision(cached.chosen, self.device))  # a cached race's policy
+            names.append(cached.chosen)
         same = self._agree or (lambda xs: xs)
         hit = same([cached.chosen] if cached is not None and cached.chosen in names else [])
         by_name = {p.name: p for p in self.candidates}
         scales = {p.name: (p.scaler.get_scale() if p.needs_loss_scaling else 1.0) for p in self.candidates}
-        # several processes run every trial in lockstep (a backward is a collective): none stops early
-        alone = self._agree is None
+        op_report = ""
 
         with no_trace(models, self.device) as state:
 
@@ -239,6 +267,19 @@ class AutoPrecision(Precision):
                     return self.decision
                 stale = f"the cached race of {reused.measured_at or 'an earlier run'} did not hold ({note})"
 
+            if op_policy and len(names) == len(by_name) and not any(":" in n for n in names):
+                self._trying = by_name[_POLICY_BASE]  # its forward is not the step that settles (pending)
+                try:
+                    report = measure_op_kinds(loss_fn, self.device, _POLICY_BASE, budget_s=OP_TIMING_BUDGET_S)
+                finally:
+                    self._trying = None
+                op_report = report.explain()
+                policy = policy_candidate(report, self.device)
+                if policy is not None:
+                    self._add_candidate(policy)
+                    names.append(policy.name)
+                    by_name[policy.name] = policy
+                    scales[policy.name] = 1.0
             decision = decide(
                 names,
                 run,
@@ -253,6 +294,8 @@ class AutoPrecision(Precision):
             )
         if stale:
             decision = AutoDecision(**{**decision.to_dict(), "checked": stale})
+        if op_report:
+            decision = AutoDecision(**{**decision.to_dict(), "op_timing": op_report})
         if not self._is_main:
             decision = decision.with_source("main process")
         if use_cache and decision.source == "measured":

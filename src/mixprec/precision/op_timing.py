@@ -45,6 +45,7 @@ class _Meta:
     stride: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    grad: bool = True  # it needed a gradient in the recorded forward (weights, activations; not running stats)
 
 
 @dataclasses.dataclass
@@ -75,14 +76,14 @@ class _Recorder(TorchFunctionMode):
 
 def _pack(t: torch.Tensor) -> Any:
     if t.is_floating_point():
-        return _Meta(tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+        return _Meta(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
     return t.detach().clone()  # indices, labels, masks: their values decide what the kernel does
 
 
 def _unpack(x: Any) -> Any:
     if isinstance(x, _Meta):
         t = torch.empty_strided(x.shape, x.stride, dtype=x.dtype, device=x.device).normal_()
-        return t.requires_grad_()
+        return t.requires_grad_(x.grad)
     return x
 
 
@@ -146,7 +147,7 @@ def measure_op_kinds(
     """Time each op kind ``forward`` calls, in ``base``'s dtype against fp32, and build the policy.
 
     ``forward`` runs the model's forward on a real batch (the race's ``loss_fn``); it is called once, under
-    ``torch.no_grad()`` and autocast, to record the calls. It may touch buffers or the RNG: call this where
+    autocast, to record the calls. It may touch buffers or the RNG: call this where
     such state is restored (the race's ``no_trace``). ``budget_s`` bounds the replays (each call is timed
     at least once per variant). Raises ValueError for a ``base`` without autocast ("bf16" or "fp16").
     """
@@ -158,7 +159,9 @@ def measure_op_kinds(
     low = POLICY_BASES[base].compute_dtype
     start = clock()
     recorder = _Recorder()
-    with torch.no_grad(), torch.autocast(dev.type, dtype=low), recorder:
+    # with grad, so each argument's requires_grad says what the replays' backward differentiates (a norm's
+    # running statistics must not); the recorded graph is dropped at once
+    with torch.autocast(dev.type, dtype=low), recorder:
         forward()
     calls = list(recorder.calls.values())
     samples: dict[int, dict[str, list[float]]] = {i: {"low": [], "fp32": []} for i in range(len(calls))}

@@ -100,6 +100,7 @@ class AutoDecision:
     clock: str = "wall clock"  # what the times are: "thread CPU time" on a CPU, the wall clock on a GPU
     measured_at: str = ""  # when the race ran (UTC, ISO 8601): a cached decision says how old it is
     checked: str = ""  # a cached decision's re-check in this run: what was measured, and the verdict
+    op_timing: str = ""  # the per-op-kind timing behind a policy candidate (op_timing.OpTimingReport.explain)
 
     def _ordered(self, names: Any) -> list[str]:
         """``names`` safest first (the cache's JSON keeps its keys sorted by name)."""
@@ -134,6 +135,8 @@ class AutoDecision:
             if name == self.chosen:
                 cells.append("<- chosen")
             lines.append("  ".join(cells))
+        if self.op_timing:
+            lines.append(self.op_timing)
         return "\n".join(lines)
 
     def explain(self) -> str:

@@ -16,6 +16,7 @@ process trains; the main one logs and writes files.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -506,8 +507,17 @@ class Trainer:
         hf_logger("trainer").info("%s", plan.banner(args, examples, trainable))
         loop = TrainingLoop(run, plan, start)
         steps_before = self.state.global_step
-        with neftune(acc.unwrap_model(model), args.neftune_noise_alpha):  # embedding noise while training only
-            loop.run()
+        try:
+            with neftune(acc.unwrap_model(model), args.neftune_noise_alpha):  # embedding noise while training only
+                loop.run()
+        except BaseException:
+            # a run that fails after a save returned still lands that save (async_save): the checkpoint it
+            # announced is there to resume from. One process only: elsewhere the wait is a collective that the
+            # other processes may never reach (a process that exits lands its save at exit)
+            if acc.num_processes == 1:
+                with contextlib.suppress(Exception):
+                    acc.wait_for_checkpoint()
+            raise
         ckpt.wait_for_checkpoint(run)  # async_save: the last checkpoint is complete before anything reads it
         interrupted = loop.interrupted
         if interrupted is None and args.load_best_model_at_end:
