@@ -265,3 +265,21 @@ def test_console_script_bad_input_has_no_traceback(tmp_path):
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("mixprec train: error: --precision: unknown precision 'fp17'; choose one of: no, fp32,")
     assert line.endswith(", auto")
+
+
+def test_z_loss_flag_adds_the_term_to_the_built_in_gpts_loss(tmp_path, corpus, capsys):
+    """--z-loss (issue 26): the same run with the z-loss logs a larger first loss (the term is >= 0 and, at
+    initialisation, log Z is about log(vocab) > 0); a weight out of [0, 1) is one line naming the flag."""
+    first = {}
+    for weight in ("0", "0.5"):
+        run = tmp_path / f"z{weight}"
+        argv = ["train", "--data", corpus, *FAST, "--max-steps", "1", "--output-dir", str(run), "--z-loss", weight]
+        assert main(argv) == 0
+        first[weight] = next(e["loss"] for e in _metrics(run) if "loss" in e)
+    assert first["0.5"] > first["0"] + 1.0  # 0.5 * (log 256)^2 ~ 15: far past any noise
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--data", corpus, *FAST, "--z-loss", "2"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--z-loss" in err[0]

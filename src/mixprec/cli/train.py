@@ -179,8 +179,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="watch every layer's range during the run: sample every N steps, warn before an overflow, trace "
         "skipped steps to a layer; 'fallback[:N]' also moves a layer that overflows to fp32 (default: off)",
     )
+    g.add_argument(
+        "--z-loss",
+        metavar="W",
+        type=_z_loss_weight,
+        default=0.0,
+        help="add W * mean(logsumexp(logits)^2) to the built-in GPT's loss, against output-logit divergence at "
+        "high learning rates (1e-4 is the usual weight; default: 0, off)",
+    )
     add_lora_args(parser)
     parser.set_defaults(func=run)
+
+
+def _z_loss_weight(text: str) -> float:
+    """argparse type for --z-loss: a number in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1) such as 1e-4, got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1) such as 1e-4, got {text}")
+    return value
 
 
 # -- the run ----------------------------------------------------------------------------------------------
@@ -291,6 +310,12 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         torch.set_num_threads(threads.threads)
     lora = lora_plan(args)  # a bad --lora-* flag fails before anything is loaded
     model, train_chunks, val_chunks, info = load_model_and_data(args, lora.base_dtype if lora else None)
+    if args.z_loss:
+        if not isinstance(model, GPT):
+            raise CliError(f"--z-loss {args.z_loss:g}: only the built-in GPT has a z-loss; drop --z-loss for --model")
+        if model.config.loss_chunk_size:
+            raise CliError(f"--z-loss {args.z_loss:g}: the {args.model!r} preset's chunked loss has no z-loss term")
+        model.config.z_loss = args.z_loss  # read by each forward
     if lora is not None:
         model, lora_line = apply_lora(model, lora)
     chunks_per_epoch = len(train_chunks) if args.epoch_tokens == 0 else max(1, args.epoch_tokens // info.seq_len)
