@@ -87,3 +87,21 @@ def test_helpers():
 def test_printable_keeps_text_and_defuses_terminal_controls():
     assert printable("def f(x):\n\treturn x  # é") == "def f(x):\n\treturn x  # é"
     assert printable("a\x1b[2Jb\x07c\rd") == "a\ufffd[2Jb\ufffdc\ufffdd"
+
+
+def test_the_summary_shows_the_per_op_timing_behind_a_policy_auto_raced():
+    from mixprec.cli.report import auto_rows, format_table
+    from mixprec.precision.op_timing import KindTiming, OpTimingReport, policy_from_timings
+
+    timings = (KindTiming("linear", 8, 30.0, 60.0), KindTiming("attention", 4, 40.0, 10.0))
+    report = OpTimingReport("bf16", "cpu", timings, policy_from_timings("bf16", timings), 1.2)
+    auto = {
+        "chosen": report.policy,
+        "step_seconds": {"fp32": 0.12, "bf16": 0.11, report.policy: 0.086},
+        "candidates": ["fp32", "bf16", report.policy],
+        "op_timing": report.explain(),
+    }
+    text = format_table(auto_rows(auto), "summary")
+    assert "bf16:fp32_ops=attention" in text and "<- chosen" in text
+    attention = next(line for line in text.splitlines() if line.strip().startswith("attention"))
+    assert "40.00" in attention and "10.00" in attention and attention.rstrip().endswith("fp32")

@@ -145,6 +145,9 @@ def auto_rows(auto: dict[str, Any] | None) -> list[tuple[str, str]]:
         if name == auto.get("chosen"):
             text += "  <- chosen"
         rows.append((f"  auto: {name}", text))
+    # the per-op-kind timing behind a policy candidate: each kind's two timings and the choice (issue 23)
+    for line in (auto.get("op_timing") or "").splitlines():
+        rows.append(("  auto: op kinds" if line.startswith("per-op") else "", line.strip()))
     return rows
 
 
