@@ -233,7 +233,7 @@ class AutoPrecision(Precision):
             from mixprec.precision.registry import make_precision  # the registry makes "auto": imported late
 
             self._add_candidate(make_precision(cached.chosen, self.device))  # a cached race's policy
-            names.append(cached.chosen)
+            names = [p.name for p in self.candidates]  # safest first, the policy in its place
         same = self._agree or (lambda xs: xs)
         hit = same([cached.chosen] if cached is not None and cached.chosen in names else [])
         by_name = {p.name: p for p in self.candidates}
@@ -277,7 +277,7 @@ class AutoPrecision(Precision):
                 policy = policy_candidate(report, self.device)
                 if policy is not None:
                     self._add_candidate(policy)
-                    names.append(policy.name)
+                    names = [p.name for p in self.candidates]  # safest first: fp32, the policy, bf16, ...
                     by_name[policy.name] = policy
                     scales[policy.name] = 1.0
             decision = decide(
