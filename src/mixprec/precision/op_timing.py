@@ -34,6 +34,7 @@ from mixprec.precision.op_policy import OP_KINDS, OpPolicy, kind_of
 # runs it (torch's own choice), so a policy changes autocast only where the measurement shows a win (on the
 # main job, norm's 4.5 vs 4.2 ms tie put in fp32 made the whole step slower, not faster).
 MARGIN = 0.05
+MATERIAL = 0.02  # a kind moves to fp32 only if that saves at least this share of the step's op time
 _MAX_ROUNDS = 7
 
 
@@ -120,18 +121,30 @@ class OpTimingReport:
         """A table: each op kind's two timings and the choice, then the policy."""
         lines = [f"per-op-kind timing on {self.device} ({self.elapsed_s:.2f} s; forward+backward ms per step)"]
         lines.append(f"  {'op kind':<11}{'calls':>6}{self.base + ' ms':>11}{'fp32 ms':>10}  choice")
+        fp32 = fp32_kinds(self.timings, self.margin)
         for t in self.timings:
-            choice = self.base if t.choice(self.margin) == "low" else "fp32"
+            choice = "fp32" if t.kind in fp32 else self.base
+            if t.kind not in fp32 and t.choice(self.margin) == "fp32":
+                choice += f" (fp32 would save < {MATERIAL:.0%} of the step)"
             lines.append(f"  {t.kind:<11}{t.calls:>6}{t.low_ms:>11.2f}{t.fp32_ms:>10.2f}  {choice}")
         lines.append(f"  policy: {self.policy}")
         return "\n".join(lines)
 
 
+def fp32_kinds(timings: list[KindTiming] | tuple[KindTiming, ...], margin: float = MARGIN) -> frozenset[str]:
+    """The kinds worth holding in fp32: fp32 beats low precision by ``margin`` *and* the saving is at least
+    ``MATERIAL`` of the step's op time. A kind of a few hundred microseconds (embedding, softmax, norm on the
+    main job) flips between the two on noise alone, and fresh races then named different policies of the same
+    speed (benchmarks/README.md: 6/10 agreed on the exact name before this rule)."""
+    total = sum(t.low_ms for t in timings)
+    return frozenset(t.kind for t in timings if t.choice(margin) == "fp32" and t.low_ms - t.fp32_ms >= MATERIAL * total)
+
+
 def policy_from_timings(base: str, timings: list[KindTiming] | tuple[KindTiming, ...], margin: float = MARGIN) -> str:
-    """The precision name the measured winners make: ``base`` with every kind whose fp32 time beats its
-    low-precision time by ``margin`` kept in fp32; ``base`` alone when there is none. Kinds not measured (the
-    model does not call them) stay as autocast runs them."""
-    fp32 = frozenset(t.kind for t in timings if t.choice(margin) == "fp32")
+    """The precision name the measured winners make: ``base`` with every kind :func:`fp32_kinds` names kept in
+    fp32; ``base`` alone when there is none. Kinds not measured (the model does not call them) stay as
+    autocast runs them."""
+    fp32 = fp32_kinds(timings, margin)
     return OpPolicy(base, fp32).spec if fp32 else base
 
 
