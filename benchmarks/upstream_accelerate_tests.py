@@ -34,6 +34,8 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from benchmarks.upstream_hf_trainer import print_failures
+
 COUNTED = ("test_accelerator.py", "test_state_checkpointing.py", "test_logging.py", "test_optimizer.py")
 BESIDE = ("test_kwargs_handlers.py", "test_scheduler.py")  # run and reported, outside the 45
 FILES = COUNTED + BESIDE
@@ -128,17 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             mine = [r for n, r in results.items() if n.split("::")[0] + ".py" == name]
             beside = "  (beside the count)" if name in BESIDE else ""
             print(f"  {name}: {mine.count('pass')}/{len(mine)}{beside}")
-    if len(outcome) == 2:
-        up, mp = outcome["accelerate"], outcome["mixprec"]
-        both = sorted(n for n in up if up[n] == "fail" and mp.get(n) == "fail")
-        only = sorted(n for n in mp if mp[n] == "fail" and up.get(n) == "pass")
-        print(f"fail under both ({len(both)}):", *both, sep="\n  ")
-        print(f"fail under mixprec only ({len(only)}):", *only, sep="\n  ")
-        theirs = sorted(n for n in up if up[n] == "fail" and mp.get(n) == "pass")
-        print(f"fail under accelerate only ({len(theirs)}):", *theirs, sep="\n  ")
-    else:
-        failed = sorted(n for results in outcome.values() for n, r in results.items() if r == "fail")
-        print("failed:", *failed, sep="\n  ")
+    print_failures(outcome, "accelerate", theirs=True)
     return 0
 
 

@@ -119,16 +119,25 @@ def main(argv: list[str] | None = None) -> int:
     for impl, results in outcome.items():
         passed = sorted(n for n, r in results.items() if r == "pass")
         print(f"{impl}: {len(passed)}/{len(results)} pass")
-    if len(outcome) == 2:
-        hf, mp = outcome["transformers"], outcome["mixprec"]
-        both = sorted(n for n in hf if hf[n] == "fail" and mp.get(n) == "fail")
-        only = sorted(n for n in mp if mp[n] == "fail" and hf.get(n) == "pass")
-        print(f"fail under both ({len(both)}):", *both, sep="\n  ")
-        print(f"fail under mixprec only ({len(only)}):", *only, sep="\n  ")
-    else:
+    print_failures(outcome, "transformers")
+    return 0
+
+
+def print_failures(outcome: dict[str, dict[str, str]], upstream: str, *, theirs: bool = False) -> None:
+    """The failures of a two-implementation run, split: under both, under mixprec only (and, with ``theirs``,
+    under ``upstream`` only); of a one-implementation run, all of them. ``outcome``: impl -> test -> result."""
+    if len(outcome) != 2:
         failed = sorted(n for results in outcome.values() for n, r in results.items() if r == "fail")
         print("failed:", *failed, sep="\n  ")
-    return 0
+        return
+    up, mp = outcome[upstream], outcome["mixprec"]
+    both = sorted(n for n in up if up[n] == "fail" and mp.get(n) == "fail")
+    only = sorted(n for n in mp if mp[n] == "fail" and up.get(n) == "pass")
+    print(f"fail under both ({len(both)}):", *both, sep="\n  ")
+    print(f"fail under mixprec only ({len(only)}):", *only, sep="\n  ")
+    if theirs:
+        other = sorted(n for n in up if up[n] == "fail" and mp.get(n) == "pass")
+        print(f"fail under {upstream} only ({len(other)}):", *other, sep="\n  ")
 
 
 if __name__ == "__main__":
