@@ -35,3 +35,10 @@ def corpus() -> torch.Tensor:
     """4000 words drawn with a fixed seed, as bytes."""
     picks = torch.randint(0, len(WORDS), (4000,), generator=torch.Generator().manual_seed(0)).tolist()
     return to_tensor(" ".join(WORDS[i] for i in picks).encode())
+
+
+def random_batch(generator: torch.Generator, batch: int, seq: int) -> torch.Tensor:
+    """``batch`` windows of ``seq`` bytes of :func:`corpus` at random starts: the planted runs' input ids."""
+    data = corpus()
+    starts = torch.randint(0, len(data) - seq, (batch,), generator=generator)
+    return torch.stack([data[i : i + seq] for i in starts]).long()

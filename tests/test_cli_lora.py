@@ -8,21 +8,13 @@ import sys
 import pytest
 import torch
 
-from mixprec.cli import train as train_cli
 from mixprec.cli.main import main
+from test_cli_train import _fast, corpus  # noqa: F401  (fixtures: the corpus file, one thread, chdir)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 FAST = ["--seq-len", "32", "--batch-size", "4", "--epoch-tokens", "256"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    lines = [f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(400)]
-    path = tmp_path_factory.mktemp("data") / "corpus.py"
-    path.write_text("".join(lines))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +27,7 @@ def hf_folder(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.fixture(autouse=True)
-def _fast(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(train_cli, "SAMPLE_BYTES", 8)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_lora_r_trains_adapters_on_a_frozen_fp16_base_and_resumes(tmp_path, corpus, hf_folder, capsys):
+def test_lora_r_trains_adapters_on_a_frozen_fp16_base_and_resumes(tmp_path, corpus, hf_folder, capsys):  # noqa: F811
     from safetensors.torch import load_file
 
     run = tmp_path / "run"
@@ -73,7 +55,7 @@ def test_lora_r_trains_adapters_on_a_frozen_fp16_base_and_resumes(tmp_path, corp
         (["--lora-r", "2", "--lora-targets", "nope"], "--lora-targets: peft cannot adapt this model"),
     ],
 )
-def test_bad_lora_flags_are_one_line_naming_the_flag(tmp_path, corpus, hf_folder, capsys, argv, fragment):
+def test_bad_lora_flags_are_one_line_naming_the_flag(tmp_path, corpus, hf_folder, capsys, argv, fragment):  # noqa: F811
     model = [] if "--model" in argv else ["--model", hf_folder]
     assert main(["train", "--data", corpus, *model, *FAST, "--precision", "fp32", *argv]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mixprec train: error:")]
@@ -81,7 +63,7 @@ def test_bad_lora_flags_are_one_line_naming_the_flag(tmp_path, corpus, hf_folder
     assert not (tmp_path / "runs").exists()
 
 
-def test_lora_r_without_peft_says_to_install_it(tmp_path, corpus, hf_folder, capsys, monkeypatch):
+def test_lora_r_without_peft_says_to_install_it(tmp_path, corpus, hf_folder, capsys, monkeypatch):  # noqa: F811
     monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` fails as if it were not installed
     assert main(["train", "--data", corpus, "--model", hf_folder, *FAST, "--lora-r", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

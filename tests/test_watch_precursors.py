@@ -20,7 +20,7 @@ from mixprec.models import GPT, GPTConfig
 from mixprec.watch import WatchConfig
 from mixprec.watch.numerics import NumericsChecks
 from mixprec.watch.precursors import InstabilityWarning, PrecursorJudge
-from planted_text import corpus
+from planted_text import random_batch
 
 BATCH, SEQ = 8, 32
 WARMUP = 80
@@ -33,13 +33,12 @@ def _train(peak_lr: float, steps: int):
     acc = Accelerator(mixed_precision="fp32", cpu=True, watch={"every": EVERY}, verbose=False)
     opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
     model, opt = acc.prepare(model, opt)
-    data, g = corpus(), torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1)
     losses = []
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = peak_lr * min(1.0, (step + 1) / WARMUP)
-        starts = torch.randint(0, len(data) - SEQ, (BATCH,), generator=g)
-        ids = torch.stack([data[i : i + SEQ] for i in starts]).long()
+        ids = random_batch(g, BATCH, SEQ)
         loss = model(input_ids=ids, labels=ids).loss
         acc.backward(loss)
         opt.step()

@@ -20,7 +20,7 @@ from mixprec.models import GPT
 from mixprec.optim import Bf16AdamW
 from mixprec.watch import DEFAULT_EVERY
 from mixprec.watch.stagnation import StagnationProbe, StagnationWarning, stagnant_fractions
-from planted_text import corpus
+from planted_text import random_batch
 
 LR = 1e-5
 STEPS = 100
@@ -38,11 +38,10 @@ def _train(precision: str, *, bf16_weights: bool = False, steps: int = STEPS, ev
         opt = Bf16AdamW(model.parameters(), lr=LR, rounding="nearest")
     acc = Accelerator(mixed_precision=precision, cpu=True, watch={"every": every}, verbose=False)
     model, opt = acc.prepare(model, opt)
-    data, g = corpus(), torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
-        starts = torch.randint(0, len(data) - SEQ, (BATCH,), generator=g)
-        ids = torch.stack([data[i : i + SEQ] for i in starts]).long()
+        ids = random_batch(g, BATCH, SEQ)
         loss = model(input_ids=ids, labels=ids).loss
         acc.backward(loss)
         opt.step()
