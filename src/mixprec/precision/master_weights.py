@@ -158,8 +158,10 @@ class MasterWeightsOptimizer(WrappedOptimizer):
     def refresh_params(self) -> None:
         """Round each master back into its model parameter and free the masters' gradients. No host sync."""
         with torch.no_grad():
-            for p, master in self.pairs:
-                p.copy_(master)
+            if self.pairs:  # one multi-tensor copy (it casts fp32 -> fp16/bf16) instead of a kernel per parameter
+                params, masters = zip(*self.pairs)
+                torch._foreach_copy_(list(params), list(masters))
+            for _, master in self.pairs:
                 master.grad = None
         self._versions = [p._version for p, _ in self.pairs]
         self._gathered = False
