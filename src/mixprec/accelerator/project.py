@@ -1,5 +1,6 @@
 """Where ``save_state()`` with no path writes: HF Accelerate's ``ProjectConfiguration`` and its automatic
-checkpoint naming (``{project_dir}/checkpoints/checkpoint_{iteration}``), with a limit on how many are kept.
+checkpoint naming (``{project_dir}/checkpoints/checkpoint_{iteration}``), with a limit on how many are kept; listing,
+pruning and skipping damaged folders follow the one policy of :mod:`mixprec.checkpoint.folders`.
 
 Differences from accelerate, both for crash safety: the oldest checkpoints are pruned *after* the new one is
 committed (accelerate deletes first, so a crash mid-save could leave fewer than ``total_limit``, or none), and
@@ -12,18 +13,18 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from mixprec.checkpoint import load_json
+from mixprec.checkpoint.folders import NumberedFolders
 
 logger = logging.getLogger("mixprec.accelerator")
 
 CHECKPOINTS = "checkpoints"
 ITERATION_FILE = "project"  # save_state(extra_json=...) key: ``project.json`` holds {"iteration": n}
-_NUMBERED = re.compile(r"checkpoint_(\d+)")
+_REQUIRED = ("accelerator.json",)  # what every save_state folder holds (see accelerator/state.py)
+_LEGACY = ("accelerator.json", "rng_state_0.pt")  # the same, for a folder written before manifests
 
 
 @dataclass
@@ -73,14 +74,20 @@ class ProjectConfiguration:
             )
         return Path(self.project_dir) / CHECKPOINTS
 
+    def folders(self, call: str = "load_state()") -> NumberedFolders:
+        """The automatic checkpoints, under the one numbered-folder policy the Trainer's share: a folder
+        whose files are not all there (a damaged one) is neither loaded nor counted."""
+        return NumberedFolders(self._folder(call), "checkpoint_", required=_REQUIRED, legacy=_LEGACY)
+
     def checkpoint(self, number: int, call: str = "load_state()") -> Path:
         """The folder of automatic checkpoint ``number``."""
-        return self._folder(call) / f"checkpoint_{number}"
+        return self.folders(call).folder(number)
 
     def latest_number(self) -> int:
-        """The number of the newest automatic checkpoint, -1 if there is none."""
-        found = self.numbered()
-        return int(_NUMBERED.fullmatch(found[-1].name).group(1)) if found else -1  # type: ignore[union-attr]
+        """The number of the newest complete automatic checkpoint, -1 if there is none."""
+        folders = self.folders()
+        latest = folders.latest()
+        return -1 if latest is None else folders.number_of(latest)  # type: ignore[return-value]
 
     def next_checkpoint(self) -> Path:
         """Where ``save_state()`` writes next; refused if that folder exists (it would be replaced)."""
@@ -92,33 +99,23 @@ class ProjectConfiguration:
             )
         return target
 
-    def numbered(self) -> list[Path]:
-        """The automatic checkpoints that exist, oldest (lowest number) first."""
-        folder = self._folder("load_state()")
-        if not folder.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NUMBERED.fullmatch(p.name)) and p.is_dir()]
-        return [p for _, p in sorted(found)]
-
     def latest_checkpoint(self) -> Path:
-        """The newest automatic checkpoint (what ``load_state()`` with no path loads)."""
-        found = self.numbered()
-        if not found:
+        """The newest complete automatic checkpoint (what ``load_state()`` with no path loads)."""
+        folders = self.folders()
+        latest = folders.latest()
+        if latest is None:
+            damaged = folders.numbered()
+            why = f" ({len(damaged)} incomplete or damaged, skipped)" if damaged else ""
             raise FileNotFoundError(
-                f"load_state(): no checkpoint_<n> folder in {self._folder('load_state()')}; save_state() first, "
+                f"load_state(): no checkpoint_<n> folder in {folders.root}{why}; save_state() first, "
                 "or give the path"
             )
-        return found[-1]
+        return latest
 
     def prune(self) -> list[Path]:
-        """Delete the oldest automatic checkpoints beyond ``total_limit`` (main process, after a save has
-        committed: a crash before this line leaves one more, never one fewer). Returns what was deleted."""
-        if self.total_limit is None:
-            return []
-        found = self.numbered()
-        doomed = found[: max(0, len(found) - self.total_limit)]
-        for path in doomed:
-            shutil.rmtree(path, ignore_errors=True)
+        """Delete the oldest complete automatic checkpoints beyond ``total_limit`` (main process, after a save
+        has committed: a crash before this line leaves one more, never one fewer). Returns what was deleted."""
+        doomed = self.folders("save_state()").prune(self.total_limit)
         if doomed:
             logger.info("save_state: deleted %d old checkpoint(s) (total_limit=%d)", len(doomed), self.total_limit)
         return doomed

@@ -70,12 +70,9 @@ def new_run_dir() -> Path:
 
 def _has_checkpoints(folder: Path) -> bool:
     """checkpoint-N folders, or one a crash left renamed aside (``.checkpoint-N.old``): a run either way."""
-    from mixprec.trainer.checkpointing import PREFIX, step_of
+    from mixprec.trainer.checkpointing import folders
 
-    if not folder.is_dir():
-        return False
-    aside = lambda p: p.name.startswith(f".{PREFIX}") and p.name.endswith(".old")  # noqa: E731
-    return any(step_of(p) is not None or aside(p) for p in folder.iterdir())
+    return folders(folder).has_any()
 
 
 def resume_run_dir(resume: Any, output_dir: str | None) -> tuple[Path, Path | None]:

@@ -32,7 +32,6 @@ import contextlib
 import logging
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +41,7 @@ import torch
 from mixprec.accelerator.restarts import agree_on_number, restarted_anywhere
 from mixprec.accelerator.state_checks import folder_problem
 from mixprec.checkpoint import CheckpointError, DiskFullError, FolderLock, load_json, lock_folder, recover
-from mixprec.checkpoint.manifest import read_manifest
+from mixprec.checkpoint.folders import NumberedFolders
 from mixprec.trainer.data import DataPosition
 from mixprec.trainer.state import TrainerState
 from mixprec.trainer.weights import model_config_file
@@ -57,12 +56,15 @@ STATE_NAME = "trainer_state"
 EXTRA_NAME = "trainer_extra"
 ARGS_NAME = "training_args"
 REQUIRED = ("accelerator.json", f"{STATE_NAME}.json", f"{EXTRA_NAME}.json")
-_NAME = re.compile(rf"^{PREFIX}(\d+)$")
+
+
+def folders(output_dir: str | os.PathLike[str]) -> NumberedFolders:
+    """The run's ``checkpoint-<step>`` folders (listing, latest, recovery, pruning: one owner for both namings)."""
+    return NumberedFolders(output_dir, PREFIX, required=REQUIRED, legacy=(*REQUIRED, "rng_state_0.pt"))
 
 
 def step_of(path: Path) -> int | None:
-    match = _NAME.match(path.name)
-    return int(match.group(1)) if match else None
+    return folders(Path(path).parent).number_of(path)
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:
@@ -70,22 +72,7 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
     manifest lists is there with the listed size, and the trainer's files are among them; for a folder
     written before manifests, the files every checkpoint has are there. :func:`verify_checkpoint` reads
     every byte."""
-    path = Path(path)
-    try:
-        files = read_manifest(path)
-    except (OSError, ValueError):
-        return False
-    if files is None:
-        return all((path / name).is_file() for name in (*REQUIRED, "rng_state_0.pt"))
-    if not all(name in files for name in REQUIRED):
-        return False
-    for rel, entry in files.items():
-        try:
-            if (path / rel).stat().st_size != entry.get("size"):
-                return False
-        except (OSError, AttributeError):
-            return False
-    return True
+    return folders(Path(path).parent).is_complete(path)
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> str | None:
@@ -102,28 +89,13 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def recover_checkpoints(output_dir: str | os.PathLike[str]) -> None:
-    """Finish commits a crash interrupted between their two renames (see ``atomic.recover``). Main process
-    only, before anyone lists the checkpoints."""
-    root = Path(output_dir)
-    if root.is_dir():
-        for entry in root.iterdir():
-            if entry.name.startswith(f".{PREFIX}") and entry.name.endswith(".old"):
-                recover(root / entry.name[1 : -len(".old")])
-
-
 def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[Path]:
     """Complete checkpoint-N folders of ``output_dir`` (by :func:`is_complete`'s cheap check), oldest first."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None and is_complete(p)]
-    return sorted(found, key=lambda p: step_of(p) or 0)
+    return folders(output_dir).complete()
 
 
 def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
-    found = list_checkpoints(output_dir)
-    return found[-1] if found else None
+    return folders(output_dir).latest()
 
 
 @dataclass
@@ -148,10 +120,8 @@ def find_resumable(output_dir: str | os.PathLike[str], *, recover_first: bool = 
     one skipped and why. Reads every file of the checkpoints it checks."""
     root = Path(output_dir)
     if recover_first:
-        recover_checkpoints(root)
-    if not root.is_dir():
-        return Resumable(None)
-    candidates = sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
+        folders(root).recover()
+    candidates = folders(root).numbered()  # complete or not: verify_checkpoint says why one is skipped
     result = Resumable(None)
     for path in reversed(candidates):
         problem = verify_checkpoint(path)
@@ -210,7 +180,7 @@ def agree_on_resume(
     code, error = -1, None  # -1: start fresh; -2: the main process failed; N >= 0: checkpoint-N (or the path)
     if accelerator.is_main_process:
         try:
-            recover_checkpoints(output_dir)
+            folders(output_dir).recover()
             if elastic:
                 found = find_resumable(output_dir, recover_first=False).checkpoint
                 logger.warning(
@@ -251,23 +221,11 @@ def save_checkpoint(
 def prune_checkpoints(output_dir: str | os.PathLike[str], limit: int | None, keep: str | None = None) -> list[Path]:
     """Delete the oldest complete checkpoints beyond ``limit``, never ``keep`` (the best one, as HF does).
     Call only after the newest checkpoint is committed. Returns what was deleted."""
-    if limit is None:
-        return []
-    found = list_checkpoints(output_dir)
-    protected = {Path(keep).resolve()} if keep else set()
-    # HF's rule: with limit 1 and a best checkpoint that is not the last, keep both
-    limit = max(limit, 2) if protected and found and found[-1].resolve() not in protected and limit == 1 else limit
-    deletable = [p for p in found if p.resolve() not in protected]
-    excess = len(found) - limit
-    removed = []
-    for path in deletable[: max(excess, 0)]:
-        doomed = path.with_name(f".{path.name}.deleting")
-        os.rename(path, doomed)  # out of the checkpoint-* namespace first: a kill mid-delete leaves no fake
-        shutil.rmtree(doomed, ignore_errors=True)
-        removed.append(path)
-    for stale in Path(output_dir).glob(f".{PREFIX}*.deleting"):
-        shutil.rmtree(stale, ignore_errors=True)
-    return removed
+    found = folders(output_dir)
+    if limit == 1 and keep is not None:  # HF's rule: with limit 1 and a best checkpoint that is not the last, keep both
+        last = found.latest()
+        limit = 2 if last is not None and last.resolve() != Path(keep).resolve() else 1
+    return found.prune(limit, protect=keep)
 
 
 def read_trainer_files(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:

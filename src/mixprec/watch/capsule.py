@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from mixprec.checkpoint.atomic import atomic_dir
+from mixprec.checkpoint.folders import NumberedFolders
 from mixprec.checkpoint.formats import CheckpointError, load_json, load_tensors, save_json, save_tensors
 from mixprec.checkpoint.manifest import file_digest
 
@@ -177,9 +178,6 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
 
 
 def _latest_checkpoint(run_folder: Path) -> str | None:
-    """The newest ``checkpoint-N`` / ``step-N`` folder of the run, if any (where to resume to reproduce)."""
-    found = [p for p in run_folder.glob("*") if p.is_dir() and p.name.rpartition("-")[2].isdigit()]
-    found = [p for p in found if p.name.rpartition("-")[0] in ("checkpoint", "step")]
-    if not found:
-        return None
-    return str(max(found, key=lambda p: int(p.name.rpartition("-")[2])).relative_to(run_folder))
+    """The newest complete ``checkpoint-N`` folder of the run, if any (where to resume to reproduce)."""
+    latest = NumberedFolders(run_folder, "checkpoint-").latest()
+    return None if latest is None else str(latest.relative_to(run_folder))
