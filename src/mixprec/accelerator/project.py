@@ -107,8 +107,7 @@ class ProjectConfiguration:
             damaged = folders.numbered()
             why = f" ({len(damaged)} incomplete or damaged, skipped)" if damaged else ""
             raise FileNotFoundError(
-                f"load_state(): no checkpoint_<n> folder in {folders.root}{why}; save_state() first, "
-                "or give the path"
+                f"load_state(): no checkpoint_<n> folder in {folders.root}{why}; save_state() first, or give the path"
             )
         return latest
 
