@@ -30,7 +30,7 @@ from mixprec.accelerator.accelerator import Accelerator
 from mixprec.accelerator.prepared import is_prepared, release
 from mixprec.models.outputs import extract_loss  # one loss rule, shared with the diagnosis
 from mixprec.trainer import checkpointing as ckpt
-from mixprec.trainer import evaluation, results, weights
+from mixprec.trainer import evaluation, summary, weights
 from mixprec.trainer.activation_checkpointing import enable_activation_checkpointing
 from mixprec.trainer.args import TrainingArguments
 from mixprec.trainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl, restore_callback_states
@@ -53,7 +53,7 @@ from mixprec.trainer.loop import Plan, TrainingLoop
 from mixprec.trainer.memory_metrics import MemoryMetrics
 from mixprec.trainer.meter import StepMeter
 from mixprec.trainer.neftune import input_embeddings, neftune
-from mixprec.trainer.optim import build_optimizer, build_scheduler
+from mixprec.trainer.optimizers import build_optimizer, build_scheduler
 from mixprec.trainer.seeding import enable_full_determinism, seed_run, set_seed
 from mixprec.trainer.signals import TrainingInterrupted
 from mixprec.trainer.state import STATE_FILE, PredictionOutput, TrainerState, TrainOutput
@@ -220,17 +220,17 @@ class Trainer:
 
     def metrics_format(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """HF's readable forms of ``metrics`` (runtimes as h:mm:ss, memory in MB, floats to 4 decimals)."""
-        return results.metrics_format(metrics)
+        return summary.metrics_format(metrics)
 
     def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
         """Print ``metrics`` as HF's aligned ``***** <split> metrics *****`` table (main process)."""
         if self.is_world_process_zero():
-            print(results.metrics_table(split, metrics), flush=True)
+            print(summary.metrics_table(split, metrics), flush=True)
 
     def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
         """Write ``<split>_results.json`` (and merge into ``all_results.json``) in output_dir (main process)."""
         if self.is_world_process_zero():
-            results.save_metrics(self.args.output_dir, split, metrics, combined)
+            summary.save_metrics(self.args.output_dir, split, metrics, combined)
 
     def save_state(self) -> None:
         """Write the trainer state as output_dir/trainer_state.json (main process), as HF."""
@@ -268,7 +268,7 @@ class Trainer:
             "training_steps" if args.max_steps > 0 else "num_epochs": args.max_steps if args.max_steps > 0
             else args.num_train_epochs,
         }  # fmt: skip
-        card = results.model_card(
+        card = summary.model_card(
             model_name=model_name or Path(args.output_dir).name,
             precision=self.accelerator.mixed_precision,
             hyperparameters=hyperparameters,
