@@ -220,3 +220,22 @@ class LoggingConfig(ArgsView):
                     name,
                     f"mixprec reports to: {', '.join(REPORTERS)}, 'all' or 'none' (metrics.jsonl is always written)",
                 )
+
+
+def accelerator_kwargs(args: Any) -> dict[str, Any]:
+    """The Trainer's :class:`~mixprec.accelerator.accelerator.Accelerator` arguments, derived from the flat
+    fields as the views are (the scaler's from :class:`PrecisionConfig`)."""
+    return {
+        "mixed_precision": args.precision,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "distributed": args.distributed,
+        "fsdp_state_dict_type": args.fsdp_state_dict_type,
+        "cpu": args.use_cpu,
+        "scaler_kwargs": PrecisionConfig(args).scaler_kwargs(),
+        "ddp_kwargs": args.ddp_kwargs() or None,
+        "watch": args.precision_watch,
+        "timeout": args.ddp_timeout,
+        "comm_dtype": args.comm_dtype,
+        "step_in_backward": args.step_in_backward,
+        "dataloader_config": args.dataloader_configuration(),
+    }

@@ -39,7 +39,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mixprec.trainer.callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback, TrainerControl
+from mixprec.trainer.callbacks import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    TrainerCallback,
+    TrainerControl,
+    restore_callback_states,
+)
 from mixprec.trainer.logging import METRICS_FILE, JsonlLogger, read_metrics
 from mixprec.trainer.state import TrainerState
 
@@ -96,6 +102,12 @@ class RunEvents:
         """A later ``train()`` (HF): a fresh state and control."""
         self.state = self._fresh_state(accelerator)
         self.control = TrainerControl()
+
+    def restore_callback_states(self) -> None:
+        """After a resume, with ``restore_callback_states_from_checkpoint``: rebuild the stateful callbacks and
+        the control from ``state.stateful_callbacks`` (HF's ``Trainer._load_callback_state``)."""
+        if self.args.restore_callback_states_from_checkpoint:
+            self.control = restore_callback_states(self.handler, self.control, self.state.stateful_callbacks)
 
     def fire(self, name: str, **kwargs: Any) -> TrainerControl:
         """Run callback event ``name``; returns the (possibly replaced) control."""

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec.trainer.state import TrainOutput
+from mixprec.trainer.state import STATE_FILE, TrainOutput
 
 if TYPE_CHECKING:
     from mixprec.trainer.context import RunContext
@@ -268,6 +268,31 @@ def model_card(
     return "\n".join(lines)
 
 
+def write_model_card(args: Any, accelerator: Any, log_history: list[dict[str, Any]], **card: Any) -> Path:
+    """output_dir/README.md from :func:`model_card`, with the run's hyperparameters (``Trainer.create_model_card``:
+    ``card`` holds HF's arguments that :func:`model_card` takes; ``model_name`` defaults to output_dir's name)."""
+    hyperparameters = {
+        "learning_rate": args.learning_rate,
+        "train_batch_size": args.per_device_train_batch_size,
+        "eval_batch_size": args.per_device_eval_batch_size,
+        "seed": args.seed,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "total_train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+        * accelerator.num_processes,
+        "optimizer": args.optim,
+        "lr_scheduler_type": args.lr_scheduler_type,
+        "training_steps" if args.max_steps > 0 else "num_epochs": args.max_steps if args.max_steps > 0
+        else args.num_train_epochs,
+    }  # fmt: skip
+    card["model_name"] = card.get("model_name") or Path(args.output_dir).name
+    text = model_card(precision=accelerator.mixed_precision, hyperparameters=hyperparameters,
+                      log_history=log_history, **card)  # fmt: skip
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "README.md").write_text(text, encoding="utf-8")
+    return out / "README.md"
+
+
 def _list(value: Any) -> list[Any]:
     if value is None:
         return []
@@ -276,3 +301,61 @@ def _list(value: Any) -> list[Any]:
 
 def _cell(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else "" if value is None else str(value)
+
+
+class ScriptEndings:
+    """HF's end-of-script methods on the Trainer (``log_metrics``, ``save_metrics``, ``save_state``,
+    ``create_model_card``...), mixed into :class:`~mixprec.trainer.trainer.Trainer`; they read its ``args``,
+    ``state`` and ``accelerator`` and write on the main process only."""
+
+    args: Any
+    state: Any
+    accelerator: Any
+
+    def is_world_process_zero(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def is_local_process_zero(self) -> bool:
+        return self.accelerator.is_local_main_process
+
+    def metrics_format(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """HF's readable forms of ``metrics`` (runtimes as h:mm:ss, memory in MB, floats to 4 decimals)."""
+        return metrics_format(metrics)
+
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """Print ``metrics`` as HF's aligned ``***** <split> metrics *****`` table (main process)."""
+        if self.is_world_process_zero():
+            print(metrics_table(split, metrics), flush=True)
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """Write ``<split>_results.json`` (and merge into ``all_results.json``) in output_dir (main process)."""
+        if self.is_world_process_zero():
+            save_metrics(self.args.output_dir, split, metrics, combined)
+
+    def save_state(self) -> None:
+        """Write the trainer state as output_dir/trainer_state.json (main process), as HF."""
+        if self.is_world_process_zero():
+            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+            self.state.save_to_json(Path(self.args.output_dir) / STATE_FILE)
+
+    def create_model_card(
+        self,
+        language: Any = None,
+        license: str | None = None,
+        tags: Any = None,
+        model_name: str | None = None,
+        finetuned_from: str | None = None,
+        tasks: Any = None,
+        dataset_tags: Any = None,
+        dataset: Any = None,
+        dataset_args: Any = None,
+    ) -> None:
+        """Write output_dir/README.md: what was trained, in which precision, with which hyperparameters, and
+        the evaluation results of this run (main process; HF's arguments)."""
+        if not self.is_world_process_zero():
+            return
+        write_model_card(
+            self.args, self.accelerator, self.state.log_history, model_name=model_name, language=language,
+            license=license, tags=tags, finetuned_from=finetuned_from, tasks=tasks,
+            dataset=dataset if dataset is not None else dataset_tags,
+        )  # fmt: skip
