@@ -51,7 +51,7 @@ from mixprec.data.corpus import stdlib_corpus
 from mixprec.models.gpt import GPT, GPT_PRESETS, GPTConfig
 from mixprec.precision import Precision, resolve_precision
 from mixprec.trainer.args import TrainingArguments
-from mixprec.trainer.optim import build_optimizer
+from mixprec.trainer.optimizers import build_optimizer
 
 GPT_25M = GPTConfig(block_size=128, n_layer=8, n_head=8, n_embd=512)  # 25.4M parameters
 BATCH, SEQ = 8, 128

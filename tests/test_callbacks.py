@@ -128,6 +128,21 @@ def test_a_transformers_callback_works_unchanged(tmp_path):
     assert HFCounter.steps == 3
 
 
+def test_a_section_a_callback_adds_to_the_summary_at_train_end_is_written_to_train_summary_json(tmp_path):
+    # The precision watch reports this way; the summary writes the file, so events never call back up into it.
+    class AddSection(TrainerCallback):
+        def on_train_end(self, args, state, control, summary=None, **kwargs):
+            summary["my_section"] = {"steps_seen": state.global_step}
+
+    trainer = Trainer(
+        make_model(), _args(tmp_path, max_steps=2), train_dataset=make_examples(16), callbacks=[AddSection]
+    )
+    output = trainer.train()
+    written = json.loads((tmp_path / "train_summary.json").read_text())
+    assert written["my_section"] == {"steps_seen": 2} == output.metrics["my_section"]
+    assert written["global_step"] == 2
+
+
 def test_handler_add_pop_remove():
     handler = CallbackHandler([DefaultFlowCallback])
     rec = Recorder()

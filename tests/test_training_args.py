@@ -3,6 +3,7 @@ that names the field and the fix, and grouped views that follow later edits."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 
@@ -145,6 +146,26 @@ def test_grouped_views_follow_later_edits_and_validate_them():
     a.logging_steps = 0
     with pytest.raises(ValueError, match="logging_steps=0"):
         a.validate()
+
+
+def test_grouped_views_are_frozen_copies_of_fields_declared_once():
+    from dataclasses import FrozenInstanceError
+
+    from mixprec.trainer.configs import ArgsView
+
+    a = TrainingArguments(learning_rate=1e-3)
+    opt = a.optimization
+    with pytest.raises(FrozenInstanceError, match="set it on the TrainingArguments"):
+        opt.learning_rate = 1.0  # code handed a view cannot change the run's arguments
+    a.learning_rate = 2e-3
+    assert opt.learning_rate == 1e-3 and a.optimization.learning_rate == 2e-3  # a copy taken when read
+    # Each grouped field is a TrainingArguments field (one declaration, with its docstring) and in one group only.
+    declared = {f.name for f in dataclasses.fields(TrainingArguments)}
+    grouped = [name for view in ArgsView.__subclasses__() for name in view.FIELDS]
+    assert len(ArgsView.__subclasses__()) == 6 and set(grouped) <= declared and len(grouped) == len(set(grouped))
+    assert not any(getattr(view, "__annotations__", {}) for view in ArgsView.__subclasses__())
+    with pytest.raises(AttributeError, match="has no field 'seed'"):
+        _ = a.optimization.seed
 
 
 def test_eval_steps_defaults_to_logging_steps_and_warmup_ratio_rounds_up():

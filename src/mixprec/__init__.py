@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from mixprec._version import __version__
 
 # public name -> submodule that defines it
 _EXPORTS: dict[str, str] = {
@@ -40,8 +40,8 @@ _EXPORTS: dict[str, str] = {
     "TrainerControl": "mixprec.trainer.callbacks",
     "EarlyStoppingCallback": "mixprec.trainer.callbacks",
     "DefaultFlowCallback": "mixprec.trainer.callbacks",
-    "ProgressCallback": "mixprec.trainer.progress",
-    "PrinterCallback": "mixprec.trainer.progress",
+    "ProgressCallback": "mixprec.trainer.events",
+    "PrinterCallback": "mixprec.trainer.events",
     "ExportableState": "mixprec.trainer.callbacks",
     "TrainerState": "mixprec.trainer.state",
     "EvalPrediction": "mixprec.trainer.state",
@@ -94,7 +94,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         TrainerCallback,
         TrainerControl,
     )
-    from mixprec.trainer.progress import PrinterCallback, ProgressCallback
+    from mixprec.trainer.events import PrinterCallback, ProgressCallback
     from mixprec.trainer.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments
     from mixprec.trainer.signals import TrainingInterrupted
     from mixprec.trainer.state import EvalPrediction, TrainerState

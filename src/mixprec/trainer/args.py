@@ -1,4 +1,4 @@
-"""TrainingArguments: Hugging Face's names and defaults on the surface, small validated configs underneath.
+"""TrainingArguments: Hugging Face's names and defaults, each field declared once; grouped views derived.
 
 A script moves over from ``transformers`` by changing its import: the fields that overlap with HF's
 ``TrainingArguments`` keep HF's names and defaults (3 epochs, batch 8, lr 5e-5, linear schedule, Adam betas
@@ -8,12 +8,14 @@ Transformers 5 rejects with a TypeError, is accepted as an alias of ``eval_strat
 Every other field of HF's ``TrainingArguments`` is accepted too (:mod:`mixprec.trainer.hf_fields`): each
 one is implemented, or ignored where ignoring it is harmless (documented per field), or refused with a
 message naming it when set to anything but its default. HF's properties (``train_batch_size``,
-``eval_batch_size``, ``device``, ``n_gpu``, ``world_size``, ``process_index``, ...) are here as well.
+``eval_batch_size``, ``device``, ``n_gpu``, ``world_size``, ``process_index``, ...) come from
+:class:`~mixprec.trainer.process_helpers.ProcessHelpers`.
 
-The flat dataclass is what users write; the Trainer reads the grouped views (``args.precision_config``,
-``args.optimization``, ``args.schedule``, ``args.evaluation``, ``args.checkpointing``, ``args.logging``),
-each a frozen dataclass that validates its own fields in ``__post_init__``. They are built on access, so a
-script that edits ``args.num_train_epochs = 5`` after construction is still validated and still seen.
+Each field is declared once, here, with its docstring. The Trainer reads grouped views of them
+(``args.precision_config``, ``args.optimization``, ``args.schedule``, ``args.evaluation``,
+``args.checkpointing``, ``args.logging``; :mod:`mixprec.trainer.configs`): frozen copies that name their fields
+and check them. They are built on access, so a script that edits ``args.num_train_epochs = 5`` after
+construction is still validated and still seen.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import torch
 
 from mixprec.accelerator.comm import make_comm
 from mixprec.accelerator.config import parse_state_dict_type
-from mixprec.accelerator.distributed import LaunchEnv, select_device
 from mixprec.precision.registry import canonical_name, policy_name
 from mixprec.trainer.configs import (
     DISTRIBUTED,
@@ -71,16 +72,23 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
     """Op kinds kept in fp32 under bf16/fp16 (linear, attention, norm, softmax, embedding, activation), e.g.
     ["attention"]: ``precision`` becomes the policy "bf16:fp32_ops=attention" (mixprec.precision.op_policy)."""
     init_loss_scale: float = 2.0**16
+    """Loss scale of the first step (fp16 only)."""
     loss_scale_growth_interval: int = 2000
+    """Clean steps before the scale doubles."""
     loss_scale_hysteresis: int = 1
+    """Overflowing steps tolerated before the scale halves."""
     min_loss_scale: float = 1.0
+    """Floor the scale never falls below."""
     max_consecutive_skips: int | None = 100
+    """Skipped steps in a row that stop training with ConsecutiveSkipsError (None: never)."""
     diagnose_at_start: bool = False
     """Diagnose gradient ranges first (mixprec.diagnostics) and start the loss scale where it recommends."""
 
     # -- optimisation ---------------------------------------------------------------------------------
     per_device_train_batch_size: int = 8
+    """Training batch per process (and per GPU)."""
     gradient_accumulation_steps: int = 1
+    """Batches whose gradients are summed into one optimizer step."""
     optim: str = "adamw_torch"
     """"adamw_torch", "adamw_torch_fused", "adamw_torch_8bit", "adamw_torch_4bit" (torchao: mixprec[lean]),
     "adamw_anyprecision" or "sgd", as in HF (HF 5 defaults to the fused AdamW; the results match)."""
@@ -88,11 +96,15 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
     """Options for ``optim`` in HF's "key=value,key=value" form, e.g.
     "momentum_dtype=bfloat16,variance_dtype=bfloat16" for adamw_anyprecision (see mixprec.trainer.optimizers)."""
     learning_rate: float = 5e-5
+    """Peak learning rate (after warmup, before the schedule's decay)."""
     weight_decay: float = 0.0
     """Decoupled weight decay on weights with >= 2 dimensions (biases and norm gains are never decayed)."""
     adam_beta1: float = 0.9
+    """AdamW's first-moment decay."""
     adam_beta2: float = 0.999
+    """AdamW's second-moment decay."""
     adam_epsilon: float = 1e-8
+    """AdamW's denominator epsilon."""
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm (measured on unscaled gradients); 0 or None turns clipping off."""
     step_in_backward: bool = False
@@ -102,30 +114,42 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
 
     # -- schedule -------------------------------------------------------------------------------------
     num_train_epochs: float = 3.0
+    """Passes over the training set (a fraction stops mid-epoch); ignored when max_steps > 0."""
     max_steps: int = -1
+    """Optimizer steps to run; overrides num_train_epochs when > 0 (-1: use num_train_epochs)."""
     lr_scheduler_type: str = "linear"
+    """"linear", "cosine", "constant" or "constant_with_warmup" (after warmup)."""
     warmup_steps: float = 0
     """Warmup in optimizer steps; a float below 1 is a ratio of the total steps (HF 5)."""
     warmup_ratio: float = 0.0
+    """Warmup as a ratio of the total steps (rounded up), when warmup_steps is 0."""
 
     # -- evaluation -----------------------------------------------------------------------------------
     eval_strategy: str = "no"
+    """"no", "steps" (every eval_steps) or "epoch"."""
     evaluation_strategy: str | None = None
     """Deprecated alias of eval_strategy, accepted so older scripts (and the seed's snippet) run unchanged."""
     eval_steps: float | None = None
     """Optimizer steps between evaluations when eval_strategy="steps" (default: logging_steps); a float
     below 1 is a ratio of the run's total steps, as in HF."""
     per_device_eval_batch_size: int = 8
+    """Evaluation batch per process."""
     load_best_model_at_end: bool = False
+    """Load the checkpoint with the best metric_for_best_model when training ends."""
     metric_for_best_model: str | None = None
+    """The metric that picks the best checkpoint ("loss" or a compute_metrics key; "eval_" is optional)."""
     greater_is_better: bool | None = None
+    """Whether a larger metric_for_best_model is better (default: False for a loss, else True)."""
     prediction_loss_only: bool = False
+    """evaluate()/predict() return only the loss, not predictions and labels."""
 
     # -- checkpointing --------------------------------------------------------------------------------
     save_strategy: str = "steps"
     """"no", "steps", "epoch", or "best" (save whenever an evaluation finds a new best metric)."""
     save_steps: float = 500
+    """Optimizer steps between checkpoints when save_strategy="steps"; a float below 1 is a ratio of the run."""
     save_total_limit: int | None = None
+    """Checkpoint folders kept (the oldest pruned first, the best one never); None keeps them all."""
     async_save: bool = False
     """Write checkpoints on a background thread while training goes on (HF has no such field): a save stalls
     the step only for a host copy of the state (Accelerator.save_state(async_save=True)). ``on_save`` then
@@ -133,14 +157,17 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
 
     # -- logging --------------------------------------------------------------------------------------
     logging_strategy: str = "steps"
+    """"no", "steps" (every logging_steps) or "epoch"."""
     logging_steps: float = 500
     """Optimizer steps between training logs; a float below 1 is a ratio of the run's total steps."""
     logging_first_step: bool = False
+    """Also log after the first optimizer step."""
     logging_dir: str | None = None
     """TensorBoard event folder (default: <output_dir>/runs)."""
     report_to: None | str | list[str] = "none"
     """"tensorboard", "all" (every installed reporter) or "none"; metrics.jsonl is written regardless."""
     disable_tqdm: bool = False
+    """No progress bar (the printed log lines remain)."""
     save_plots: bool = True
     """Write loss_curves.png and loss_scale.png into output_dir at the end of training."""
     run_name: str | None = None
@@ -320,34 +347,29 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
 
     # -- grouped views --------------------------------------------------------------------------------
 
-    def _group(self, cls: type) -> Any:
-        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
-
     @property
     def precision_config(self) -> PrecisionConfig:
-        return self._group(PrecisionConfig)
+        return PrecisionConfig(self)
 
     @property
     def optimization(self) -> OptimConfig:
-        return self._group(OptimConfig)
+        return OptimConfig(self)
 
     @property
     def schedule(self) -> ScheduleConfig:
-        return self._group(ScheduleConfig)
+        return ScheduleConfig(self)
 
     @property
     def evaluation(self) -> EvalConfig:
-        return self._group(EvalConfig)
+        return EvalConfig(self)
 
     @property
     def checkpointing(self) -> CheckpointConfig:
-        return self._group(CheckpointConfig)
+        return CheckpointConfig(self)
 
     @property
     def logging(self) -> LoggingConfig:
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(LoggingConfig)}
-        values["report_to"] = tuple(self.report_to)
-        return LoggingConfig(**values)
+        return LoggingConfig(self)
 
     def validate(self) -> None:
         """Validate every group and the rules that span groups. Called at construction and by the Trainer."""
@@ -380,51 +402,6 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
                 )
         if self.metric_for_best_model is not None and ev.eval_strategy == "no":
             fail("metric_for_best_model", self.metric_for_best_model, "needs eval_strategy='steps' or 'epoch'")
-
-    # -- HF's derived properties -----------------------------------------------------------------------
-
-    @property
-    def device(self) -> torch.device:
-        """The device this process trains on (the Accelerator's rule: ``cuda:LOCAL_RANK``, else the CPU)."""
-        return select_device(None, self.use_cpu, LaunchEnv.from_environ())
-
-    @property
-    def n_gpu(self) -> int:
-        """GPUs used by this process: 1 on a GPU, 0 on the CPU (mixprec never uses DataParallel, so never
-        more, as HF under torchrun)."""
-        return 1 if self.device.type == "cuda" else 0
-
-    @property
-    def train_batch_size(self) -> int:
-        """The per-process training batch (HF: per_device_train_batch_size * max(1, n_gpu))."""
-        return self.per_device_train_batch_size * max(1, self.n_gpu)
-
-    @property
-    def eval_batch_size(self) -> int:
-        return self.per_device_eval_batch_size * max(1, self.n_gpu)
-
-    @property
-    def world_size(self) -> int:
-        """Processes training together (torchrun's WORLD_SIZE; 1 for a plain ``python script.py``)."""
-        return LaunchEnv.from_environ().world_size
-
-    @property
-    def process_index(self) -> int:
-        return LaunchEnv.from_environ().rank
-
-    @property
-    def local_process_index(self) -> int:
-        return LaunchEnv.from_environ().local_rank
-
-    @property
-    def should_log(self) -> bool:
-        """Whether this process logs: the main process only."""
-        return self.process_index == 0
-
-    @property
-    def should_save(self) -> bool:
-        """Whether this process writes files: the main process only."""
-        return self.process_index == 0
 
     # -- serialisation --------------------------------------------------------------------------------
 

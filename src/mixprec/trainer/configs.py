@@ -1,15 +1,18 @@
-"""The grouped configs behind TrainingArguments: small frozen dataclasses, each validating its own fields.
+"""The grouped views of TrainingArguments, derived from its flat fields, and the checks each group makes.
 
-``TrainingArguments`` builds them on access (``args.precision_config``, ``args.optimization``,
-``args.schedule``, ``args.evaluation``, ``args.checkpointing``, ``args.logging``), and the Trainer reads only
-these. Messages name the ``TrainingArguments`` field and the fix, since that is what the user wrote.
+Every field is declared once, with its docstring, on :class:`~mixprec.trainer.args.TrainingArguments`. A view
+here only names which of those fields it groups (``FIELDS``), copies their values when it is built
+(``args.precision_config``, ``args.optimization``, ``args.schedule``, ``args.evaluation``, ``args.checkpointing``,
+``args.logging``: built on each access, so an edit after construction is seen and validated) and checks them in
+``__post_init__``. Views are frozen: code the Trainer hands one to cannot change the run's arguments. Messages
+name the ``TrainingArguments`` field and the fix, since that is what the user wrote.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import FrozenInstanceError
+from typing import Any, ClassVar
 
 STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = (*STRATEGIES, "best")
@@ -48,27 +51,42 @@ def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
         fail(name, value, f"choose one of: {', '.join(map(repr, choices))}")
 
 
-# -- the grouped configs -------------------------------------------------------------------------------
+# -- the grouped views --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PrecisionConfig:
+class ArgsView:
+    """A frozen copy of the ``FIELDS`` of a TrainingArguments (or of any object holding them)."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, args: Any) -> None:
+        for name in self.FIELDS:
+            object.__setattr__(self, name, getattr(args, name))
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        """Check the group's fields; each failure names the TrainingArguments field."""
+
+    def __getattr__(self, name: str) -> Any:  # only reached for names that are not among FIELDS
+        raise AttributeError(f"{type(self).__name__} has no field {name!r}; it groups {', '.join(self.FIELDS)}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}: set it on the TrainingArguments")
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and all(getattr(self, n) == getattr(other, n) for n in self.FIELDS)
+
+    __hash__ = None  # type: ignore[assignment]  # a list-valued field would make hashing fail anyway
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)!r}' for n in self.FIELDS)})"
+
+
+class PrecisionConfig(ArgsView):
     """Which precision, and how the fp16 loss scaler behaves."""
 
-    precision: str
-    """Canonical precision name: "fp32", "fp16", "bf16" or "auto" (resolved by the Accelerator)."""
-    init_loss_scale: float
-    """Loss scale of the first step (fp16 only)."""
-    loss_scale_growth_interval: int
-    """Clean steps before the scale doubles."""
-    loss_scale_hysteresis: int
-    """Overflowing steps tolerated before the scale halves."""
-    min_loss_scale: float
-    """Floor the scale never falls below."""
-    max_consecutive_skips: int | None
-    """Skipped steps in a row that stop training with ConsecutiveSkipsError (None: never)."""
-    diagnose_at_start: bool
-    """Run mixprec.diagnostics.diagnose first and start the scaler at its recommended scale."""
+    FIELDS = ("precision", "init_loss_scale", "loss_scale_growth_interval", "loss_scale_hysteresis",
+              "min_loss_scale", "max_consecutive_skips", "diagnose_at_start")  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.init_loss_scale > 0:
@@ -93,20 +111,11 @@ class PrecisionConfig:
         }
 
 
-@dataclass(frozen=True)
-class OptimConfig:
+class OptimConfig(ArgsView):
     """The optimizer built when ``Trainer(optimizers=(None, ...))``, and what happens to each step."""
 
-    optim: str
-    optim_args: str | None
-    """HF's "key=value,key=value" options for ``optim`` (see :mod:`mixprec.trainer.optimizers`)."""
-    learning_rate: float
-    weight_decay: float
-    adam_beta1: float
-    adam_beta2: float
-    adam_epsilon: float
-    max_grad_norm: float | None
-    gradient_accumulation_steps: int
+    FIELDS = ("optim", "optim_args", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+              "max_grad_norm", "gradient_accumulation_steps")  # fmt: skip
 
     def __post_init__(self) -> None:
         from mixprec.trainer.optimizers import OPTIMIZER_NAMES, parse_optim_args
@@ -127,16 +136,10 @@ class OptimConfig:
         check_positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
 
 
-@dataclass(frozen=True)
-class ScheduleConfig:
+class ScheduleConfig(ArgsView):
     """How long to train and how the learning rate moves."""
 
-    num_train_epochs: float
-    max_steps: int
-    """Optimizer steps to run; overrides num_train_epochs when > 0 (-1: use num_train_epochs)."""
-    lr_scheduler_type: str
-    warmup_steps: int | float
-    warmup_ratio: float
+    FIELDS = ("num_train_epochs", "max_steps", "lr_scheduler_type", "warmup_steps", "warmup_ratio")
 
     def __post_init__(self) -> None:
         if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int):
@@ -163,17 +166,11 @@ class ScheduleConfig:
         return math.ceil(self.warmup_ratio * total_steps)
 
 
-@dataclass(frozen=True)
-class EvalConfig:
+class EvalConfig(ArgsView):
     """When to evaluate, and which metric decides the best checkpoint."""
 
-    eval_strategy: str
-    eval_steps: int | float
-    per_device_eval_batch_size: int
-    load_best_model_at_end: bool
-    metric_for_best_model: str | None
-    greater_is_better: bool | None
-    prediction_loss_only: bool
+    FIELDS = ("eval_strategy", "eval_steps", "per_device_eval_batch_size", "load_best_model_at_end",
+              "metric_for_best_model", "greater_is_better", "prediction_loss_only")  # fmt: skip
 
     def __post_init__(self) -> None:
         check_choice("eval_strategy", self.eval_strategy, STRATEGIES)
@@ -194,13 +191,10 @@ class EvalConfig:
         return value > best if greater else value < best
 
 
-@dataclass(frozen=True)
-class CheckpointConfig:
+class CheckpointConfig(ArgsView):
     """When to write checkpoint-N folders and how many to keep."""
 
-    save_strategy: str
-    save_steps: int | float
-    save_total_limit: int | None
+    FIELDS = ("save_strategy", "save_steps", "save_total_limit")
 
     def __post_init__(self) -> None:
         check_choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
@@ -209,19 +203,14 @@ class CheckpointConfig:
             check_positive_int("save_total_limit", self.save_total_limit)
 
 
-@dataclass(frozen=True)
-class LoggingConfig:
+class LoggingConfig(ArgsView):
     """What is logged, how often, and where (metrics.jsonl always; TensorBoard when asked)."""
 
-    logging_strategy: str
-    logging_steps: int | float
-    logging_first_step: bool
-    report_to: tuple[str, ...]
-    logging_dir: str
-    disable_tqdm: bool
-    save_plots: bool
+    FIELDS = ("logging_strategy", "logging_steps", "logging_first_step", "report_to", "logging_dir", "disable_tqdm",
+              "save_plots")  # fmt: skip
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "report_to", tuple(self.report_to))  # frozen: a tuple, not the args' list
         check_choice("logging_strategy", self.logging_strategy, STRATEGIES)
         check_steps("logging_steps", self.logging_steps)
         for name in self.report_to:
@@ -231,3 +220,22 @@ class LoggingConfig:
                     name,
                     f"mixprec reports to: {', '.join(REPORTERS)}, 'all' or 'none' (metrics.jsonl is always written)",
                 )
+
+
+def accelerator_kwargs(args: Any) -> dict[str, Any]:
+    """The Trainer's :class:`~mixprec.accelerator.accelerator.Accelerator` arguments, derived from the flat
+    fields as the views are (the scaler's from :class:`PrecisionConfig`)."""
+    return {
+        "mixed_precision": args.precision,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "distributed": args.distributed,
+        "fsdp_state_dict_type": args.fsdp_state_dict_type,
+        "cpu": args.use_cpu,
+        "scaler_kwargs": PrecisionConfig(args).scaler_kwargs(),
+        "ddp_kwargs": args.ddp_kwargs() or None,
+        "watch": args.precision_watch,
+        "timeout": args.ddp_timeout,
+        "comm_dtype": args.comm_dtype,
+        "step_in_backward": args.step_in_backward,
+        "dataloader_config": args.dataloader_configuration(),
+    }

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from mixprec.models.outputs import extract_loss  # one loss rule, shared with the diagnosis
+
 
 @dataclass
 class DataPosition:
@@ -123,6 +125,17 @@ class ColumnFilter:
         self.keep = keep
         """The keys kept (the Trainer's: the forward's names and the label columns); None keeps every key."""
 
+    @classmethod
+    def for_model(
+        cls, model: torch.nn.Module, collator: Any, remove_unused_columns: bool, label_names: Sequence[str]
+    ) -> ColumnFilter:
+        """The Trainer's filter: ``collator`` (default: :func:`default_collator`) over the keys ``model``'s
+        forward takes and the label columns, or over every key without ``remove_unused_columns``."""
+        keep = forward_arg_names(model) if remove_unused_columns else None
+        if keep is not None:  # HF keeps the label columns too ("label"/"label_ids": collators rename them)
+            keep |= {*label_names, "label", "label_ids"}
+        return cls(collator or default_collator, keep)
+
     def __call__(self, features: list[Any]) -> Any:
         if self.keep is not None and features and isinstance(features[0], Mapping):
             features = [{k: v for k, v in f.items() if k in self.keep} for f in features]
@@ -212,6 +225,19 @@ def call_model(model: torch.nn.Module, batch: Any) -> Any:
     if isinstance(batch, (tuple, list)):
         return model(*batch)
     return model(batch)
+
+
+def loss_and_outputs(
+    model: torch.nn.Module, batch: Any, compute_loss_func: Any = None, num_items_in_batch: Any = None
+) -> tuple[torch.Tensor, Any]:
+    """A batch's loss and the model's outputs, the one rule training and evaluation share (the Trainer's
+    ``compute_loss``): the model's own loss, or with HF's ``compute_loss_func`` (and labels in a dict batch)
+    that function's on the outputs and the labels, which the model then does not see."""
+    if compute_loss_func is not None and isinstance(batch, Mapping) and "labels" in batch:
+        outputs = call_model(model, {k: v for k, v in batch.items() if k != "labels"})
+        return compute_loss_func(outputs, batch["labels"], num_items_in_batch=num_items_in_batch), outputs
+    outputs = call_model(model, batch)
+    return extract_loss(outputs), outputs
 
 
 def count_tokens(batch: Any) -> int:

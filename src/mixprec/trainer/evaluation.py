@@ -134,6 +134,18 @@ def eval_step(
     return loss, logits_of(outputs)
 
 
+def check_compute_metrics(compute_metrics: Any, batch_eval_metrics: bool) -> None:
+    """With ``batch_eval_metrics``, ``compute_metrics`` must take ``compute_result``: refused at construction."""
+    if batch_eval_metrics and compute_metrics is not None:
+        import inspect
+
+        if "compute_result" not in inspect.signature(compute_metrics).parameters:
+            raise ValueError(
+                "TrainingArguments(batch_eval_metrics=True): compute_metrics must take a compute_result "
+                "argument (True on the last batch, when it returns the metrics)"
+            )
+
+
 def evaluation_loop(
     model: torch.nn.Module,
     loader: Any,

@@ -1,4 +1,4 @@
-"""Where a run reports: its callbacks, ``state.log_history``, metrics.jsonl and the progress bar.
+"""Where a run reports: its callbacks, ``state.log_history``, metrics.jsonl, the progress bar and the watch.
 
 One object, :class:`RunEvents`, owns them and the state and control the callbacks see, behind four calls the
 Trainer and its helpers (loop, checkpointing, summary, diagnosis) share: ``fire`` (a callback event),
@@ -6,25 +6,53 @@ Trainer and its helpers (loop, checkpointing, summary, diagnosis) share: ``fire`
 record outside log_history) and ``close_progress``. No helper reaches for a logger of its own.
 
 The callback list is HF's: the default flow, the ``report_to`` loggers, the progress bar (or, with
-``disable_tqdm``, the printer) and the user's callbacks. metrics.jsonl is the run's own record (resume
-truncates it, the plots and the summary read it), so it is written here, not by a callback a user could
-remove.
+``disable_tqdm``, the printer), the precision watch's callback and the user's callbacks. metrics.jsonl is the
+run's own record (resume truncates it, the plots and the summary read it), so it is written here, not by a
+callback a user could remove.
+
+Nothing here knows the run's end-of-run reporting (:mod:`mixprec.trainer.summary`): that module takes the
+:class:`~mixprec.trainer.context.RunContext` holding these events and calls down into them, never the reverse.
+
+**The console** (:class:`ProgressCallback`, :class:`PrinterCallback`): the progress bar shows steps, loss, learning
+rate, loss scale and samples or tokens per second, or, with ``disable_tqdm``, each log entry is printed as HF's
+PrinterCallback does. The loss shown is the mean since the previous refresh. Reading it is a host sync, so the
+bar refreshes its numbers at most once a second (one sync per second, whatever the step rate), and never on
+the other steps. When stderr is not a terminal (a log file, a pipe, a batch job), a redrawn bar is a run of
+carriage returns on one line that any other message gets glued to (issue 29: ``...0/300 [00:00<?,
+?step/s]mixprec: bf16 on cpu ...``); there the progress is a plain line every tenth of the run instead
+(:class:`LineProgress`).
+
+**The precision watch** (:class:`WatchCallback`): the watch itself (:mod:`mixprec.watch`) is built by the
+Accelerator from ``TrainingArguments(precision_watch=...)`` and follows the steps on its own; this callback
+only tells it when an optimizer step is over (so a skipped step is attributed while its gradients are still
+there) and carries what it found to the run's logs: each sample as one log entry of ``watch/<layer>/<field>``
+scalars (metrics.jsonl, and TensorBoard when ``report_to`` has it), warnings, skip attributions and fallbacks
+as metrics.jsonl events, and at the end a "precision_watch" section in the run's summary (which the summary
+writes into train_summary.json) and ``precision_headroom.png`` in output_dir.
 """
 
 from __future__ import annotations
 
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mixprec.trainer.callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback, TrainerControl
-from mixprec.trainer.logging import JsonlLogger
-from mixprec.trainer.progress import PrinterCallback, ProgressCallback
+from mixprec.trainer.callbacks import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    TrainerCallback,
+    TrainerControl,
+    restore_callback_states,
+)
+from mixprec.trainer.logging import METRICS_FILE, JsonlLogger, read_metrics
 from mixprec.trainer.state import TrainerState
-from mixprec.trainer.watching import WatchCallback
 
 if TYPE_CHECKING:
     from mixprec.accelerator.accelerator import Accelerator
     from mixprec.trainer.args import TrainingArguments
+    from mixprec.watch import PrecisionWatch
 
 
 class RunEvents:
@@ -75,6 +103,12 @@ class RunEvents:
         self.state = self._fresh_state(accelerator)
         self.control = TrainerControl()
 
+    def restore_callback_states(self) -> None:
+        """After a resume, with ``restore_callback_states_from_checkpoint``: rebuild the stateful callbacks and
+        the control from ``state.stateful_callbacks`` (HF's ``Trainer._load_callback_state``)."""
+        if self.args.restore_callback_states_from_checkpoint:
+            self.control = restore_callback_states(self.handler, self.control, self.state.stateful_callbacks)
+
     def fire(self, name: str, **kwargs: Any) -> TrainerControl:
         """Run callback event ``name``; returns the (possibly replaced) control."""
         self.control = self.handler.call_event(name, self.args, self.state, self.control, **kwargs)
@@ -108,3 +142,149 @@ class RunEvents:
         """After a resume from checkpoint-``step``: drop the records a killed run wrote past it."""
         if self.metrics is not None:
             self.metrics.truncate_after(step)
+
+
+# -- the console ----------------------------------------------------------------------------------------
+
+
+class LineProgress:
+    """tqdm's part the callback uses (update, set_postfix, write, close), as whole lines on stderr: one at
+    each tenth of ``total`` and one at the end."""
+
+    def __init__(self, total: int, initial: int = 0, desc: str = "train") -> None:
+        self.total, self.n, self.desc = total, initial, desc
+        self.postfix: dict[str, Any] = {}
+        self._start = time.perf_counter()
+        self._next = self._mark_after(initial)
+
+    def _mark_after(self, n: int) -> int:
+        tenth = max(1, self.total // 10)
+        return (n // tenth + 1) * tenth
+
+    def _line(self) -> str:
+        extra = ", ".join(f"{k}={v}" for k, v in self.postfix.items())
+        return f"{self.desc}: {self.n}/{self.total} steps, {time.perf_counter() - self._start:.1f}s" + (
+            f", {extra}" if extra else ""
+        )
+
+    def update(self, k: int) -> None:
+        self.n += k
+        if self.n >= self._next and self.n < self.total:
+            self.write(self._line())
+            self._next = self._mark_after(self.n)
+
+    def set_postfix(self, postfix: dict[str, Any], refresh: bool = False) -> None:
+        self.postfix = dict(postfix)
+
+    @staticmethod
+    def write(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.write(self._line())
+
+
+class ProgressCallback(TrainerCallback):
+    """A tqdm bar over optimizer steps (main process only), with a line per evaluation."""
+
+    refresh_seconds = 1.0
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+        self._last_refresh = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not sys.stderr.isatty():
+            self.bar = LineProgress(state.max_steps, state.global_step)
+            self._last_refresh = time.perf_counter()
+            return
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step", dynamic_ncols=True)
+        self._last_refresh = time.perf_counter()
+
+    def on_step_end(self, args, state, control, meter=None, **kwargs):
+        if self.bar is None:
+            return
+        self.bar.update(state.global_step - self.bar.n)
+        now = time.perf_counter()
+        if meter is not None and now - self._last_refresh >= self.refresh_seconds:
+            self._last_refresh = now
+            self.bar.set_postfix(meter.postfix(), refresh=False)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self.bar is not None and metrics:
+            shown = {
+                k: v for k, v in metrics.items() if isinstance(v, float) and not k.endswith(("_runtime", "_second"))
+            }
+            self.bar.write(f"step {state.global_step}: " + ", ".join(f"{k}={v:.4g}" for k, v in shown.items()))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class PrinterCallback(TrainerCallback):
+    """Prints each log entry (main process), in place of the bar when ``disable_tqdm=True`` (HF's)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_local_process_zero and logs is not None:
+            shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in logs.items() if k != "total_flos"}
+            print(shown, flush=True)
+
+
+# -- the precision watch --------------------------------------------------------------------------------
+
+
+class WatchCallback(TrainerCallback):
+    """Wires a :class:`~mixprec.watch.PrecisionWatch` to the Trainer's step events and logs.
+
+    ``log`` is ``RunEvents.log`` (log_history, metrics.jsonl, TensorBoard), ``record`` is ``RunEvents.record``
+    (metrics.jsonl events, main process only); the watch's records wait for ``on_step_end``, where the
+    state's global_step is the step they describe.
+    """
+
+    def __init__(
+        self,
+        watch: PrecisionWatch,
+        log: Callable[[dict[str, Any]], None],
+        record: Callable[..., None],
+        is_main: bool,
+    ) -> None:
+        self.watch = watch
+        self._log, self._record, self._is_main = log, record, is_main
+        self._pending: list[tuple[str, int, dict[str, Any]]] = []
+        watch.add_sink(lambda kind, step, fields: self._pending.append((kind, step, fields)))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self._is_main:  # capsules of bad steps go to <output_dir>/capsules (one writer)
+            self.watch.set_run_folder(args.output_dir)
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.watch.sync(optimizer)  # before zero_grad: a skip the replay cannot trace is read off .grad
+
+    def on_step_end(self, args, state, control, **kwargs):
+        pending, self._pending = self._pending, []
+        for kind, step, fields in pending:
+            if kind == "watch_sample":
+                self._log(fields)
+            else:
+                self._record(kind, step, **{k: v for k, v in fields.items() if k != "step"})
+
+    def on_train_end(self, args, state, control, summary=None, **kwargs):
+        """Close the watch and add its section to ``summary`` (the summary writes the file again after this
+        event, with the section); on the main process, plot the headroom and print the watch's lines."""
+        self.watch.close()
+        if summary is None:
+            return
+        summary["precision_watch"] = self.watch.summary()
+        if not self._is_main:
+            return
+        metrics = Path(args.output_dir) / METRICS_FILE
+        if args.save_plots and metrics.exists():
+            from mixprec.watch.plot import plot_headroom, series_from_log
+
+            plot_headroom(series_from_log(read_metrics(metrics)), Path(args.output_dir), self.watch.fmt.name,
+                          self.watch.marks())  # fmt: skip
+        print("\n".join(self.watch.summary_lines()), file=sys.stderr, flush=True)

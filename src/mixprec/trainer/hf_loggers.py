@@ -26,7 +26,9 @@ def hf_logger(module: str) -> logging.Logger:
 
 
 def set_library_log_level(level: str) -> None:
-    """HF's ``log_level`` (a name, not "passive"): mixprec's logger level and, where installed, transformers'."""
+    """HF's ``log_level``: mixprec's logger level and, where installed, transformers' ("passive": left as is)."""
+    if level == "passive":
+        return
     logging.getLogger("mixprec").setLevel(level.upper())
     if transformers_installed():  # what HF's Trainer does with transformers.utils.logging.set_verbosity
         logging.getLogger("transformers").setLevel(level.upper())

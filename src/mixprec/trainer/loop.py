@@ -13,6 +13,7 @@ second for the progress bar, and under several processes one tiny all-reduce for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
@@ -23,14 +24,18 @@ import torch
 
 from mixprec.scaling.scaler import ConsecutiveSkipsError
 from mixprec.trainer import checkpointing as ckpt  # by module: tests wrap save_trainer_checkpoint
+from mixprec.trainer import weights
 from mixprec.trainer.callbacks import export_callback_states
 from mixprec.trainer.data import DataPosition, count_input_tokens, count_samples, count_tokens, is_stream
-from mixprec.trainer.signals import GracefulStop
+from mixprec.trainer.hf_loggers import hf_logger
+from mixprec.trainer.neftune import neftune
+from mixprec.trainer.signals import GracefulStop, TrainingInterrupted
+from mixprec.trainer.summary import finish_run
 
 if TYPE_CHECKING:
     from mixprec.trainer.args import TrainingArguments
     from mixprec.trainer.context import RunContext
-    from mixprec.trainer.state import TrainerState
+    from mixprec.trainer.state import TrainerState, TrainOutput
 
 logger = logging.getLogger("mixprec.trainer")
 
@@ -100,6 +105,52 @@ def fp16_overflow(report: Any) -> dict[str, str]:
     if event is None:
         return {}
     return {"fp16": f"the diagnosis saw fp16 overflow ({event.phase} of {event.module}, {event.what})"}
+
+
+def fit(run: RunContext, plan: Plan, checkpoint: Any, train_stream: Any, examples: int | None) -> TrainOutput:
+    """One prepared run from its start (or ``checkpoint``) to its output: the resume, the loop, the last save
+    landed, the best model loaded (``load_best_model_at_end``), the summary. After a stop by signal, raises
+    :class:`~mixprec.trainer.signals.TrainingInterrupted` naming the checkpoint it saved."""
+    acc, args, events = run.accelerator, run.args, run.events
+    start = DataPosition()
+    if checkpoint is not None:
+        start = ckpt.load_trainer_checkpoint(run, checkpoint)
+        if train_stream is not None:  # a stream cannot seek: read past what was trained
+            train_stream.skip_batches(start.batches_consumed)
+        events.restore_callback_states()
+        step = run.state.global_step
+        events.record("train_begin", step, resumed_from=step, precision=acc.mixed_precision)
+    plan.apply_to(run.state, args)
+    model = run.model
+    model.train()
+    if args.eval_on_start and checkpoint is None:
+        run.evaluate()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    hf_logger("trainer").info("%s", plan.banner(args, examples, trainable))
+    loop = TrainingLoop(run, plan, start)
+    steps_before = run.state.global_step
+    try:
+        with neftune(acc.unwrap_model(model), args.neftune_noise_alpha):  # embedding noise while training only
+            loop.run()
+    except BaseException:
+        # a run that fails after a save returned still lands that save (async_save): the checkpoint it
+        # announced is there to resume from. One process only: elsewhere the wait is a collective that the
+        # other processes may never reach (a process that exits lands its save at exit)
+        if acc.num_processes == 1:
+            with contextlib.suppress(Exception):
+                acc.wait_for_checkpoint()
+        raise
+    ckpt.wait_for_checkpoint(run)  # async_save: the last checkpoint is complete before anything reads it
+    if loop.interrupted is None and args.load_best_model_at_end:
+        weights.load_best_model(acc, model, args, run.state)
+    output = finish_run(run, steps_before)
+    if loop.interrupted is not None:
+        last = ckpt.latest_checkpoint(args.output_dir)
+        stop = TrainingInterrupted(loop.interrupted, run.state.global_step, str(last) if last else None,
+                                   run.resume_command)  # fmt: skip
+        acc.print(f"mixprec: {stop}", file=sys.stderr)
+        raise stop
+    return output
 
 
 class TrainingLoop:

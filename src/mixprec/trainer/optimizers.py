@@ -1,4 +1,12 @@
-"""The optimizers ``TrainingArguments(optim=...)`` names: Hugging Face's names and meanings, in one table.
+"""Optimizer creation: the optimizer and learning-rate schedule a Trainer builds when the user passes none.
+
+:func:`build_optimizer` puts the model's trainable parameters in two groups, weight decay only on tensors with two
+or more dimensions (matrices and embeddings), never on biases and norm gains, as nanoGPT and HF both do, and
+builds the optimizer ``args.optim`` names (AdamW by default). :func:`build_scheduler` builds HF's schedules as
+``LambdaLR`` over picklable-free ``functools.partial`` objects, so the scheduler's state dict is plain numbers
+(saved as JSON). Both read a grouped view of TrainingArguments (``args.optimization``, ``args.schedule``).
+
+The optimizers ``TrainingArguments(optim=...)`` names: Hugging Face's names and meanings, in one table.
 
 ==========================  =========================================================  ===========================
 ``optim``                   what it builds                                             bytes / param (states)
@@ -31,6 +39,8 @@ than torch's AdamW (benchmarks/bench_lean.py): they trade optimizer time for mem
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -121,7 +131,8 @@ def parse_optim_args(optim: str, text: str | None) -> dict[str, Any]:
 
 def make_optimizer(groups: list[dict[str, Any]], cfg: Any) -> torch.optim.Optimizer:
     """The optimizer ``cfg.optim`` names over ``groups`` (with their weight decay), from an
-    :class:`~mixprec.trainer.configs.OptimConfig`. A torchao optimizer without torchao raises a one-line
+    :class:`~mixprec.trainer.configs.OptimConfig` (not imported: the configs check names against this module).
+    A torchao optimizer without torchao raises a one-line
     error with the pip command."""
     options = parse_optim_args(cfg.optim, cfg.optim_args)
     adam = {"lr": cfg.learning_rate, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_epsilon}
@@ -135,3 +146,67 @@ def make_optimizer(groups: list[dict[str, Any]], cfg: Any) -> torch.optim.Optimi
 
         return AnyPrecisionAdamW(groups, **adam, **options)
     return torch.optim.SGD(groups, lr=cfg.learning_rate, **options)
+
+
+# -- what the Trainer builds ------------------------------------------------------------------------------
+
+
+def build_optimizer(
+    model: torch.nn.Module, cfg: Any, cls_and_kwargs: tuple[Any, dict[str, Any]] | None = None
+) -> torch.optim.Optimizer:
+    """``cfg.optim`` (``args.optimization``) over the model's trainable parameters, in a decayed and a
+    not-decayed group; or, with ``cls_and_kwargs`` (HF's ``optimizer_cls_and_kwargs``), ``cls(groups, **kwargs)``
+    over the same groups."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no parameters with requires_grad=True: there is nothing to train")
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [
+        g
+        for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
+    if cls_and_kwargs is not None:
+        cls, kwargs = cls_and_kwargs
+        return cls(groups, **(kwargs or {}))
+    return make_optimizer(groups, cfg)
+
+
+def _linear(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return step / max(1, warmup)
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def _cosine(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def _constant(step: int, warmup: int, total: int) -> float:
+    return 1.0
+
+
+def _constant_with_warmup(step: int, warmup: int, total: int) -> float:
+    return step / max(1, warmup) if step < warmup else 1.0
+
+
+_SCHEDULES = {
+    "linear": _linear,
+    "cosine": _cosine,
+    "constant": _constant,
+    "constant_with_warmup": _constant_with_warmup,
+}
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: Any, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """HF's schedules (same formulas as ``transformers.get_scheduler``) over ``total_steps`` optimizer steps;
+    ``cfg`` is ``args.schedule``."""
+    warmup = 0 if cfg.lr_scheduler_type == "constant" else cfg.num_warmup_steps(total_steps)
+    fn = functools.partial(_SCHEDULES[cfg.lr_scheduler_type], warmup=warmup, total=total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -1,4 +1,4 @@
-"""HF ``TrainingArguments``' process helpers that example scripts call before any Trainer exists.
+"""HF ``TrainingArguments``' process helpers and derived properties, answered before any Trainer exists.
 
 run_clm.py and its siblings read ``training_args.get_process_log_level()``, ``training_args.parallel_mode.value``
 and wrap their dataset preprocessing in ``with training_args.main_process_first(desc=...)`` (issue 22). These
@@ -13,6 +13,10 @@ import enum
 import logging
 from collections.abc import Iterator
 from typing import Any
+
+import torch
+
+from mixprec.accelerator.distributed import LaunchEnv, select_device
 
 LEVELS = {
     "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
@@ -29,14 +33,57 @@ class ParallelMode(enum.Enum):
 
 class ProcessHelpers:
     """Mixed into :class:`~mixprec.trainer.args.TrainingArguments`; reads its ``log_level``, ``log_level_replica``,
-    ``use_cpu``, ``world_size``, ``should_log`` and ``schedule``."""
+    ``use_cpu``, the batch sizes and ``schedule``. HF's derived properties (``device``, ``world_size``...) too."""
 
     log_level: str
     log_level_replica: str
     use_cpu: bool
-    world_size: int
-    should_log: bool
+    per_device_train_batch_size: int
+    per_device_eval_batch_size: int
     schedule: Any
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process trains on (the Accelerator's rule: ``cuda:LOCAL_RANK``, else the CPU)."""
+        return select_device(None, self.use_cpu, LaunchEnv.from_environ())
+
+    @property
+    def n_gpu(self) -> int:
+        """GPUs used by this process: 1 on a GPU, 0 on the CPU (mixprec never uses DataParallel, so never
+        more, as HF under torchrun)."""
+        return 1 if self.device.type == "cuda" else 0
+
+    @property
+    def train_batch_size(self) -> int:
+        """The per-process training batch (HF: per_device_train_batch_size * max(1, n_gpu))."""
+        return self.per_device_train_batch_size * max(1, self.n_gpu)
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.per_device_eval_batch_size * max(1, self.n_gpu)
+
+    @property
+    def world_size(self) -> int:
+        """Processes training together (torchrun's WORLD_SIZE; 1 for a plain ``python script.py``)."""
+        return LaunchEnv.from_environ().world_size
+
+    @property
+    def process_index(self) -> int:
+        return LaunchEnv.from_environ().rank
+
+    @property
+    def local_process_index(self) -> int:
+        return LaunchEnv.from_environ().local_rank
+
+    @property
+    def should_log(self) -> bool:
+        """Whether this process logs: the main process only."""
+        return self.process_index == 0
+
+    @property
+    def should_save(self) -> bool:
+        """Whether this process writes files: the main process only."""
+        return self.process_index == 0
 
     def get_process_log_level(self) -> int:
         """This process's logging level, as HF: ``log_level`` on the main process, ``log_level_replica`` on the

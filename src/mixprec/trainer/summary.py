@@ -1,13 +1,23 @@
-"""The end-of-run summary: what ran, how fast, and what the loss scaler did.
+"""End-of-run reporting: the run's summary, and what HF's example scripts write at their end.
 
-The same numbers go three ways: the metrics dict of ``TrainOutput`` (HF's ``train_runtime``,
-``train_samples_per_second``, ... plus mixprec's), ``train_summary.json`` in output_dir, and a few printed
-lines on the main process.
+The summary says what ran, how fast, and what the loss scaler did. The same numbers go three ways: the metrics
+dict of ``TrainOutput`` (HF's ``train_runtime``, ``train_samples_per_second``, ... plus mixprec's),
+``train_summary.json`` in output_dir, and a few printed lines on the main process.
+
+HF's end-of-script reporting keeps HF's names and formats: ``log_metrics`` (a table on stdout),
+``save_metrics`` (``<split>_results.json`` and ``all_results.json``) and ``create_model_card`` (``README.md`` in
+output_dir). The Trainer's methods of those names call these on the main process.
+
+The figures drawn from metrics.jsonl live apart, in :mod:`mixprec.trainer.plots` (matplotlib, loaded only when a
+run plots).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import math
+import platform
 import resource
 import sys
 from pathlib import Path
@@ -15,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec.trainer.state import TrainOutput
+from mixprec.trainer.state import STATE_FILE, TrainOutput
 
 if TYPE_CHECKING:
     from mixprec.trainer.context import RunContext
@@ -108,7 +118,8 @@ def write_summary(summary: dict[str, Any], output_dir: str | Path) -> Path:
 
 def finish_run(run: RunContext, steps_before: int) -> TrainOutput:
     """Close the bar, summarise (samples and tokens summed over processes: one collective), write the
-    summary and the plots (main process), fire ``on_train_end``."""
+    summary and the plots (main process), fire ``on_train_end`` (whose callbacks may add a section to the
+    summary, as the precision watch's does: then the file is written again, with it)."""
     acc, args, state, events, meter = run.accelerator, run.args, run.state, run.events, run.meter
     events.close_progress()  # before the summary and plots, which take a moment
     # on the device, which the collective's backend needs (nccl reduces CUDA tensors only)
@@ -145,5 +156,206 @@ def finish_run(run: RunContext, steps_before: int) -> TrainOutput:
 
             plot_run(events.metrics_path, args.output_dir)
         print(format_summary(summary), file=sys.stderr, flush=True)
+    sections = set(summary)
     events.fire("on_train_end", summary=summary)
+    if acc.is_main_process and set(summary) != sections:  # a callback added its section (the watch's): write again
+        write_summary(summary, args.output_dir)
     return TrainOutput(state.global_step, summary["train_loss"], summary)
+
+
+# -- HF's end-of-script reporting: log_metrics, save_metrics, create_model_card ----------------------------
+
+ALL_RESULTS = "all_results.json"
+
+
+def metrics_format(metrics: dict[str, Any]) -> dict[str, Any]:
+    """HF's readable forms: ``*_runtime`` as h:mm:ss.ss, ``*_mem_*`` in MB, ``total_flos`` in GF, other
+    floats to 4 decimals."""
+    shown: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if "_mem_" in key and isinstance(value, (int, float)):
+            shown[key] = f"{int(value) >> 20}MB"
+        elif key.endswith("_runtime") and isinstance(value, (int, float)):
+            shown[key] = _duration(float(value))
+        elif key == "total_flos" and isinstance(value, (int, float)):
+            shown[key] = f"{int(value) >> 30}GF"
+        elif isinstance(value, float):
+            shown[key] = round(value, 4)
+        else:
+            shown[key] = value
+    return shown
+
+
+def _duration(seconds: float) -> str:
+    whole = datetime.timedelta(seconds=int(seconds))
+    return f"{whole}.{int(round((seconds % 1) * 100)) % 100:02d}"
+
+
+def metrics_table(split: str, metrics: dict[str, Any]) -> str:
+    """``***** <split> metrics *****`` and one aligned ``key = value`` line per metric (HF's log_metrics)."""
+    shown = metrics_format(metrics)
+    if not shown:
+        return f"***** {split} metrics *****"
+    keys = max(len(str(k)) for k in shown)
+    values = max(len(str(v)) for v in shown.values())
+    lines = [f"  {k: <{keys}} = {str(shown[k]):>{values}}" for k in sorted(shown)]
+    return "\n".join([f"***** {split} metrics *****", *lines])
+
+
+def save_metrics(output_dir: str | Path, split: str, metrics: dict[str, Any], combined: bool = True) -> Path:
+    """Write ``<split>_results.json`` (and merge into ``all_results.json`` when ``combined``)."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{split}_results.json"
+    plain = {k: _jsonable(v) for k, v in metrics.items()}
+    path.write_text(json.dumps(plain, indent=4, sort_keys=True) + "\n", encoding="utf-8")
+    if combined:
+        every = out / ALL_RESULTS
+        merged = json.loads(every.read_text(encoding="utf-8")) if every.exists() else {}
+        merged.update(plain)
+        every.write_text(json.dumps(merged, indent=4, sort_keys=True) + "\n", encoding="utf-8")
+    return path
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def model_card(
+    *,
+    model_name: str,
+    precision: str,
+    hyperparameters: dict[str, Any],
+    log_history: list[dict[str, Any]],
+    language: Any = None,
+    license: str | None = None,
+    tags: Any = None,
+    finetuned_from: str | None = None,
+    tasks: Any = None,
+    dataset: Any = None,
+) -> str:
+    """A model card in HF's shape: YAML front matter, what was trained and how, the evaluation results and
+    the framework versions. Only what the run knows; nothing is made up."""
+    from mixprec._version import __version__
+
+    front = {"library_name": "transformers", "tags": ["mixprec", *_list(tags)]}
+    for key, value in (("license", license), ("language", language), ("base_model", finetuned_from)):
+        if value:
+            front[key] = value
+    lines = ["---", *(f"{k}: {json.dumps(v)}" for k, v in front.items()), "---", "", f"# {model_name}", ""]
+    trained = f"This model was trained with mixprec in {precision}"
+    trained += f", from {finetuned_from}" if finetuned_from else ""
+    trained += f", on {', '.join(map(str, _list(dataset)))}" if dataset else ""
+    lines += [trained + ".", ""]
+    if tasks:
+        lines += [f"Task: {', '.join(map(str, _list(tasks)))}.", ""]
+    lines += ["## Training hyperparameters", ""]
+    lines += [f"- {k}: {v}" for k, v in hyperparameters.items() if v is not None]
+    evals = [e for e in log_history if any(k.startswith("eval_") for k in e)]
+    if evals:
+        keys = [k for k in evals[-1] if k.startswith("eval_") and not k.endswith(("_runtime", "_per_second"))]
+        lines += ["", "## Evaluation results", "", "| step | epoch | " + " | ".join(keys) + " |"]
+        lines += ["|" + " --- |" * (len(keys) + 2)]
+        for e in evals:
+            row = [str(e.get("step", "")), _cell(e.get("epoch"))] + [_cell(e.get(k)) for k in keys]
+            lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "## Framework versions", "", f"- mixprec {__version__}", f"- torch {torch.__version__}"]
+    lines += [f"- Python {platform.python_version()}", ""]
+    return "\n".join(lines)
+
+
+def write_model_card(args: Any, accelerator: Any, log_history: list[dict[str, Any]], **card: Any) -> Path:
+    """output_dir/README.md from :func:`model_card`, with the run's hyperparameters (``Trainer.create_model_card``:
+    ``card`` holds HF's arguments that :func:`model_card` takes; ``model_name`` defaults to output_dir's name)."""
+    hyperparameters = {
+        "learning_rate": args.learning_rate,
+        "train_batch_size": args.per_device_train_batch_size,
+        "eval_batch_size": args.per_device_eval_batch_size,
+        "seed": args.seed,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "total_train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+        * accelerator.num_processes,
+        "optimizer": args.optim,
+        "lr_scheduler_type": args.lr_scheduler_type,
+        "training_steps" if args.max_steps > 0 else "num_epochs": args.max_steps if args.max_steps > 0
+        else args.num_train_epochs,
+    }  # fmt: skip
+    card["model_name"] = card.get("model_name") or Path(args.output_dir).name
+    text = model_card(precision=accelerator.mixed_precision, hyperparameters=hyperparameters,
+                      log_history=log_history, **card)  # fmt: skip
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "README.md").write_text(text, encoding="utf-8")
+    return out / "README.md"
+
+
+def _list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else "" if value is None else str(value)
+
+
+class ScriptEndings:
+    """HF's end-of-script methods on the Trainer (``log_metrics``, ``save_metrics``, ``save_state``,
+    ``create_model_card``...), mixed into :class:`~mixprec.trainer.trainer.Trainer`; they read its ``args``,
+    ``state`` and ``accelerator`` and write on the main process only."""
+
+    args: Any
+    state: Any
+    accelerator: Any
+
+    def is_world_process_zero(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def is_local_process_zero(self) -> bool:
+        return self.accelerator.is_local_main_process
+
+    def metrics_format(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """HF's readable forms of ``metrics`` (runtimes as h:mm:ss, memory in MB, floats to 4 decimals)."""
+        return metrics_format(metrics)
+
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """Print ``metrics`` as HF's aligned ``***** <split> metrics *****`` table (main process)."""
+        if self.is_world_process_zero():
+            print(metrics_table(split, metrics), flush=True)
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """Write ``<split>_results.json`` (and merge into ``all_results.json``) in output_dir (main process)."""
+        if self.is_world_process_zero():
+            save_metrics(self.args.output_dir, split, metrics, combined)
+
+    def save_state(self) -> None:
+        """Write the trainer state as output_dir/trainer_state.json (main process), as HF."""
+        if self.is_world_process_zero():
+            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+            self.state.save_to_json(Path(self.args.output_dir) / STATE_FILE)
+
+    def create_model_card(
+        self,
+        language: Any = None,
+        license: str | None = None,
+        tags: Any = None,
+        model_name: str | None = None,
+        finetuned_from: str | None = None,
+        tasks: Any = None,
+        dataset_tags: Any = None,
+        dataset: Any = None,
+        dataset_args: Any = None,
+    ) -> None:
+        """Write output_dir/README.md: what was trained, in which precision, with which hyperparameters, and
+        the evaluation results of this run (main process; HF's arguments)."""
+        if not self.is_world_process_zero():
+            return
+        write_model_card(
+            self.args, self.accelerator, self.state.log_history, model_name=model_name, language=language,
+            license=license, tags=tags, finetuned_from=finetuned_from, tasks=tasks,
+            dataset=dataset if dataset is not None else dataset_tags,
+        )  # fmt: skip

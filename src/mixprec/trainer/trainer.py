@@ -16,11 +16,7 @@ process trains; the main one logs and writes files.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,43 +24,33 @@ import torch
 
 from mixprec.accelerator.accelerator import Accelerator
 from mixprec.accelerator.prepared import is_prepared, release
-from mixprec.models.outputs import extract_loss  # one loss rule, shared with the diagnosis
 from mixprec.trainer import checkpointing as ckpt
-from mixprec.trainer import evaluation, results, weights
+from mixprec.trainer import evaluation, weights
 from mixprec.trainer.activation_checkpointing import enable_activation_checkpointing
 from mixprec.trainer.args import TrainingArguments
-from mixprec.trainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl, restore_callback_states
+from mixprec.trainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl
+from mixprec.trainer.configs import accelerator_kwargs
 from mixprec.trainer.context import RunContext
-from mixprec.trainer.data import (
-    ColumnFilter,
-    DataPosition,
-    call_model,
-    default_collator,
-    forward_arg_names,
-    is_stream,
-)
+from mixprec.trainer.data import ColumnFilter, is_stream, loss_and_outputs
 from mixprec.trainer.diagnosis import diagnose_at_start
-from mixprec.trainer.evaluation import EvalResult, evaluation_loop
+from mixprec.trainer.evaluation import EvalResult, check_compute_metrics, evaluation_loop
 from mixprec.trainer.events import RunEvents
-from mixprec.trainer.hf_loggers import hf_logger, set_library_log_level
+from mixprec.trainer.hf_loggers import set_library_log_level
 from mixprec.trainer.loaders import TrainerLoaders, check_datasets
 from mixprec.trainer.logging import make_reporters
-from mixprec.trainer.loop import Plan, TrainingLoop
+from mixprec.trainer.loop import Plan, fit
 from mixprec.trainer.memory_metrics import MemoryMetrics
 from mixprec.trainer.meter import StepMeter
-from mixprec.trainer.neftune import input_embeddings, neftune
-from mixprec.trainer.optim import build_optimizer, build_scheduler
+from mixprec.trainer.neftune import input_embeddings
+from mixprec.trainer.optimizers import build_optimizer, build_scheduler
 from mixprec.trainer.seeding import enable_full_determinism, seed_run, set_seed
-from mixprec.trainer.signals import TrainingInterrupted
-from mixprec.trainer.state import STATE_FILE, PredictionOutput, TrainerState, TrainOutput
-from mixprec.trainer.summary import finish_run
+from mixprec.trainer.state import PredictionOutput, TrainerState, TrainOutput
+from mixprec.trainer.summary import ScriptEndings
 
 __all__ = ["Trainer", "enable_full_determinism", "set_seed"]
 
-logger = logging.getLogger("mixprec.trainer")
 
-
-class Trainer:
+class Trainer(ScriptEndings):
     """Train, evaluate and predict with any ``nn.Module`` whose forward takes the batch's keys and returns
     a loss (``.loss``, a dict's "loss", or a tuple's first item), HF transformers models included."""
 
@@ -117,32 +103,21 @@ class Trainer:
         if args.neftune_noise_alpha is not None:
             input_embeddings(model)  # refused now, naming the fix, if the model has no embeddings to add noise to
         # the reporters' packages are checked before joining any process group, so a missing one fails fast
-        reporters = make_reporters(args.report_to, args.logging_dir) if self._is_main_launch() else []
+        main_launch = int(os.environ.get("RANK", "0")) == 0
+        reporters = make_reporters(args.report_to, args.logging_dir) if main_launch else []
         seed_run(self.args.seed, self.args.full_determinism)
         self.accelerator = self._build_accelerator()
-        level = args.log_level if self.accelerator.is_main_process else args.log_level_replica
-        if level != "passive":
-            set_library_log_level(level)
+        set_library_log_level(args.log_level if self.accelerator.is_main_process else args.log_level_replica)
         self.model = model.to(self.accelerator.device)  # prepared (forward patched) when first used
         self._model_prepared = False
         self._created_scheduler = False
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class = processing_class
         self.compute_metrics = compute_metrics
-        if args.batch_eval_metrics and compute_metrics is not None:
-            import inspect
-
-            if "compute_result" not in inspect.signature(compute_metrics).parameters:
-                raise ValueError(
-                    "TrainingArguments(batch_eval_metrics=True): compute_metrics must take a compute_result "
-                    "argument (True on the last batch, when it returns the metrics)"
-                )
+        check_compute_metrics(compute_metrics, args.batch_eval_metrics)
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self._label_names = list(args.label_names or ["labels"])
-        keep = forward_arg_names(model) if args.remove_unused_columns else None
-        if keep is not None:  # HF keeps the label columns too ("label"/"label_ids": collators rename them)
-            keep |= {*self._label_names, "label", "label_ids"}
-        self.data_collator = ColumnFilter(data_collator or default_collator, keep)
+        self.data_collator = ColumnFilter.for_model(model, data_collator, args.remove_unused_columns, self._label_names)
         self.optimizer, self.lr_scheduler = optimizers
         self._trained = False
         self.diagnosis: Any = None
@@ -192,10 +167,8 @@ class Trainer:
 
     def _load_callback_state(self) -> None:
         """With ``restore_callback_states_from_checkpoint``, rebuild the stateful callbacks and the control from
-        ``state.stateful_callbacks`` (a resume calls it after loading the checkpoint's state; HF's name)."""
-        if self.args.restore_callback_states_from_checkpoint:
-            saved = self.state.stateful_callbacks
-            self.control = restore_callback_states(self.callback_handler, self.control, saved)
+        ``state.stateful_callbacks`` (a resume does it after loading the checkpoint's state; HF's name)."""
+        self.events.restore_callback_states()
 
     def event(self, name: str, **kwargs: Any) -> TrainerControl:
         """Run callback event ``name``; a callback may replace ``self.control``."""
@@ -209,79 +182,6 @@ class Trainer:
     def skipped_steps(self) -> int:
         """Optimizer steps the loss scaler skipped in this run, a resumed one included (from its record)."""
         return self.accelerator.scaler.record.skipped_steps
-
-    def is_world_process_zero(self) -> bool:
-        return self.accelerator.is_main_process
-
-    def is_local_process_zero(self) -> bool:
-        return self.accelerator.is_local_main_process
-
-    # -- what HF's example scripts write at their end ------------------------------------------------
-
-    def metrics_format(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """HF's readable forms of ``metrics`` (runtimes as h:mm:ss, memory in MB, floats to 4 decimals)."""
-        return results.metrics_format(metrics)
-
-    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
-        """Print ``metrics`` as HF's aligned ``***** <split> metrics *****`` table (main process)."""
-        if self.is_world_process_zero():
-            print(results.metrics_table(split, metrics), flush=True)
-
-    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
-        """Write ``<split>_results.json`` (and merge into ``all_results.json``) in output_dir (main process)."""
-        if self.is_world_process_zero():
-            results.save_metrics(self.args.output_dir, split, metrics, combined)
-
-    def save_state(self) -> None:
-        """Write the trainer state as output_dir/trainer_state.json (main process), as HF."""
-        if self.is_world_process_zero():
-            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
-            self.state.save_to_json(Path(self.args.output_dir) / STATE_FILE)
-
-    def create_model_card(
-        self,
-        language: Any = None,
-        license: str | None = None,
-        tags: Any = None,
-        model_name: str | None = None,
-        finetuned_from: str | None = None,
-        tasks: Any = None,
-        dataset_tags: Any = None,
-        dataset: Any = None,
-        dataset_args: Any = None,
-    ) -> None:
-        """Write output_dir/README.md: what was trained, in which precision, with which hyperparameters, and
-        the evaluation results of this run (main process; HF's arguments)."""
-        if not self.is_world_process_zero():
-            return
-        args = self.args
-        hyperparameters = {
-            "learning_rate": args.learning_rate,
-            "train_batch_size": args.per_device_train_batch_size,
-            "eval_batch_size": args.per_device_eval_batch_size,
-            "seed": args.seed,
-            "gradient_accumulation_steps": args.gradient_accumulation_steps,
-            "total_train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
-            * self.accelerator.num_processes,
-            "optimizer": args.optim,
-            "lr_scheduler_type": args.lr_scheduler_type,
-            "training_steps" if args.max_steps > 0 else "num_epochs": args.max_steps if args.max_steps > 0
-            else args.num_train_epochs,
-        }  # fmt: skip
-        card = results.model_card(
-            model_name=model_name or Path(args.output_dir).name,
-            precision=self.accelerator.mixed_precision,
-            hyperparameters=hyperparameters,
-            log_history=self.state.log_history,
-            language=language,
-            license=license,
-            tags=tags,
-            finetuned_from=finetuned_from,
-            tasks=tasks,
-            dataset=dataset if dataset is not None else dataset_tags,
-        )
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.output_dir) / "README.md").write_text(card, encoding="utf-8")
 
     # -- the model and its loss ----------------------------------------------------------------------
 
@@ -313,30 +213,10 @@ class Trainer:
 
     # -- construction helpers ------------------------------------------------------------------------
 
-    def _is_main_launch(self) -> bool:
-        return int(os.environ.get("RANK", "0")) == 0
-
     def _build_accelerator(self) -> Accelerator:
-        accelerator = self._new_accelerator()
+        accelerator = Accelerator(**accelerator_kwargs(self.args))
         accelerator.gradient_state.divide_loss = False  # training_step divides, as HF's (see GradientState)
         return accelerator
-
-    def _new_accelerator(self) -> Accelerator:
-        args = self.args
-        return Accelerator(
-            mixed_precision=args.precision,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            distributed=args.distributed,
-            fsdp_state_dict_type=args.fsdp_state_dict_type,
-            cpu=args.use_cpu,
-            scaler_kwargs=args.precision_config.scaler_kwargs(),
-            ddp_kwargs=args.ddp_kwargs() or None,
-            watch=args.precision_watch,
-            timeout=args.ddp_timeout,
-            comm_dtype=args.comm_dtype,
-            step_in_backward=args.step_in_backward,
-            dataloader_config=args.dataloader_configuration(),
-        )
 
     def _new_model_from_init(self) -> None:
         """model_init at train(), as HF: a fresh model, optimizer and scheduler. The Accelerator is rebuilt
@@ -357,13 +237,7 @@ class Trainer:
     ) -> Any:
         """The loss of one batch (override to customise, as in HF): the model's own, or with
         ``compute_loss_func`` that function's on the outputs and the labels. Raises ValueError if there is none."""
-        if self.compute_loss_func is not None and isinstance(inputs, Mapping) and "labels" in inputs:
-            labels = inputs["labels"]
-            outputs = call_model(model, {k: v for k, v in inputs.items() if k != "labels"})
-            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-        else:
-            outputs = call_model(model, inputs)
-            loss = extract_loss(outputs)
+        loss, outputs = loss_and_outputs(model, inputs, self.compute_loss_func, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -490,46 +364,8 @@ class Trainer:
                          evaluate=self.evaluate, log=self.log,
                          resume_command=self.resume_command, diagnosis=self.diagnosis,
                          memory=self._memory)  # fmt: skip
-        start = DataPosition()
-        if checkpoint is not None:
-            start = ckpt.load_trainer_checkpoint(run, checkpoint)
-            if self._loaders.train_stream is not None:  # a stream cannot seek: read past what was trained
-                self._loaders.train_stream.skip_batches(start.batches_consumed)
-            self._load_callback_state()
-            step = self.state.global_step
-            self.record_event("train_begin", step, resumed_from=step, precision=acc.mixed_precision)
-        plan.apply_to(self.state, args)
-        model.train()
-        if args.eval_on_start and checkpoint is None:
-            self.evaluate()
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         examples = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None  # a stream has none
-        hf_logger("trainer").info("%s", plan.banner(args, examples, trainable))
-        loop = TrainingLoop(run, plan, start)
-        steps_before = self.state.global_step
-        try:
-            with neftune(acc.unwrap_model(model), args.neftune_noise_alpha):  # embedding noise while training only
-                loop.run()
-        except BaseException:
-            # a run that fails after a save returned still lands that save (async_save): the checkpoint it
-            # announced is there to resume from. One process only: elsewhere the wait is a collective that the
-            # other processes may never reach (a process that exits lands its save at exit)
-            if acc.num_processes == 1:
-                with contextlib.suppress(Exception):
-                    acc.wait_for_checkpoint()
-            raise
-        ckpt.wait_for_checkpoint(run)  # async_save: the last checkpoint is complete before anything reads it
-        interrupted = loop.interrupted
-        if interrupted is None and args.load_best_model_at_end:
-            weights.load_best_model(acc, model, args, self.state)
-        output = finish_run(run, steps_before)
-        if interrupted is not None:
-            last = ckpt.latest_checkpoint(args.output_dir)
-            stop = TrainingInterrupted(interrupted, self.state.global_step, str(last) if last else None,
-                                       self.resume_command)  # fmt: skip
-            acc.print(f"mixprec: {stop}", file=sys.stderr)
-            raise stop
-        return output
+        return fit(run, plan, checkpoint, self._loaders.train_stream, examples)
 
     def log(self, logs: dict[str, Any]) -> None:
         """Append ``logs`` (with epoch and step) to ``state.log_history`` and send it to the loggers."""
