@@ -131,7 +131,7 @@ def make_optimizer(groups: list[dict[str, Any]], cfg: Any) -> torch.optim.Optimi
         optim_mod = import_torchao(f"optim={cfg.optim!r}", "torchao.optim")
         return getattr(optim_mod, TORCHAO_OPTIMIZERS[cfg.optim])(groups, **adam, **options)
     if cfg.optim == "adamw_anyprecision":
-        from mixprec.trainer.anyprecision import AnyPrecisionAdamW
+        from mixprec.optim.anyprecision import AnyPrecisionAdamW
 
         return AnyPrecisionAdamW(groups, **adam, **options)
     return torch.optim.SGD(groups, lr=cfg.learning_rate, **options)
