@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from mixprec import tree as pytree
 from mixprec.scaling.optimizer_steps import (
     OptimizerState,
     Stage,
@@ -441,4 +441,4 @@ def _is_plain_iterable(obj: Any) -> bool:
     """An iterable that is neither a tensor nor a container the tree-map knows (a generator, a map, ...)."""
     if isinstance(obj, (torch.Tensor, str, bytes)) or not isinstance(obj, Iterable):
         return False
-    return pytree.tree_is_leaf(obj)
+    return not pytree.is_container(obj)
