@@ -3,7 +3,7 @@
     python -m benchmarks.bench_bf16_step                              # the 25M-parameter GPT's tensors, CPU
     python -m benchmarks.bench_bf16_step --model gpt2 --device cuda   # GPT-2 124M on a GPU
     python -m benchmarks.bench_bf16_step --baseline-rev 2252916 --rounds 15 --json step.json
-    python -m benchmarks.bench_bf16_step --baseline-rev FOLDER    # bf16_adamw.py, noise.py, kahan.py of "before"
+    python -m benchmarks.bench_bf16_step --baseline-rev FOLDER    # optim/'s files of "before" (bf16_adamw.py, ...)
 
 The "before" optimizer is ``Bf16AdamW`` as it stood at ``--baseline-rev`` (default: the commit this branch
 started from), read with ``git show`` and loaded beside today's; both run on copies of the same bf16 weights and
@@ -32,17 +32,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_baseline(rev: str) -> ModuleType:
-    """``mixprec.optim.bf16_adamw`` (with its noise.py and kahan.py) as of ``rev`` (a git revision, or a folder
-    holding the three files, for a machine without the repository's history), as a standalone module."""
+    """``mixprec.optim.bf16_adamw`` (with the optim/ files it imports: noise.py and kahan.py, and since issue 25
+    adamw_step.py and rounding.py) as of ``rev`` (a git revision, or a folder holding the files, for a machine
+    without the repository's history), as a standalone module. A file the revision does not have is skipped."""
     folder = Path(tempfile.mkdtemp(prefix="bf16_baseline_"))
-    for name in ("bf16_adamw", "noise", "kahan"):
+    names = ("bf16_adamw", "adamw_step", "rounding", "noise", "kahan")
+    for name in names:
         if Path(rev).is_dir():
-            text = (Path(rev) / f"{name}.py").read_text()
+            source = Path(rev) / f"{name}.py"
+            text = source.read_text() if source.exists() else None
         else:
-            text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:src/mixprec/optim/{name}.py"],
-                                  check=True, capture_output=True, text=True).stdout  # fmt: skip
-        text = text.replace("from mixprec.optim.noise", "from bf16_baseline_noise")
-        text = text.replace("from mixprec.optim.kahan", "from bf16_baseline_kahan")
+            shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:src/mixprec/optim/{name}.py"],
+                                   capture_output=True, text=True)  # fmt: skip
+            text = shown.stdout if shown.returncode == 0 else None
+        if text is None:
+            continue
+        for other in names:
+            text = text.replace(f"from mixprec.optim.{other} ", f"from bf16_baseline_{other} ")
         (folder / f"bf16_baseline_{name}.py").write_text(text)
     sys.path.insert(0, str(folder))
     spec = importlib.util.spec_from_file_location("bf16_baseline_bf16_adamw", folder / "bf16_baseline_bf16_adamw.py")

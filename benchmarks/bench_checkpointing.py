@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from mixprec.models.gpt import GPT, GPTConfig
+from mixprec.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=256, block_size=256, n_layer=8, n_head=8, n_embd=512)
 

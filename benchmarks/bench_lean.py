@@ -48,7 +48,7 @@ from mixprec.accelerator.step_in_backward import BackwardStepper
 from mixprec.bench.footprint import training_state_bytes
 from mixprec.bench.memory import measure_run
 from mixprec.data.corpus import stdlib_corpus
-from mixprec.models.gpt import GPT, GPT_PRESETS, GPTConfig
+from mixprec.models import GPT, GPT_PRESETS, GPTConfig
 from mixprec.precision import Precision, resolve_precision
 from mixprec.trainer.args import TrainingArguments
 from mixprec.trainer.optimizers import build_optimizer

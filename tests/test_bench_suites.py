@@ -174,7 +174,7 @@ def test_gpu_suite_cpu_dry_run_of_the_lean_rows_converts_the_model(tmp_path, mon
 
 
 def test_the_1b_shape_is_about_a_billion_parameters():
-    from mixprec.models.gpt import GPT_PRESETS, GPTConfig
+    from mixprec.models import GPT_PRESETS, GPTConfig
 
     c = GPTConfig(**{f: getattr(GPT_PRESETS["gpt-1b"], f) for f in ("vocab_size", "n_layer", "n_embd")})
     blocks = c.n_layer * 12 * c.n_embd**2  # attention 4 d^2 + MLP 8 d^2 per block

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mixprec import Accelerator
-from mixprec.models.gpt import GPT, GPTConfig
+from mixprec.models import GPT, GPTConfig
 from mixprec.precision import PrecisionNotSupportedError, auto_candidates, resolve_precision
 from mixprec.precision.fp8 import EMULATE_ENV, Fp8Precision, Fp8RowwisePrecision
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixprec.models.gpt import GPT, GPTConfig
+from mixprec.models import GPT, GPTConfig
 from mixprec.precision.op_policy import OP_KINDS
 from mixprec.precision.op_timing import (
     KindTiming,

@@ -13,7 +13,7 @@ import torch
 
 from mixprec import Trainer, TrainingArguments
 from mixprec.cli.main import main
-from mixprec.trainer.anyprecision import AnyPrecisionAdamW
+from mixprec.optim import AnyPrecisionAdamW
 from mixprec.trainer.optimizers import OPTIMIZER_NAMES, build_optimizer, parse_optim_args
 from trainer_utils import make_examples, make_model
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
-from mixprec.models.gpt import GPT, GPTConfig
+from mixprec.models import GPT, GPTConfig
 from mixprec.precision.op_policy import OP_KINDS
 from mixprec.precision.registry import canonical_name, resolve_precision
 

@@ -141,7 +141,7 @@ def test_a_checkpoint_resumes_pure_bf16_exactly(tmp_path):
 
 @pytest.mark.parametrize("decoupled", [True, False])
 def test_on_fp32_weights_the_update_is_torchs_adamw_or_adam(decoupled, monkeypatch):
-    monkeypatch.setattr("mixprec.optim.bf16_adamw._CHUNK", 4096)  # several chunks, the last one partial
+    monkeypatch.setattr("mixprec.optim.adamw_step._CHUNK", 4096)  # several chunks, the last one partial
     torch.manual_seed(0)
     a = torch.nn.Parameter(torch.randn(3, 5000))
     b = torch.nn.Parameter(a.detach().clone())

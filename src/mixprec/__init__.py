@@ -52,7 +52,7 @@ _EXPORTS: dict[str, str] = {
     "WatchConfig": "mixprec.watch.settings",
     "Report": "mixprec.diagnostics.report",
     "GPT": "mixprec.models.gpt",
-    "GPTConfig": "mixprec.models.gpt",
+    "GPTConfig": "mixprec.models.gpt_config",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
@@ -80,7 +80,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.accelerator.project import ProjectConfiguration
     from mixprec.diagnostics.diagnose import diagnose
     from mixprec.diagnostics.report import Report
-    from mixprec.models.gpt import GPT, GPTConfig
+    from mixprec.models.gpt import GPT
+    from mixprec.models.gpt_config import GPTConfig
     from mixprec.precision.autocast_context import autocast
     from mixprec.precision.base import Precision, PrecisionNotSupportedError
     from mixprec.precision.registry import available_precisions, resolve_precision

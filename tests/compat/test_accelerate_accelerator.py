@@ -48,7 +48,7 @@ def _fresh_accelerate_state():
 
 
 def accelerate_internal(what: str):
-    return pytest.mark.xfail(IMPL != "accelerate", reason=f"accelerate internal: {what}", strict=False)
+    return pytest.mark.xfail(IMPL != "accelerate", reason=f"accelerate internal: {what}", strict=True)
 
 
 def make_accelerator(**kwargs):

@@ -120,7 +120,11 @@ def test_resume_true_takes_the_latest_checkpoint(tmp_path):
     assert trainer.state.global_step == 12 and trainer.state.log_history  # 10 -> 12
 
 
-@pytest.mark.xfail(IMPL == "transformers", reason="version skew: fixed in transformers after 5.24 (its issue 43708)")
+@pytest.mark.xfail(
+    IMPL == "transformers",
+    reason="transformers (5.24 and 5.25) keeps the checkpoint's train_batch_size on resume (its issue 43708)",
+    strict=True,
+)
 def test_resume_with_a_different_batch_size_uses_the_new_one(tmp_path):
     trainer_for(tmp_path, max_steps=2, save_steps=1, per_device_train_batch_size=2).train()
     saved = TrainerState.load_from_json(str(tmp_path / "checkpoint-1" / STATE_FILE))

@@ -198,7 +198,7 @@ def test_training_on_an_iterable_dataset_with_max_steps(tmp_path):
     assert trainer.train().global_step == 10  # 8 batches a pass: the stream is read again
 
 
-@pytest.mark.xfail(IMPL != "transformers", reason="refused by mixprec: eval_use_gather_object", strict=False)
+@pytest.mark.xfail(IMPL != "transformers", reason="refused by mixprec: eval_use_gather_object", strict=True)
 def test_eval_use_gather_object(tmp_path):
     trainer = regression_trainer(tmp_path, eval_use_gather_object=True)
     trainer.train()

@@ -23,7 +23,7 @@ else:
 
 
 def hf_internal(what: str):
-    return pytest.mark.xfail(IMPL != "transformers", reason=f"HF internal: {what}", strict=False)
+    return pytest.mark.xfail(IMPL != "transformers", reason=f"HF internal: {what}", strict=True)
 
 
 def args(**kwargs):

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader
 
+from mixprec import tree as pytree
 from mixprec.accelerator import profiling
 from mixprec.accelerator.accelerate_compat import SharedState, adopt, autocast_for, read_handlers
 from mixprec.accelerator.checkpoints import StateCheckpoints, check_checkpointable

@@ -21,14 +21,14 @@ custom sampler without ``dispatch_batches=True`` is refused: it cannot be split 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from mixprec.accelerator.sharding import ShardedBatchSampler, epoch_seed
+from mixprec.tree import tree_map
 
 if TYPE_CHECKING:
     from mixprec.accelerator.distributed import DistributedStrategy
@@ -40,21 +40,15 @@ def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = F
     ModelOutput included), and other objects with ``.to``, to ``device``. Asynchronous for pinned host
     memory with ``non_blocking=True``; no host sync."""
 
+    def moves_itself(node: Any) -> bool:  # an HF BatchEncoding, say: its own .to, not a walk into it
+        return not isinstance(node, torch.Tensor) and callable(getattr(node, "to", None))
+
     def move(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
             return leaf.to(device, non_blocking=non_blocking)
-        to = getattr(leaf, "to", None)  # an HF BatchEncoding, say
-        if callable(to):
-            return to(device)
-        if isinstance(leaf, Mapping):  # a Mapping type torch's pytree does not know
-            moved = {k: send_to_device(v, device, non_blocking) for k, v in leaf.items()}
-            try:
-                return type(leaf)(moved)
-            except TypeError:  # one that cannot be built from a dict
-                return moved
-        return leaf
+        return leaf.to(device) if moves_itself(leaf) else leaf
 
-    return pytree.tree_map(move, data)
+    return tree_map(move, data, is_leaf=moves_itself)
 
 
 class PreparedDataLoader:

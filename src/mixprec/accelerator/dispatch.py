@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from mixprec import tree as pytree
 from mixprec.accelerator.process_state import split_share
 
 if TYPE_CHECKING:

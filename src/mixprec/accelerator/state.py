@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mixprec.accelerator.dcp_state import load_sharded_state, missing_sharded_parts, save_sharded_state
 from mixprec.accelerator.model_part import completed, saved_keys, saved_part
@@ -72,6 +71,7 @@ from mixprec.checkpoint import (
 )
 from mixprec.checkpoint.background import BackgroundWriter
 from mixprec.checkpoint.manifest import BackgroundHasher, write_manifest
+from mixprec.tree import tree_flatten, tree_unflatten
 
 if TYPE_CHECKING:
     from mixprec.accelerator.data import PreparedDataLoader

@@ -11,14 +11,14 @@ and removes them when the step ends.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
+
+from mixprec.tree import tree_leaves
 
 ROOT_NAME = "<model>"
 """How the report names the model itself (its qualified name is the empty string)."""
@@ -28,21 +28,15 @@ def display_name(qualified: str) -> str:
     return qualified or ROOT_NAME
 
 
-def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Every floating-point tensor in a module's output: nested tuples, lists, mappings (HF ``ModelOutput``
-    included; torch's pytree) and dataclasses. Integer tensors (token ids, argmax) carry no magnitude worth
+    included) and dataclasses (mixprec.tree). Integer tensors (token ids, argmax) carry no magnitude worth
     measuring."""
-    if _depth > 8:  # outputs are shallow; this only guards against self-referencing dataclasses
+    try:
+        leaves = tree_leaves(obj)
+    except RecursionError:  # a self-referencing output: measure nothing rather than fail the model's forward
         return
-    for leaf in pytree.tree_leaves(obj):
-        if isinstance(leaf, torch.Tensor):
-            if leaf.is_floating_point():
-                yield leaf
-        elif isinstance(leaf, Mapping):  # a Mapping type torch's pytree does not know
-            yield from iter_tensors(list(leaf.values()), _depth + 1)
-        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):  # one torch's pytree does not know
-            for f in dataclasses.fields(leaf):
-                yield from iter_tensors(getattr(leaf, f.name, None), _depth + 1)
+    yield from (leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_floating_point())
 
 
 OutputFn = Callable[[str, torch.Tensor], bool | None]

@@ -57,7 +57,7 @@ def device_identity(device: torch.device) -> str:
 
 def shapes_of(tree: Any) -> list[str]:
     """Shapes and dtypes of the tensors in a nested batch (dicts, tuples, dataclasses...)."""
-    from torch.utils._pytree import tree_leaves
+    from mixprec.tree import tree_leaves
 
     return [f"{tuple(t.shape)}:{t.dtype}" for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 

@@ -21,14 +21,13 @@ pass-through otherwise, so one loop serves every mode.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from torch.utils import _pytree as pytree
 
 from mixprec.precision.master_weights import gather_grads, master_names, refresh_params, with_master_weights
+from mixprec.tree import tree_map
 
 if TYPE_CHECKING:
     from mixprec.scaling.scaler import GradScaler
@@ -257,21 +256,10 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _to_fp32(data: Any) -> Any:
-    """Cast fp16/bf16 tensors to fp32, keeping container types (dicts, HF ModelOutput, namedtuples: torch's
-    pytree; dataclasses it does not know, by their fields). Integer tensors and fp32 tensors pass through."""
+    """Cast fp16/bf16 tensors to fp32, keeping container types (dicts, HF ModelOutput, namedtuples, other
+    Mappings and dataclasses: mixprec.tree). Integer tensors and fp32 tensors pass through."""
 
     def cast(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor):
-            return leaf.float() if leaf.dtype in _LOW_PRECISION else leaf
-        if isinstance(leaf, Mapping) and hasattr(leaf, "to_tuple"):  # an HF-style ModelOutput pytree lacks
-            for key in list(leaf.keys()):  # an OrderedDict and a dataclass at once: set its keys in place
-                leaf[key] = _to_fp32(leaf[key])
-            return leaf
-        if isinstance(leaf, Mapping):  # a Mapping type torch's pytree does not know
-            return type(leaf)({k: _to_fp32(v) for k, v in leaf.items()})
-        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):  # a model's own output dataclass
-            changes = {f.name: _to_fp32(getattr(leaf, f.name)) for f in dataclasses.fields(leaf) if f.init}
-            return dataclasses.replace(leaf, **changes)
-        return leaf
+        return leaf.float() if isinstance(leaf, torch.Tensor) and leaf.dtype in _LOW_PRECISION else leaf
 
-    return pytree.tree_map(cast, data)
+    return tree_map(cast, data)

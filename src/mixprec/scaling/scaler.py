@@ -21,20 +21,26 @@ host mirror of the scale.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import struct
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from mixprec import tree as pytree
+from mixprec.scaling.optimizer_steps import (
+    OptimizerState,
+    Stage,
+    fused_step,
+    nonfinite_grad_names,
+    self_scaling_step,
+    unscale_grads,
+)
 from mixprec.scaling.record import ScaleRecord
-from mixprec.scaling.unscale import check_and_unscale_
 
 # The default bounds, used when min_scale / max_scale are not given. 2^24: a larger scale only matters for
 # gradients below fp16's smallest subnormal times 2^-24, and it brings fp32 overflow of the scaled loss closer.
@@ -44,20 +50,6 @@ DEFAULT_MAX_SCALE = 2.0**24
 
 class ConsecutiveSkipsError(RuntimeError):
     """Too many optimizer steps in a row were skipped for non-finite gradients."""
-
-
-class _Stage(Enum):
-    READY = "ready"
-    UNSCALED = "unscaled"
-    STEPPED = "stepped"
-
-
-@dataclass
-class _OptimizerState:
-    optimizer: torch.optim.Optimizer
-    stage: _Stage = _Stage.READY
-    found_inf: torch.Tensor | None = None  # on the scale's device; > 0 means skip
-    found_inf_host: bool | None = None  # set when step() already synced it
 
 
 def _fp32(x: float) -> float:
@@ -155,7 +147,7 @@ class GradScaler:
         self._scale_host = _fp32(self._init_scale)
         self._clean_streak = 0
         self._hysteresis_left = self.hysteresis
-        self._states: dict[int, _OptimizerState] = {}
+        self._states: dict[int, OptimizerState] = {}
         self._scaled_since_update = False
         self._found_inf_reducer: Callable[[torch.Tensor], None] | None = None
         self._param_names: dict[int, str] = {}
@@ -223,17 +215,17 @@ class GradScaler:
             return
         self._require_scaled("unscale_")
         state = self._state(optimizer)
-        if state.stage is _Stage.UNSCALED:
+        if state.stage is Stage.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update(); "
                 "call it once per step, before clipping"
             )
-        if state.stage is _Stage.STEPPED:
+        if state.stage is Stage.STEPPED:
             raise RuntimeError("unscale_() was called after step(); call it before step()")
         # fp64 reciprocal: an fp32 division is inexact under some compile options (as torch does).
         inv_scale = self._scale.double().reciprocal().float()
         state.found_inf = self._unscale_grads(optimizer, inv_scale, allow_fp16=False)
-        state.stage = _Stage.UNSCALED
+        state.stage = Stage.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done), then ``optimizer.step()`` unless a gradient is inf/NaN.
@@ -247,16 +239,17 @@ class GradScaler:
             raise RuntimeError("step(closure=...) is not supported while loss scaling is enabled")
         self._require_scaled("step")
         state = self._state(optimizer)
-        if state.stage is _Stage.STEPPED:
+        if state.stage is Stage.STEPPED:
             raise RuntimeError("step() has already been called on this optimizer since the last update()")
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-                return self._self_scaling_step(optimizer, state, *args, **kwargs)
-            return self._fused_step(optimizer, state, *args, **kwargs)
-        if state.stage is _Stage.READY:
+                return self_scaling_step(optimizer, state, self, *args, **kwargs)
+            check = functools.partial(self._unscale_grads, optimizer, allow_fp16=True)
+            return fused_step(optimizer, state, self._scale, check, *args, **kwargs)
+        if state.stage is Stage.READY:
             self.unscale_(optimizer)
         state.found_inf_host = bool(state.found_inf.item())  # the one host sync of the step
-        state.stage = _Stage.STEPPED
+        state.stage = Stage.STEPPED
         return None if state.found_inf_host else optimizer.step(*args, **kwargs)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -268,7 +261,7 @@ class GradScaler:
         if new_scale is not None:
             self._set_scale(new_scale)
             return
-        stepped = [s for s in self._states.values() if s.stage is _Stage.STEPPED]
+        stepped = [s for s in self._states.values() if s.stage is Stage.STEPPED]
         if not stepped:
             raise RuntimeError(
                 "update() was called without scaler.step(optimizer) since the last update(); "
@@ -320,17 +313,7 @@ class GradScaler:
     def nonfinite_grad_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
         """Names of ``optimizer``'s parameters whose gradient holds inf/NaN. One host sync: for the rare
         path (a skipped step), not for every step."""
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not params:
-            return []
-        with torch.no_grad():
-            flags = torch.stack([~torch.isfinite(p.grad).all().to(params[0].device) for p in params])
-        position = {
-            id(p): f"param_groups[{i}][{j}]"
-            for i, g in enumerate(optimizer.param_groups)
-            for j, p in enumerate(g["params"])
-        }
-        return [self._param_names.get(id(p), position[id(p)]) for p, bad in zip(params, flags.tolist()) if bad]
+        return nonfinite_grad_names(optimizer, self._param_names)
 
     # -- state ---------------------------------------------------------------------------------------
 
@@ -397,82 +380,14 @@ class GradScaler:
                 f"first, so the gradients {call}() divides by the scale were multiplied by it"
             )
 
-    def _state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
-        return self._states.setdefault(id(optimizer), _OptimizerState(optimizer))
+    def _state(self, optimizer: torch.optim.Optimizer) -> OptimizerState:
+        return self._states.setdefault(id(optimizer), OptimizerState(optimizer))
 
     def _unscale_grads(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, allow_fp16: bool
     ) -> torch.Tensor:
-        """One check-and-unscale per (device, dtype) group (torch's fused kernel where it takes the dtype,
-        unscale.py otherwise); returns found_inf on the scale's device. No host sync."""
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if not allow_fp16 and param.grad.dtype == torch.float16:
-                    name = self._param_names.get(id(param), "a parameter")
-                    raise ValueError(
-                        f"{name} has fp16 gradients, which cannot be unscaled safely: keep master weights in "
-                        "fp32 (don't call model.half()) and let autocast run the fp16 compute"
-                    )
-                grad = param.grad
-                if grad.is_sparse:
-                    grad = grad.coalesce() if grad.dtype is torch.float16 else grad
-                    param.grad = grad
-                    grad = grad._values()
-                groups.setdefault((grad.device, grad.dtype), []).append(grad)
-        # found_inf must end as exactly 0.0 or 1.0: fused optimizers skip only when it equals 1.0 and subtract
-        # it from their step counts, so a sum over dtype groups (2.0) applied the update with inf gradients.
-        # The kernel writes 1.0 (it does not add), so one flag per device shared by its dtype groups is 0/1.
-        flags: dict[torch.device, torch.Tensor] = {}
-        with torch.no_grad():
-            for (device, _), grads in groups.items():
-                flag = flags.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
-                check_and_unscale_(grads, flag, inv_scale.to(device))  # torch's kernel, or exact staging
-            home = self._scale.device
-            if len(flags) == 1 and next(iter(flags)) == home:  # the usual case: nothing to combine
-                found_inf = next(iter(flags.values()))
-            else:
-                found_inf = torch.zeros((), dtype=torch.float32, device=home)
-                for flag in flags.values():
-                    torch.maximum(found_inf, flag.to(home, non_blocking=True), out=found_inf)
-            if self._found_inf_reducer is not None:
-                self._found_inf_reducer(found_inf)
-                found_inf.clamp_(max=1.0)  # a SUM reducer would count ranks
-        return found_inf
-
-    def _fused_step(self, optimizer: torch.optim.Optimizer, state: _OptimizerState, *args: Any, **kwargs: Any) -> Any:
-        # The fused optimizer unscales and skips on the device; we give it the scale (or None when the
-        # gradients were unscaled already) and an inf check made with inv_scale 1.
-        if state.stage is _Stage.READY:
-            one = torch.ones((), dtype=torch.float32, device=self._scale.device)
-            state.found_inf = self._unscale_grads(optimizer, one, allow_fp16=True)
-        optimizer.grad_scale = None if state.stage is _Stage.UNSCALED else self._scale
-        optimizer.found_inf = state.found_inf
-        try:
-            return optimizer.step(*args, **kwargs)
-        finally:
-            del optimizer.grad_scale, optimizer.found_inf
-            state.stage = _Stage.STEPPED
-
-    def _self_scaling_step(
-        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, *args: Any, **kwargs: Any
-    ) -> Any:
-        # torch's older contract for optimizers that declare _step_supports_amp_scaling and take grad_scaler=:
-        # the optimizer gets the scaler itself and unscales/skips on its own (torch deprecates it, with this
-        # FutureWarning, in favour of the grad_scale/found_inf attributes _fused_step sets).
-        warnings.warn(
-            "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. In the "
-            "near future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the passed "
-            "optimizer and let the optimizer use them directly.",
-            FutureWarning,
-            stacklevel=3,
-        )
-        try:
-            return optimizer.step(*args, **{**kwargs, "grad_scaler": self})
-        finally:
-            state.stage = _Stage.STEPPED
+        return unscale_grads(optimizer, inv_scale, allow_fp16=allow_fp16, home=self._scale.device,
+                             param_names=self._param_names, reducer=self._found_inf_reducer)  # fmt: skip
 
     def _advance(self, found_inf: torch.Tensor, skipped: bool) -> None:
         """Move the scale one step: torch's update kernel on the device, the same arithmetic on the host."""
@@ -526,4 +441,4 @@ def _is_plain_iterable(obj: Any) -> bool:
     """An iterable that is neither a tensor nor a container the tree-map knows (a generator, a map, ...)."""
     if isinstance(obj, (torch.Tensor, str, bytes)) or not isinstance(obj, Iterable):
         return False
-    return pytree.tree_is_leaf(obj)
+    return not pytree.is_container(obj)

@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torch.utils import _pytree as pytree
-
+from mixprec import tree as pytree
 from mixprec.accelerator.trackers import MLflowTracker, TensorBoardTracker, WandbTracker, require
 from mixprec.trainer.callbacks import TrainerCallback
 

@@ -15,7 +15,7 @@ The optimizers ``TrainingArguments(optim=...)`` names: Hugging Face's names and 
 ``adamw_torch_fused``       the same, one fused kernel                                 8
 ``adamw_torch_8bit``        torchao ``AdamW8bit``: moments quantised in blocks         ~2 (+ fp32 for small tensors)
 ``adamw_torch_4bit``        torchao ``AdamW4bit``                                      ~1 (+ fp32 for small tensors)
-``adamw_anyprecision``      :class:`~mixprec.trainer.anyprecision.AnyPrecisionAdamW`  4 with bf16 moments
+``adamw_anyprecision``      :class:`~mixprec.optim.AnyPrecisionAdamW`                  4 with bf16 moments
 ``sgd``                     ``torch.optim.SGD``                                        0 (4 with momentum)
 ==========================  =========================================================  ===========================
 
@@ -142,7 +142,7 @@ def make_optimizer(groups: list[dict[str, Any]], cfg: Any) -> torch.optim.Optimi
         optim_mod = import_torchao(f"optim={cfg.optim!r}", "torchao.optim")
         return getattr(optim_mod, TORCHAO_OPTIMIZERS[cfg.optim])(groups, **adam, **options)
     if cfg.optim == "adamw_anyprecision":
-        from mixprec.trainer.anyprecision import AnyPrecisionAdamW
+        from mixprec.optim.anyprecision import AnyPrecisionAdamW
 
         return AnyPrecisionAdamW(groups, **adam, **options)
     return torch.optim.SGD(groups, lr=cfg.learning_rate, **options)

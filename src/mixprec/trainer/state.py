@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-from torch.utils import _pytree as pytree
 
+from mixprec import tree as pytree
 from mixprec.trainer.configs import resolve_steps
 
 STATE_FILE = "trainer_state.json"

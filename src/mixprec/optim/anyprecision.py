@@ -11,21 +11,22 @@ this is the same algorithm and the same options (names and defaults as HF passes
   updates are not lost (Zamirai et al. 2020). fp32 parameters have nothing to compensate at this scale and
   get no buffer.
 
-One parameter at a time, so the fp32 temporaries are those of the largest tensor, not of the model.
+The step is adamw_step.py's, shared with Bf16AdamW: the moments are read into fp32, updated there (torch's
+fused AdamW kernel without Kahan), rounded to their dtype on store, and the update uses the fp32 values. The fp32
+temporaries are those of one bucket of elements (2^18 on a CPU, 2^22 on a GPU), not of the model.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from mixprec.optim.kahan import kahan_update_
+from mixprec.optim.adamw_step import AdamWStep, StepRule
 
 
-class AnyPrecisionAdamW(torch.optim.Optimizer):
+class AnyPrecisionAdamW(AdamWStep):
     """AdamW (decoupled weight decay) with moments stored in ``momentum_dtype`` and ``variance_dtype``."""
 
     def __init__(
@@ -71,47 +72,13 @@ class AnyPrecisionAdamW(torch.optim.Optimizer):
                     if key in state:
                         state[key] = state[key].to(group[dtype_key])
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        """One update. No host sync (the step counter is a host float)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("AnyPrecisionAdamW does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=group["momentum_dtype"])
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=group["variance_dtype"])
-                    if group["use_kahan_summation"] and p.dtype != torch.float32:
-                        state["compensation"] = torch.zeros_like(p, dtype=group["compensation_buffer_dtype"])
-                state["step"] += 1
-                _update(p, state, group, float(state["step"]))
-        return loss
-
-
-def _update(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: float) -> None:
-    beta1, beta2 = group["betas"]
-    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-    grad = p.grad.float()
-    # out of place: .float() of an fp32 moment is the moment itself, and m and v are consumed below
-    m = state["exp_avg"].float().lerp(grad, 1 - beta1)
-    v = state["exp_avg_sq"].float().mul(beta2).addcmul_(grad, grad, value=1 - beta2)
-    state["exp_avg"].copy_(m)
-    state["exp_avg_sq"].copy_(v)
-    denom = v.sqrt_().div_(math.sqrt(1 - beta2**step)).add_(eps)
-    update = m.div_(denom).mul_(-lr / (1 - beta1**step))  # m is a temporary from here
-    w = p.float()
-    if wd:
-        update.add_(w, alpha=-lr * wd)  # decoupled: from the weight before this step, as torch's AdamW
-    comp = state.get("compensation")
-    if comp is None:
-        p.copy_(w.add_(update))
-        return
-    kahan_update_(p, w, update, comp)
+    def rule(self, group: dict[str, Any]) -> StepRule:
+        """AdamW's decay; moments in the group's dtypes; Kahan's buffer (low-precision parameters only) in
+        ``compensation_buffer_dtype``, or round to nearest."""
+        return StepRule(
+            decoupled=True,
+            rounding="kahan" if group["use_kahan_summation"] else "nearest",
+            momentum_dtype=group["momentum_dtype"],
+            variance_dtype=group["variance_dtype"],
+            compensation_dtype=group["compensation_buffer_dtype"],
+        )
