@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec import Accelerator
-from mixprec.accelerator.comm import CommPrecision, make_comm
+from mixprec.strategies.comm import CommPrecision, make_comm
 from mixprec.trainer.args import TrainingArguments
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo")

@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from mixprec.accelerator import peers
-from mixprec.accelerator.verdict import main_decides
+from mixprec.strategies import peers
+from mixprec.strategies.verdict import main_decides
 from mixprec.checkpoint import FolderInUseError
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch.utils import _pytree as pytree
 
-from mixprec.accelerator.trackers import MLflowTracker, TensorBoardTracker, WandbTracker, require
+from mixprec.tracking.trackers import MLflowTracker, TensorBoardTracker, WandbTracker, require
 from mixprec.trainer.callbacks import TrainerCallback
 
 METRICS_FILE = "metrics.jsonl"

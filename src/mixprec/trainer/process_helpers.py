@@ -66,7 +66,7 @@ class ProcessHelpers:
         if self.world_size == 1:
             yield
             return
-        from mixprec.accelerator.process_state import PartialState
+        from mixprec.strategies.process_state import PartialState
 
         state = PartialState(cpu=self.use_cpu)
         first = state.local_main_process_first() if local else state.main_process_first()
