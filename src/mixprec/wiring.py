@@ -14,3 +14,12 @@ from typing import Any
 build_watch: Callable[[Any, str], Any] | None = None
 """``build_watch(setting, where)``: the watch for ``Accelerator(watch=setting)`` (a watch object passes
 through), or None when the setting turns it off; ``where`` names the argument in errors."""
+
+
+def watch_for(setting: Any, where: str) -> Any:
+    """The watch for ``setting`` (None: off) through :data:`build_watch`."""
+    if setting is None:
+        return None
+    if build_watch is None:  # the face sets it on `import mixprec`, which precedes every submodule
+        raise RuntimeError(f"{where}: mixprec.wiring.build_watch is not set; import mixprec first")
+    return build_watch(setting, where)

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from mixprec import wiring
 from mixprec.accelerator import accelerate_compat
 from mixprec.accelerator.accelerate_compat import SharedState, adopt, autocast_for, read_handlers
-from mixprec.accelerator.checkpoints import StateCheckpoints, check_checkpointable
+from mixprec.accelerator.checkpoints import StateCheckpoints
 from mixprec.accelerator.config import AcceleratorConfig
 from mixprec.accelerator.gradients import GradientAccumulationPlugin, GradientState
 from mixprec.accelerator.lifecycle import check_preparable, object_kind
@@ -161,7 +161,7 @@ class Accelerator(ProcessMethods, OutputMethods):
         self._precision.configure(
             self.config.scaler_kwargs,
             self._strategy.found_inf_reducer(),
-            agree=_agree_from_main(self._strategy, [p.name for p in self._precision.options()]),
+            agree=self._strategy.agreement([p.name for p in self._precision.options()]),
             is_main=self._strategy.is_main_process,
             announce=self._report,  # "auto", once decided, says what it measured
         )
@@ -182,7 +182,7 @@ class Accelerator(ProcessMethods, OutputMethods):
         # The precision watch (mixprec.watch, built through the face's wiring: the watch sits above this
         # layer): None when off; it attaches itself to the model in prepare_model, given this Accelerator
         # as its host (mixprec.watch.host.WatchHost).
-        self.watch: Any = _build_watch(watch)
+        self.watch: Any = wiring.watch_for(watch, "Accelerator(watch=...)")
         self._report()
 
     # -- what was resolved ---------------------------------------------------------------------------
@@ -276,24 +276,6 @@ class Accelerator(ProcessMethods, OutputMethods):
         self._gradients.sync_gradients = bool(value)
         self._accelerate_state.mirror(sync_gradients=bool(value))
 
-    # accelerate's names for what prepare() registered, which scripts and libraries written for it read
-    # (the lists themselves: free_memory empties them).
-    @property
-    def _models(self) -> list[torch.nn.Module]:
-        return self._registry.models
-
-    @property
-    def _optimizers(self) -> list[PreparedOptimizer]:
-        return self._registry.optimizers
-
-    @property
-    def _schedulers(self) -> list[PreparedScheduler]:
-        return self._registry.schedulers
-
-    @property
-    def _dataloaders(self) -> list[PreparedDataLoader]:
-        return self._registry.dataloaders
-
     @property
     def gradient_state(self) -> GradientState:
         """The accumulation state (``sync_gradients``, ``end_of_dataloader``, ``num_steps``...)."""
@@ -382,12 +364,6 @@ class Accelerator(ProcessMethods, OutputMethods):
         :func:`~mixprec.loaders.data.skip_first_batches`."""
         return skip_first_batches(dataloader, num_batches)
 
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Include objects with ``state_dict()`` / ``load_state_dict()`` in ``save_state`` / ``load_state``.
-        Raises ValueError listing every object that lacks them (by position), registering none."""
-        check_checkpointable(objects)
-        self._registry.custom.extend(objects)
-
     # -- the step ------------------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -460,26 +436,3 @@ def _resolve(name: str, device: torch.device, processes: int) -> Precision:
         return make_precision(name, device, processes=processes)
     except ValueError as err:  # PrecisionNotSupportedError too: keep its type
         raise type(err)(f"Accelerator(mixed_precision={name!r}): {err}") from None
-
-
-def _agree_from_main(strategy: Any, universe: list[str]) -> Callable[[list[str]], list[str]] | None:
-    """Under several processes, a function handing every process the main one's choice among ``universe``
-    (as a mask, so any sub-list in ``universe``'s order travels): "auto" races in lockstep and decides once."""
-    if strategy.num_processes == 1:
-        return None
-
-    def agree(names: list[str]) -> list[str]:
-        mask = torch.tensor([name in names for name in universe], dtype=torch.int32, device=strategy.device)
-        mask = strategy.broadcast(mask, src=0)
-        return [name for name, keep in zip(universe, mask.tolist()) if keep]
-
-    return agree
-
-
-def _build_watch(setting: Any) -> Any:
-    """The watch for ``Accelerator(watch=setting)`` (None: off), built by :data:`mixprec.wiring.build_watch`."""
-    if setting is None:
-        return None
-    if wiring.build_watch is None:  # the face sets it on `import mixprec`, which precedes every submodule
-        raise RuntimeError("Accelerator(watch=...): mixprec.wiring.build_watch is not set; import mixprec first")
-    return wiring.build_watch(setting, "Accelerator(watch=...)")

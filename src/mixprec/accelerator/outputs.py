@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec.accelerator.checkpoints import check_checkpointable
 from mixprec.accelerator.lifecycle import release_prepared
 from mixprec.accelerator.saving import save_model
 from mixprec.accelerator.state_checks import RunState
@@ -26,8 +27,10 @@ from mixprec.strategies.restarts import agree_on_number, restarted_anywhere
 if TYPE_CHECKING:
     from mixprec.accelerator.checkpoints import StateCheckpoints
     from mixprec.accelerator.gradients import GradientState
+    from mixprec.accelerator.prepared import PreparedOptimizer, PreparedScheduler
     from mixprec.accelerator.project import ProjectConfiguration
     from mixprec.accelerator.state_checks import Registry
+    from mixprec.loaders.data import PreparedDataLoader
     from mixprec.precision.base import Precision
     from mixprec.strategies.strategy import DistributedStrategy
     from mixprec.tracking.trackers import Trackers
@@ -46,6 +49,30 @@ class OutputMethods:
     _precision: Precision
     _gradients: GradientState
     unwrap_model: Callable[[torch.nn.Module], torch.nn.Module]
+
+    # accelerate's names for what prepare() registered, which scripts and libraries written for it read
+    # (the lists themselves: free_memory empties them).
+    @property
+    def _models(self) -> list[torch.nn.Module]:
+        return self._registry.models
+
+    @property
+    def _optimizers(self) -> list[PreparedOptimizer]:
+        return self._registry.optimizers
+
+    @property
+    def _schedulers(self) -> list[PreparedScheduler]:
+        return self._registry.schedulers
+
+    @property
+    def _dataloaders(self) -> list[PreparedDataLoader]:
+        return self._registry.dataloaders
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Include objects with ``state_dict()`` / ``load_state_dict()`` in ``save_state`` / ``load_state``.
+        Raises ValueError listing every object that lacks them (by position), registering none."""
+        check_checkpointable(objects)
+        self._registry.custom.extend(objects)
 
     @property
     def project_configuration(self) -> ProjectConfiguration:

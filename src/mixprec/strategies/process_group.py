@@ -154,6 +154,18 @@ class ProcessGroupStrategy(DistributedStrategy):
 
         return pytree.tree_map(lambda x: pad(x) if isinstance(x, torch.Tensor) else x, data)
 
+    def agreement(self, universe: list[str]) -> Callable[[list[str]], list[str]] | None:
+        if self.num_processes == 1:
+            return None
+
+        def agree(names: list[str]) -> list[str]:
+            # as a mask, so any sub-list in universe's order travels (one small broadcast)
+            mask = torch.tensor([name in names for name in universe], dtype=torch.int32, device=self.device)
+            mask = self.broadcast(mask, src=0)
+            return [name for name, keep in zip(universe, mask.tolist()) if keep]
+
+        return agree
+
     def found_inf_reducer(self) -> Callable[[torch.Tensor], None] | None:
         # DDP's all-reduced gradients would already agree, but a gradient edited on one process (a hook,
         # clipping of a local copy) would not: one scalar all-reduce per step makes the agreement certain.

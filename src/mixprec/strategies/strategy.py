@@ -134,6 +134,11 @@ class DistributedStrategy:
         so ``data`` itself here (see :class:`~mixprec.strategies.process_group.ProcessGroupStrategy`)."""
         return data
 
+    def agreement(self, universe: list[str]) -> Callable[[list[str]], list[str]] | None:
+        """A function handing every process the main one's choice among ``universe`` ("auto" races in
+        lockstep and decides once); None with one process, which decides alone."""
+        return None
+
     def found_inf_reducer(self) -> Callable[[torch.Tensor], None] | None:
         """The scaler's inf-check reduction across processes (None: one process decides alone)."""
         return None
