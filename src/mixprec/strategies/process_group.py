@@ -137,6 +137,8 @@ class ProcessGroupStrategy(DistributedStrategy):
         """Pad tensors (nested) along ``dim`` to the longest any process holds, with ``pad_index`` (at the start
         with ``pad_first``). Collective (one all-reduce per tensor, a host sync each); a tensor with fewer than
         ``dim + 1`` dimensions is returned as it is."""
+        if self.num_processes == 1:  # a group of one holds the longest already (no collective)
+            return data
 
         def pad(tensor: torch.Tensor) -> torch.Tensor:
             if tensor.dim() <= dim:
