@@ -35,7 +35,7 @@ from mixprec.precision.master_weights import needs_master
 from mixprec.strategies import dcp_state
 from mixprec.strategies.comm import CommPrecision
 from mixprec.strategies.process_group import ProcessGroupStrategy
-from mixprec.strategies.strategy import Owned, _owned
+from mixprec.strategies.strategy import Owned, owned_pairs
 
 if TYPE_CHECKING:
     from mixprec.precision.base import Precision
@@ -178,7 +178,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
 
     def save_shards(self, models: list[torch.nn.Module], optimizers: list[Owned], folder: Path) -> None:
         if self.sharded_state:  # every process writes its shards (DCP gathers any process's error to all)
-            dcp_state.save_sharded_state(models, _owned(optimizers, "save_state"), folder)
+            dcp_state.save_sharded_state(models, owned_pairs(optimizers, "save_state"), folder)
 
 
 def check_no_low_precision_trainable(model: torch.nn.Module) -> None:

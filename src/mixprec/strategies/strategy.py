@@ -180,7 +180,7 @@ class DistributedStrategy:
         """Read a sharded state (written by :meth:`save_shards` under any number of processes) into ``models``
         and ``optimizers``, each process reading the pieces its own part covers (a plain module: all of them).
         Collective when a process group is running."""
-        dcp_state.load_sharded_state(models, _owned(optimizers, "load_state"), folder)
+        dcp_state.load_sharded_state(models, owned_pairs(optimizers, "load_state"), folder)
 
     def explain_failure(self, err: BaseException) -> PeerLostError | None:
         """The error naming the rank that did not answer, when ``err`` is a collective's failure (else None)."""
@@ -191,7 +191,7 @@ class DistributedStrategy:
         until every process is done with its collectives (end_training; not at exit after a failure)."""
 
 
-def _owned(optimizers: list[Owned], call: str) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
+def owned_pairs(optimizers: list[Owned], call: str) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
     """DCP reads and writes an optimizer's state through the model holding its parameters."""
     if any(owner is None for owner, _ in optimizers):
         raise ValueError(f"a sharded {call} needs every optimizer's parameters in one prepared model")
