@@ -196,8 +196,7 @@ def test_dataloader_configuration_accepts_mixprecs_split_and_refuses_the_others_
 
 
 def test_one_split_rule_for_samples_split_between_processes_and_dispatched_batches():
-    from mixprec.strategies.process_state import split_share
-    from mixprec.loaders.sharding import share_bounds
+    from mixprec.strategies.process_state import share_bounds, split_share
 
     for n in range(0, 12):
         for count in range(1, 5):
