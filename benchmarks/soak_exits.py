@@ -1,7 +1,7 @@
 """Soak of clean exits (issue 24): many 2-process ``mixprec torchrun ... train`` runs, each must exit 0.
 
 A finished gloo worker used to abort at interpreter exit now and then (SIGABRT in process-group teardown:
-see mixprec.accelerator.distributed), which torchrun reports as a failed job and may restart. Each run
+see mixprec.strategies.process_group), which torchrun reports as a failed job and may restart. Each run
 here trains the tiny GPT for a few steps (with a checkpoint, an evaluation and the final report) into a
 fresh folder; the launcher's exit status is recorded, and the log of any run that did not exit 0 is kept.
 

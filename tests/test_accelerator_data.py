@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, DistributedSampler, WeightedRandomSampl
 
 from mixprec import Accelerator
 from mixprec.accelerator import send_to_device
-from mixprec.accelerator.sharding import ShardedBatchSampler
+from mixprec.loaders.sharding import ShardedBatchSampler
 
 
 def split(n: int, world: int, batch: int, drop_last: bool = False, epoch: int = 0) -> list[list[list[int]]]:
@@ -196,8 +196,7 @@ def test_dataloader_configuration_accepts_mixprecs_split_and_refuses_the_others_
 
 
 def test_one_split_rule_for_samples_split_between_processes_and_dispatched_batches():
-    from mixprec.accelerator.process_state import split_share
-    from mixprec.accelerator.sharding import share_bounds
+    from mixprec.strategies.process_state import share_bounds, split_share
 
     for n in range(0, 12):
         for count in range(1, 5):

@@ -168,7 +168,7 @@ def test_partial_state_describes_this_process_and_runs_the_main_only_helpers() -
     ],
 )
 def test_split_between_processes_gives_contiguous_shares(count: int, padding: bool, expected: list) -> None:
-    from mixprec.accelerator.process_state import split_share
+    from mixprec.strategies.process_state import split_share
 
     items = list(range(7))
     assert [split_share(items, i, count, padding) for i in range(count)] == expected
@@ -179,7 +179,7 @@ def test_split_between_processes_gives_contiguous_shares(count: int, padding: bo
 
 
 def test_split_between_processes_refuses_what_it_cannot_split() -> None:
-    from mixprec.accelerator.process_state import split_share
+    from mixprec.strategies.process_state import split_share
 
     with pytest.raises(ValueError, match="same length"):
         split_share({"a": [1, 2], "b": [1]}, 0, 2)

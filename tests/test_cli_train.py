@@ -220,7 +220,7 @@ def test_torchrun_trains_on_two_processes_into_one_run_folder(tmp_path, corpus):
     argv = ["-m", "mixprec.cli.main", "train", "--data", corpus, *FAST, "--max-steps", "2"]
     proc = subprocess.run([*launch, *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     # both processes exit 0, including the one that finishes first: it used to abort at interpreter exit 3 runs
-    # in 30 (SIGABRT, "terminate called without an active exception": see mixprec.accelerator.distributed)
+    # in 30 (SIGABRT, "terminate called without an active exception": see mixprec.strategies.process_group)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
     # no --output-dir: both processes must still agree on one runs/<launch time> folder

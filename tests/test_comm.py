@@ -1,4 +1,4 @@
-"""Gradient communication precision (mixprec/accelerator/comm.py): names, wiring, and the overflow safeguard.
+"""Gradient communication precision (mixprec/strategies/comm.py): names, wiring, and the overflow safeguard.
 
 In process, on a one-process gloo group (``distributed="ddp"``): DDP runs its communication hook there too,
 so the cast, the all-reduce and the copy back are the real ones. Two processes: tests/test_distributed.py
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec import Accelerator
-from mixprec.accelerator.comm import CommPrecision, make_comm
+from mixprec.strategies.comm import CommPrecision, make_comm
 from mixprec.trainer.args import TrainingArguments
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo")

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from mixprec import Accelerator, Trainer, TrainerCallback, TrainingArguments
-from mixprec.accelerator.peers import PeerLostError, explain, is_collective_failure, silent_ranks
-from mixprec.accelerator.restarts import restarted_by_launcher
+from mixprec.strategies.peers import PeerLostError, explain, is_collective_failure, silent_ranks
+from mixprec.strategies.restarts import restarted_by_launcher
 from mixprec.trainer import checkpointing as ckpt
 from trainer_utils import assert_bit_identical, make_examples, make_model
 
@@ -320,7 +320,7 @@ def test_two_nodes_that_lose_a_worker_restart_together_and_end_as_the_uninterrup
 ) -> None:
     # node 1's worker is SIGKILLed after step 5; both launchers restart their workers, which resume from
     # checkpoint-3. Only node 1's launcher counts a restart: node 0's may not (its count stays 0), and the
-    # workers decide together to resume (mixprec.accelerator.restarts)
+    # workers decide together to resume (mixprec.strategies.restarts)
     procs = two_nodes(tmp_path, ({}, {"ELASTIC_KILL": "any:5"}), "--max-restarts=2", launcher="mixprec.cli.torchrun")
     try:
         codes = [p.wait(timeout=240) for p in procs]
@@ -478,7 +478,7 @@ def test_mixprec_train_on_several_nodes_needs_a_shared_output_dir(
 
 
 def test_several_nodes_restarting_on_torchruns_shared_store_are_warned(caplog: pytest.LogCaptureFixture) -> None:
-    from mixprec.accelerator import peers
+    from mixprec.strategies import peers
 
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "3"}  # fmt: skip

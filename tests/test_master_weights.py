@@ -212,10 +212,10 @@ def test_an_optimizer_that_already_stepped_is_refused_by_name() -> None:
 
 
 def test_fsdp_refuses_a_trainable_half_parameter_by_name() -> None:
-    from mixprec.accelerator.model_checks import check_no_low_precision_trainable
+    from mixprec.strategies.fsdp import check_no_low_precision_trainable
 
     with pytest.raises(ValueError, match=r"under FSDP2: parameter 'head.weight' is float16 .* float32"):
-        check_no_low_precision_trainable(half_base(), "prepare() under FSDP2", "cast them to float32")
+        check_no_low_precision_trainable(half_base())
 
 
 @pytest.mark.parametrize("precision", ["fp16", "auto"])

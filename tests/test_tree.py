@@ -13,7 +13,7 @@ import torch
 from torch.utils import _pytree
 
 from mixprec import tree
-from mixprec.accelerator.data import send_to_device
+from mixprec.loaders.data import send_to_device
 from mixprec.precision.registry import make_precision
 
 

@@ -12,9 +12,9 @@ import uuid
 
 import pytest
 
-from mixprec.accelerator import peers
-from mixprec.accelerator.verdict import main_decides
 from mixprec.checkpoint import FolderInUseError
+from mixprec.strategies import peers
+from mixprec.strategies.verdict import main_decides
 
 
 def _free_port() -> int:

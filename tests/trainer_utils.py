@@ -86,7 +86,7 @@ def leave(accelerator) -> None:
     session that wrote this, 1 in 8 by hand), which the launcher reports as a failed job. The cause: a gloo
     worker thread freeing a collective's tensor after the interpreter began shutting down (it needs the GIL,
     and Python ends the thread inside a C++ destructor). end_training() now waits for the backend to let go
-    of every tensor mixprec's own collectives lent it (mixprec.accelerator.distributed), but collectives
+    of every tensor mixprec's own collectives lent it (mixprec.strategies.process_group), but collectives
     inside torch (distributed checkpoints, broadcast_object_list) create and drop tensors of their own, which
     these workers also run: hence still the exit without teardown."""
     import os

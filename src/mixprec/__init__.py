@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from mixprec import wiring as _wiring
 from mixprec._version import __version__
 
 # public name -> submodule that defines it
@@ -27,10 +28,10 @@ _EXPORTS: dict[str, str] = {
     "Accelerator": "mixprec.accelerator.accelerator",
     "ProjectConfiguration": "mixprec.accelerator.project",
     "GradientAccumulationPlugin": "mixprec.accelerator.gradients",
-    "PartialState": "mixprec.accelerator.process_state",
-    "DataLoaderConfiguration": "mixprec.accelerator.data_config",
-    "skip_first_batches": "mixprec.accelerator.data",
-    "AcceleratorState": "mixprec.accelerator.process_state",
+    "PartialState": "mixprec.strategies.process_state",
+    "DataLoaderConfiguration": "mixprec.loaders.data_config",
+    "skip_first_batches": "mixprec.loaders.data",
+    "AcceleratorState": "mixprec.strategies.process_state",
     # high level
     "Trainer": "mixprec.trainer.trainer",
     "TrainingArguments": "mixprec.trainer.args",
@@ -58,6 +59,17 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted([*_EXPORTS, "__version__"])
 
 
+def _build_watch(value: Any, where: str) -> Any:
+    # The face wires the layers: the Accelerator calls this (through mixprec.wiring) for Accelerator(watch=...)
+    # and never imports the watch, which sits above it.
+    from mixprec.watch.watch import PrecisionWatch
+
+    return PrecisionWatch.build(value, where)
+
+
+_wiring.build_watch = _build_watch
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
@@ -73,13 +85,12 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.accelerator.accelerator import Accelerator
-    from mixprec.accelerator.data import skip_first_batches
-    from mixprec.accelerator.data_config import DataLoaderConfiguration
     from mixprec.accelerator.gradients import GradientAccumulationPlugin
-    from mixprec.accelerator.process_state import AcceleratorState, PartialState
     from mixprec.accelerator.project import ProjectConfiguration
     from mixprec.diagnostics.diagnose import diagnose
     from mixprec.diagnostics.report import Report
+    from mixprec.loaders.data import skip_first_batches
+    from mixprec.loaders.data_config import DataLoaderConfiguration
     from mixprec.models.gpt import GPT
     from mixprec.models.gpt_config import GPTConfig
     from mixprec.precision.autocast_context import autocast
@@ -87,6 +98,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.precision.registry import available_precisions, resolve_precision
     from mixprec.scaling.record import ScaleRecord
     from mixprec.scaling.scaler import ConsecutiveSkipsError, GradScaler, LossScaler
+    from mixprec.strategies.process_state import AcceleratorState, PartialState
     from mixprec.trainer.args import TrainingArguments
     from mixprec.trainer.callbacks import (
         DefaultFlowCallback,

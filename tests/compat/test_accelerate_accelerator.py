@@ -399,7 +399,7 @@ def _pickle_loaders(dispatch_batches):
         from accelerate.utils.dataclasses import DataLoaderConfiguration
     else:  # one prepared-loader class (in one process, a dispatching loader is a plain one)
         from mixprec import DataLoaderConfiguration, skip_first_batches
-        from mixprec.accelerator.data import PreparedDataLoader as DataLoaderShard
+        from mixprec.loaders.data import PreparedDataLoader as DataLoaderShard
 
         DataLoaderDispatcher = DataLoaderShard  # noqa: N806
 

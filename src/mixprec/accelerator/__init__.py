@@ -1,18 +1,21 @@
 """The Accelerator (mid-level API) and the pieces it delegates to.
 
 ``from mixprec import Accelerator`` is the public entry point; the submodules are implementation:
-``config`` (settings), ``distributed`` / ``ddp`` / ``fsdp`` (distributed strategies), ``prepared`` (the
-prepared model, optimizer and scheduler), ``data`` / ``sharding`` / ``data_config`` (DataLoaders), ``gradients`` (the
-accumulation schedule, its plugin and clipping), ``state`` (the save_state / load_state format),
+``accelerator`` (the facade) with ``processes`` (its process-side methods: topology, collectives, which
+process runs what) and ``outputs`` (what it writes and reads: save_state/load_state, save_model, trackers),
+``config`` (settings), ``prepared`` (the prepared model's forward, the prepared optimizer and scheduler),
+``gradients`` (the accumulation schedule, its plugin and clipping), ``step_in_backward``, ``state`` and
+``state_checks`` (the save_state / load_state format), ``model_part`` (a peft model's saved part),
 ``checkpoints`` and ``project`` (automatic checkpoint naming, state hooks), ``saving`` (save_model's HF
-layout), ``process_state`` (``PartialState``, ``accelerator.state``), ``lifecycle`` (what prepare accepts, free_memory),
-``model_checks`` (what prepare refuses).
+layout), ``lifecycle`` (what prepare accepts or refuses, free_memory), ``accelerate_compat`` (accelerate's own
+objects, and ``profile()``). Distribution lives in :mod:`mixprec.strategies`, DataLoaders in
+:mod:`mixprec.loaders`, experiment trackers in :mod:`mixprec.tracking`.
 """
 
 from mixprec.accelerator.accelerator import Accelerator
 from mixprec.accelerator.config import AcceleratorConfig
-from mixprec.accelerator.data import send_to_device
 from mixprec.accelerator.gradients import GradientAccumulationPlugin
 from mixprec.accelerator.project import ProjectConfiguration
+from mixprec.loaders.data import send_to_device
 
 __all__ = ["Accelerator", "AcceleratorConfig", "GradientAccumulationPlugin", "ProjectConfiguration", "send_to_device"]

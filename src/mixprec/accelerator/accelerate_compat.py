@@ -11,7 +11,12 @@ accelerate's process-wide state. This module is the one place that translates be
 - :func:`read_handlers` turns accelerate's kwargs handlers into the constructor arguments they mean (a registry
   by class name, so accelerate is never imported to recognise them), or refuses one with the fix;
 - :class:`SharedState` sets up accelerate's ``PartialState`` and ``GradientState`` from the Accelerator's, when
-  accelerate is installed (it is imported then, and only then); :func:`autocast_for` reads ``AutocastKwargs``.
+  accelerate is installed (it is imported then, and only then); :func:`autocast_for` reads ``AutocastKwargs``;
+- :func:`profile`: ``accelerator.profile()``. A script passes accelerate's ``ProfileKwargs`` in
+  ``kwargs_handlers``; that object builds its own ``torch.profiler.profile`` (``ProfileKwargs.build()``), so
+  mixprec keeps the handler and lets it build, rather than re-reading each of its fields. Without a handler,
+  torch's defaults profile the CPU (and CUDA where present). With ``output_trace_dir`` set, each process
+  writes a Chrome trace named as accelerate names it (``trace_<process index>.json``), then the processes meet.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import contextlib
 import dataclasses
 import importlib.util
 import logging
+import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -299,3 +305,21 @@ class SharedState:
             self._gradients.plugin_kwargs = {**self._gradients.plugin_kwargs, "num_steps": num_steps}
         if sync_gradients is not None:
             self._gradients.sync_gradients = sync_gradients
+
+
+@contextlib.contextmanager
+def profile(
+    handler: Any, *, process_index: int, wait_for_everyone: Callable[[], None]
+) -> Iterator[torch.profiler.profile]:
+    """Profile the block; ``handler``: accelerate's ``ProfileKwargs`` (or anything with ``build()`` and
+    ``output_trace_dir``), or None for torch.profiler's defaults. Costs what torch.profiler costs (host syncs
+    on CUDA when the trace is collected)."""
+    profiler = handler.build() if handler is not None else torch.profiler.profile()
+    with profiler:
+        yield profiler
+    trace_dir = getattr(handler, "output_trace_dir", None)
+    if trace_dir is None:
+        return
+    os.makedirs(trace_dir, exist_ok=True)
+    profiler.export_chrome_trace(os.path.join(trace_dir, f"trace_{process_index}.json"))
+    wait_for_everyone()

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from mixprec.accelerator import launch_env
-from mixprec.accelerator.comm import make_comm
-from mixprec.accelerator.distributed import KINDS
-from mixprec.accelerator.peers import timeout_delta
 from mixprec.accelerator.step_in_backward import REFUSALS
+from mixprec.strategies import launch_env
+from mixprec.strategies.comm import make_comm
+from mixprec.strategies.peers import timeout_delta
+from mixprec.strategies.registry import KINDS
 
 
 @dataclass
@@ -54,12 +54,12 @@ class AcceleratorConfig:
 
     timeout: float | None = None
     """Seconds a collective waits for every process before failing with an error naming the rank that did
-    not answer (None: 300; see :mod:`mixprec.accelerator.peers` for why). Applies when mixprec creates the
+    not answer (None: 300; see :mod:`mixprec.strategies.peers` for why). Applies when mixprec creates the
     process group."""
 
     fsdp_state_dict_type: str = "full"
     """FSDP2 checkpoints: "full" (gathered on the main process) or "sharded" (each process writes its own
-    shards; :mod:`mixprec.accelerator.dcp_state`). HF's FULL_STATE_DICT / SHARDED_STATE_DICT are accepted."""
+    shards; :mod:`mixprec.strategies.dcp_state`). HF's FULL_STATE_DICT / SHARDED_STATE_DICT are accepted."""
 
     step_in_backward: bool = False
     """Update each parameter during backward, as soon as its gradient is ready, and free that gradient
@@ -68,7 +68,7 @@ class AcceleratorConfig:
 
     comm_dtype: Any = None
     """Dtype gradients travel in between processes: None/"fp32" (DDP's and FSDP2's default), "bf16" (half the
-    bytes), "fp16"; or a :class:`~mixprec.accelerator.comm.CommPrecision` (:mod:`mixprec.accelerator.comm`)."""
+    bytes), "fp16"; or a :class:`~mixprec.strategies.comm.CommPrecision` (:mod:`mixprec.strategies.comm`)."""
 
     fp32_ops: Sequence[str] | str | None = None
     """Op kinds kept in fp32 under a bf16/fp16 ``mixed_precision`` (mixprec.precision.op_policy.OP_KINDS:

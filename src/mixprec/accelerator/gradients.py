@@ -16,17 +16,26 @@ import contextlib
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from mixprec.accelerator.distributed import parameters_of
 from mixprec.precision.master_weights import master_map
 
 if TYPE_CHECKING:
-    from mixprec.accelerator.distributed import DistributedStrategy
-    from mixprec.accelerator.prepared import PreparedOptimizer
     from mixprec.precision.base import Precision
+    from mixprec.strategies.strategy import DistributedStrategy
+
+
+class PreparedOptimizer(Protocol):
+    """What the accumulation state reads of a prepared optimizer (:class:`~mixprec.accelerator.prepared.
+    PreparedOptimizer` holds this state: the arrow points from it to here, never back)."""
+
+    optimizer: torch.optim.Optimizer
+    """The optimizer the step runs (the precision's conversion of the user's)."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
 
 
 @dataclass
@@ -224,3 +233,8 @@ class GradientState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.micro_step = int(state.get("micro_step", 0))
+
+
+def parameters_of(objects: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    """A list from a tensor, a list or a generator of parameters (generators can be read once)."""
+    return [objects] if isinstance(objects, torch.Tensor) else list(objects)

@@ -1,4 +1,5 @@
-"""The two ends of a prepared object's life in an Accelerator: what ``prepare`` accepts, and ``free_memory``."""
+"""The two ends of a prepared object's life in an Accelerator: what ``prepare`` accepts (and what it refuses
+about a model, before touching it, with the fix in the message), and ``free_memory``."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from mixprec.accelerator.data import PreparedDataLoader
 from mixprec.accelerator.prepared import PreparedScheduler
+from mixprec.loaders.data import PreparedDataLoader
 
 if TYPE_CHECKING:
     from mixprec.accelerator.gradients import GradientState
-    from mixprec.accelerator.state import Registry
+    from mixprec.accelerator.state_checks import Registry
     from mixprec.precision.base import Precision
 
 _ACCEPTED = (
@@ -69,3 +70,26 @@ def release_prepared(registry: Registry, gradients: GradientState, precision: Pr
     empty = getattr(getattr(torch, device.type, None), "empty_cache", None)
     if device.type != "cpu" and callable(empty):
         empty()
+
+
+def check_preparable(model: torch.nn.Module) -> None:
+    # fp16/bf16 parameters are welcome: frozen ones stay as they are, trainable ones get fp32 masters when
+    # the optimizer is prepared (mixprec.precision.master_weights)
+    _check_quantized_placement(model)
+
+
+def _check_quantized_placement(model: torch.nn.Module) -> None:
+    """A model transformers loaded in 8 or 4 bits (bitsandbytes) with parts placed on the CPU or disk
+    (``hf_device_map``) cannot be trained: its offloaded weights have no gradients to step (accelerate
+    refuses it with the same ValueError)."""
+    quantized = getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False)
+    device_map = getattr(model, "hf_device_map", None)
+    if not quantized or not isinstance(device_map, dict):
+        return
+    placed = {str(device) for device in device_map.values()}
+    if placed & {"cpu", "disk"}:
+        raise ValueError(
+            "prepare(): this model was loaded in 8-bit or 4-bit precision with CPU or disk offload "
+            f"(hf_device_map places parts on {sorted(placed & {'cpu', 'disk'})}), which cannot be trained; "
+            "load it entirely on the training device, e.g. device_map={'': torch.cuda.current_device()}"
+        )

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from mixprec.accelerator.distributed import DistributedStrategy
+    from mixprec.strategies.strategy import DistributedStrategy
 
 
 def saved_keys(model: torch.nn.Module) -> set[str] | None:

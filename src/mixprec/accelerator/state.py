@@ -19,7 +19,7 @@ Layout (``_1``, ``_2``... for the second, third object of a kind, in the order t
 
 Under FSDP2 with ``fsdp_state_dict_type="sharded"``, ``model_<i>.dcp/`` and ``optimizer_<i>.dcp/`` replace the
 model and optimizer files: every process writes its own shards there (torch.distributed.checkpoint; see
-:mod:`mixprec.accelerator.dcp_state`), and ``accelerator.json`` says ``"sharded": true``.
+:mod:`mixprec.strategies.dcp_state`), and ``accelerator.json`` says ``"sharded": true``.
 
 The main process writes the shared parts, each process its RNG state, all into one temporary folder that
 the main process renames into place once every process reported success (see
@@ -44,23 +44,27 @@ import logging
 import os
 import secrets
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec.accelerator.dcp_state import load_sharded_state, missing_sharded_parts, save_sharded_state
-from mixprec.accelerator.model_part import completed, saved_keys, saved_part
-from mixprec.accelerator.state_checks import META, check_folder, check_model_fits, check_optimizer_fits
+from mixprec.accelerator.model_part import completed, saved_part
+from mixprec.accelerator.state_checks import (
+    FORMAT,
+    META,
+    Loaded,
+    RunState,
+    counts,
+    grads_name,
+    name_of,
+    read_everything,
+)
 from mixprec.checkpoint import (
     CheckpointError,
     abort,
     begin,
     commit,
-    load_json,
-    load_tensors,
-    load_torch,
     recover,
     rng_state,
     save_json,
@@ -74,48 +78,9 @@ from mixprec.checkpoint.manifest import BackgroundHasher, write_manifest
 from mixprec.tree import tree_flatten, tree_unflatten
 
 if TYPE_CHECKING:
-    from mixprec.accelerator.data import PreparedDataLoader
-    from mixprec.accelerator.distributed import DistributedStrategy
-    from mixprec.accelerator.gradients import GradientState
-    from mixprec.accelerator.prepared import PreparedOptimizer, PreparedScheduler
-    from mixprec.precision.base import Precision
+    from mixprec.strategies.strategy import DistributedStrategy, Owned
 
-FORMAT = 1
 logger = logging.getLogger("mixprec.accelerator")
-
-
-@dataclass
-class Registry:
-    """What ``prepare`` and ``register_for_checkpointing`` registered, in order."""
-
-    models: list[torch.nn.Module] = field(default_factory=list)
-    optimizers: list[PreparedOptimizer] = field(default_factory=list)
-    schedulers: list[PreparedScheduler] = field(default_factory=list)
-    dataloaders: list[PreparedDataLoader] = field(default_factory=list)
-    custom: list[Any] = field(default_factory=list)
-
-    def owner(self, optimizer: PreparedOptimizer) -> torch.nn.Module | None:
-        """The prepared model holding ``optimizer``'s first parameter."""
-        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
-        return next((m for m in self.models if any(p is first for p in m.parameters())), None)
-
-
-@dataclass
-class RunState:
-    """The parts of an Accelerator that ``save_state`` / ``load_state`` touch."""
-
-    registry: Registry
-    strategy: DistributedStrategy
-    precision: Precision  # owns the scaler; under "auto", its decision is saved and kept at resume
-    gradients: GradientState
-
-
-def _name(kind: str, index: int, ext: str) -> str:
-    return f"{kind}.{ext}" if index == 0 else f"{kind}_{index}.{ext}"
-
-
-def _grads_name(model_index: int, rank: int) -> str:
-    return f"{_name('gradients', model_index, 'rank')}{rank}.safetensors"
 
 
 def save_state(
@@ -158,13 +123,8 @@ def save_state(
     if writer is not None:  # the live tensors change at the next step: the writer gets a copy of them
         models, optimizers = _staged((models, optimizers), writer.staging)
         writer.staging = (models, optimizers)
-    partial = run.gradients.micro_step > 0  # inside an accumulation window: the gradient sums are state too
-    if partial and not strategy.saves_partial_gradients:
-        raise CheckpointError(
-            f"save_state inside an accumulation window ({run.gradients.micro_step} of "
-            f"{run.gradients.accumulation_steps} micro-batches summed) is not supported under {strategy.name}: "
-            "save right after an optimizer step (when accelerator.sync_gradients is True)"
-        )
+    # inside an accumulation window the gradient sums are state too (the strategy refuses where it holds none)
+    partial = strategy.partial_gradients(list(reg.models), run.gradients.micro_step, run.gradients.accumulation_steps)
     tag = _save_tag(strategy)
     tmp = temp_path(target, tag)
     error: BaseException | None = previous
@@ -179,8 +139,7 @@ def save_state(
     # may still run then: the thread is not a daemon, so a script's last save completes)
     hasher = BackgroundHasher() if main and writer is None else None
     try:
-        if sharded:  # collective: every process writes its shards (DCP gathers any process's error to all)
-            save_sharded_state(list(reg.models), _owned(run), tmp)
+        strategy.save_shards(list(reg.models), _owned(run), tmp)  # FSDP2's sharded state; else nothing
         rng = rng_state()
         rng_file = tmp / f"rng_state_{strategy.process_index}.pt"
         if main:
@@ -194,9 +153,8 @@ def save_state(
                     write()
         else:  # before the main process seals the folder (the collective below)
             save_torch(rng, rng_file)
-        for i, model in enumerate(reg.models if partial else []):  # local (unsynced) sums: one file per process
-            grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-            save_tensors(grads, tmp / _grads_name(i, strategy.process_index))
+        for i, grads in enumerate(partial):  # local (unsynced) sums: one file per process
+            save_tensors(grads, tmp / grads_name(i, strategy.process_index))
     except Exception as err:  # reported to the other processes, then re-raised
         error = err
     try:
@@ -313,15 +271,15 @@ def _write_big(
     # manifest is written). The optimizer's (Adam: twice the model's size) goes first, so that its hashing
     # overlaps the model's writing. Measured on a 302 MB state (benchmarks/checkpoint_hash.py, shared 2-core
     # box): a save takes 1.0-1.4x as long as without the manifest (medians of 9 interleaved rounds).
-    written = [save_torch(state, tmp / _name("optimizer", i, "pt")) for i, state in enumerate(optimizers)]
+    written = [save_torch(state, tmp / name_of("optimizer", i, "pt")) for i, state in enumerate(optimizers)]
     if hasher is not None:
         for path in written:
             hasher.add(path)
     for i, state in enumerate(models):
         if safe_serialization:
-            path = save_tensors(state, tmp / _name("model", i, "safetensors"))
+            path = save_tensors(state, tmp / name_of("model", i, "safetensors"))
         else:  # accelerate's name for the pickle format; read back with weights_only, so still no code runs
-            path = save_torch(state, tmp / _name("pytorch_model", i, "bin"))
+            path = save_torch(state, tmp / name_of("pytorch_model", i, "bin"))
         if hasher is not None:
             hasher.add(path)
 
@@ -331,7 +289,7 @@ def _small_files(run: RunState, tmp: Path, extra_json: Mapping[str, Any]) -> lis
     writers to call now (a synchronous save) or on the writer thread (an asynchronous one)."""
     reg = run.registry
     files: list[tuple[Callable[[Any, Path], Path], Any, str]] = [
-        *((save_torch, s.state_dict(), _name("scheduler", i, "pt")) for i, s in enumerate(reg.schedulers)),
+        *((save_torch, s.state_dict(), name_of("scheduler", i, "pt")) for i, s in enumerate(reg.schedulers)),
         *((save_torch, obj.state_dict(), f"custom_{i}.pt") for i, obj in enumerate(reg.custom)),
         (save_json, run.precision.state_dict(), "scaler.json"),
         *((save_json, value, f"{key}.json") for key, value in extra_json.items()),
@@ -349,36 +307,11 @@ def _meta(run: RunState) -> dict[str, Any]:
         "distributed": run.strategy.name,
         "sharded": run.strategy.sharded_state,  # models and optimizers as DCP shards (dcp_state.py)
         "num_processes": run.strategy.num_processes,
-        "counts": _counts(reg),
+        "counts": counts(reg),
         "dataloaders": [loader.state_dict() for loader in reg.dataloaders],
         "gradients": run.gradients.state_dict(),
         "torch_version": torch.__version__,
     }
-
-
-def _counts(reg: Registry) -> dict[str, int]:
-    return {
-        "models": len(reg.models),
-        "optimizers": len(reg.optimizers),
-        "schedulers": len(reg.schedulers),
-        "dataloaders": len(reg.dataloaders),
-        "custom": len(reg.custom),
-    }
-
-
-@dataclass
-class _Loaded:
-    """Everything a folder holds, read, parsed and checked; applying it cannot fail on a damaged file."""
-
-    path: Path
-    meta: dict[str, Any]
-    models: list[dict[str, torch.Tensor]]
-    optimizers: list[Any]
-    schedulers: list[Any]
-    custom: list[Any]
-    scaler: dict[str, Any]
-    gradients: list[dict[str, torch.Tensor] | None]
-    rng: dict[str, Any] | None
 
 
 def load_state(run: RunState, input_dir: str | Path) -> dict[str, Any]:
@@ -389,10 +322,10 @@ def load_state(run: RunState, input_dir: str | Path) -> dict[str, Any]:
     if strategy.is_main_process:
         recover(path)  # finish a save that crashed between its two renames
     strategy.barrier()
-    loaded: _Loaded | None = None
+    loaded: Loaded | None = None
     error: BaseException | None = None
     try:
-        loaded = _read_everything(run, path)
+        loaded = read_everything(run, path)
     except Exception as err:
         error = err
     if not strategy.all_true(error is None):
@@ -405,55 +338,7 @@ def load_state(run: RunState, input_dir: str | Path) -> dict[str, Any]:
     return loaded.meta
 
 
-def _read_everything(run: RunState, path: Path) -> _Loaded:
-    reg, strategy = run.registry, run.strategy
-    check_folder(path, process_index=strategy.process_index)
-    meta = load_json(path / META)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else None
-        raise CheckpointError(f"{path / META}: format {found!r}, this mixprec reads {FORMAT}")
-    saved, now = meta["counts"], _counts(reg)
-    for kind in ("models", "optimizers", "schedulers"):
-        if saved[kind] != now[kind]:
-            raise ValueError(
-                f"load_state({str(path)!r}): the state holds {saved[kind]} {kind}, this Accelerator prepared "
-                f"{now[kind]}; prepare the same objects (in the same order) before load_state"
-            )
-    if meta.get("sharded"):  # read when applied, each process its pieces (DCP checks names and shapes)
-        missing = missing_sharded_parts(path, len(reg.models), len(reg.optimizers))
-        if missing:
-            raise CheckpointError(f"{path}: the sharded state lacks {', '.join(missing)}; nothing was loaded")
-        models, optimizers = [], []
-    else:
-        models = [_load_model_file(path, i) for i in range(len(reg.models))]
-        for i, (model, state) in enumerate(zip(reg.models, models)):
-            check_model_fits(model, state, path / _name("model", i, "safetensors"), saved_keys(model))
-        optimizers = [load_torch(path / _name("optimizer", i, "pt")) for i in range(len(reg.optimizers))]
-        for i, (optimizer, state) in enumerate(zip(reg.optimizers, optimizers)):
-            check_optimizer_fits(optimizer.optimizer, state, path / _name("optimizer", i, "pt"))
-    schedulers = [load_torch(path / _name("scheduler", i, "pt")) for i in range(len(reg.schedulers))]
-    custom = [load_torch(path / f"custom_{i}.pt") for i in range(min(len(reg.custom), saved.get("custom", 0)))]
-    scaler = load_json(path / "scaler.json")
-    grads = []
-    for i in range(len(reg.models)):
-        file = path / _grads_name(i, strategy.process_index)
-        grads.append(load_tensors(file) if file.is_file() else None)
-    rng_file = path / f"rng_state_{strategy.process_index}.pt"
-    rng = load_torch(rng_file) if rng_file.is_file() else None
-    if rng is None and int(meta["num_processes"]) > strategy.process_index:
-        raise CheckpointError(f"{rng_file} is missing: the random generators could not be restored exactly")
-    return _Loaded(path, meta, models, optimizers, schedulers, custom, scaler, grads, rng)
-
-
-def _load_model_file(path: Path, index: int) -> dict[str, torch.Tensor]:
-    """The model's weights from either format ``save_state(safe_serialization=...)`` writes."""
-    pickled = path / _name("pytorch_model", index, "bin")
-    if pickled.is_file() and not (path / _name("model", index, "safetensors")).is_file():
-        return load_torch(pickled)
-    return load_tensors(path / _name("model", index, "safetensors"))
-
-
-def _apply(run: RunState, loaded: _Loaded) -> None:
+def _apply(run: RunState, loaded: Loaded) -> None:
     """Load the checked state into the objects. The small ones (schedulers, scaler, custom objects, loaders,
     accumulation counter) are snapshotted first and put back if anything fails, which the checks above
     leave no known way to happen."""
@@ -465,8 +350,8 @@ def _apply(run: RunState, loaded: _Loaded) -> None:
     snapshot = [(obj, copy.deepcopy(obj.state_dict())) for obj in small]
     generators = rng_state()
     try:
-        if meta.get("sharded"):
-            load_sharded_state(list(reg.models), _owned(run), loaded.path)
+        if meta.get("sharded"):  # each process reads the pieces its part covers (any strategy, any count)
+            strategy.load_shards(list(reg.models), _owned(run), loaded.path)
         for model, state in zip(reg.models, loaded.models):
             strategy.load_model_state_dict(model, _const(completed(strategy, model, state)))
         for optimizer, state in zip(reg.optimizers, loaded.optimizers):
@@ -490,15 +375,9 @@ def _apply(run: RunState, loaded: _Loaded) -> None:
         _restore_gradients(model, grads or {})
 
 
-def _owned(run: RunState) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
+def _owned(run: RunState) -> list[Owned]:
     """Each prepared optimizer with the prepared model its parameters belong to (DCP needs both)."""
-    pairs = []
-    for optimizer in run.registry.optimizers:
-        owner = run.registry.owner(optimizer)
-        if owner is None:
-            raise ValueError("a sharded save_state needs every optimizer's parameters in one prepared model")
-        pairs.append((owner, optimizer.optimizer))
-    return pairs
+    return [(run.registry.owner(optimizer), optimizer.optimizer) for optimizer in run.registry.optimizers]
 
 
 def _const(value: Any) -> Callable[[], Any]:

@@ -1,4 +1,8 @@
-"""What a ``save_state`` folder must satisfy before ``load_state`` changes anything (issue 14, fault 4).
+"""A ``save_state`` folder's names and parts, read and checked: what it must satisfy before ``load_state``
+changes anything (issue 14, fault 4). The layout is described in :mod:`mixprec.accelerator.state`.
+
+- :class:`Registry` / :class:`RunState`: the objects a folder holds the state of;
+- :func:`read_everything`: every file read and checked into a :class:`Loaded`, nothing changed yet;
 
 - :func:`folder_problem` / :func:`check_folder`: the folder is complete and intact (its manifest verifies;
   a folder written before manifests is accepted, with a warning, when its metadata and RNG file are there);
@@ -10,15 +14,26 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec.checkpoint import CheckpointError
+from mixprec.accelerator.model_part import saved_keys
+from mixprec.checkpoint import CheckpointError, load_json, load_tensors, load_torch
 from mixprec.checkpoint.manifest import NO_MANIFEST, verify_manifest
+from mixprec.strategies.dcp_state import missing_sharded_parts
+
+if TYPE_CHECKING:
+    from mixprec.accelerator.gradients import GradientState
+    from mixprec.accelerator.prepared import PreparedOptimizer, PreparedScheduler
+    from mixprec.loaders.data import PreparedDataLoader
+    from mixprec.precision.base import Precision
+    from mixprec.strategies.strategy import DistributedStrategy
 
 META = "accelerator.json"
+FORMAT = 1
 logger = logging.getLogger("mixprec.accelerator")
 
 
@@ -81,3 +96,111 @@ def check_optimizer_fits(optimizer: torch.optim.Optimizer, state: Any, file: Pat
             f"{file} holds parameter groups of sizes {sizes}, the prepared optimizer "
             f"{[len(g['params']) for g in optimizer.param_groups]}; prepare the same optimizer as was saved"
         )
+
+
+@dataclass
+class Registry:
+    """What ``prepare`` and ``register_for_checkpointing`` registered, in order."""
+
+    models: list[torch.nn.Module] = field(default_factory=list)
+    optimizers: list[PreparedOptimizer] = field(default_factory=list)
+    schedulers: list[PreparedScheduler] = field(default_factory=list)
+    dataloaders: list[PreparedDataLoader] = field(default_factory=list)
+    custom: list[Any] = field(default_factory=list)
+
+    def owner(self, optimizer: PreparedOptimizer) -> torch.nn.Module | None:
+        """The prepared model holding ``optimizer``'s first parameter."""
+        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        return next((m for m in self.models if any(p is first for p in m.parameters())), None)
+
+
+@dataclass
+class RunState:
+    """The parts of an Accelerator that ``save_state`` / ``load_state`` touch."""
+
+    registry: Registry
+    strategy: DistributedStrategy
+    precision: Precision  # owns the scaler; under "auto", its decision is saved and kept at resume
+    gradients: GradientState
+
+
+def name_of(kind: str, index: int, ext: str) -> str:
+    """A file's name in the folder: ``model.safetensors``, then ``model_1.safetensors``... per object."""
+    return f"{kind}.{ext}" if index == 0 else f"{kind}_{index}.{ext}"
+
+
+def grads_name(model_index: int, rank: int) -> str:
+    return f"{name_of('gradients', model_index, 'rank')}{rank}.safetensors"
+
+
+def counts(reg: Registry) -> dict[str, int]:
+    return {
+        "models": len(reg.models),
+        "optimizers": len(reg.optimizers),
+        "schedulers": len(reg.schedulers),
+        "dataloaders": len(reg.dataloaders),
+        "custom": len(reg.custom),
+    }
+
+
+@dataclass
+class Loaded:
+    """Everything a folder holds, read, parsed and checked; applying it cannot fail on a damaged file."""
+
+    path: Path
+    meta: dict[str, Any]
+    models: list[dict[str, torch.Tensor]]
+    optimizers: list[Any]
+    schedulers: list[Any]
+    custom: list[Any]
+    scaler: dict[str, Any]
+    gradients: list[dict[str, torch.Tensor] | None]
+    rng: dict[str, Any] | None
+
+
+def read_everything(run: RunState, path: Path) -> Loaded:
+    reg, strategy = run.registry, run.strategy
+    check_folder(path, process_index=strategy.process_index)
+    meta = load_json(path / META)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{path / META}: format {found!r}, this mixprec reads {FORMAT}")
+    saved, now = meta["counts"], counts(reg)
+    for kind in ("models", "optimizers", "schedulers"):
+        if saved[kind] != now[kind]:
+            raise ValueError(
+                f"load_state({str(path)!r}): the state holds {saved[kind]} {kind}, this Accelerator prepared "
+                f"{now[kind]}; prepare the same objects (in the same order) before load_state"
+            )
+    if meta.get("sharded"):  # read when applied, each process its pieces (DCP checks names and shapes)
+        missing = missing_sharded_parts(path, len(reg.models), len(reg.optimizers))
+        if missing:
+            raise CheckpointError(f"{path}: the sharded state lacks {', '.join(missing)}; nothing was loaded")
+        models, optimizers = [], []
+    else:
+        models = [load_model_file(path, i) for i in range(len(reg.models))]
+        for i, (model, state) in enumerate(zip(reg.models, models)):
+            check_model_fits(model, state, path / name_of("model", i, "safetensors"), saved_keys(model))
+        optimizers = [load_torch(path / name_of("optimizer", i, "pt")) for i in range(len(reg.optimizers))]
+        for i, (optimizer, state) in enumerate(zip(reg.optimizers, optimizers)):
+            check_optimizer_fits(optimizer.optimizer, state, path / name_of("optimizer", i, "pt"))
+    schedulers = [load_torch(path / name_of("scheduler", i, "pt")) for i in range(len(reg.schedulers))]
+    custom = [load_torch(path / f"custom_{i}.pt") for i in range(min(len(reg.custom), saved.get("custom", 0)))]
+    scaler = load_json(path / "scaler.json")
+    grads = []
+    for i in range(len(reg.models)):
+        file = path / grads_name(i, strategy.process_index)
+        grads.append(load_tensors(file) if file.is_file() else None)
+    rng_file = path / f"rng_state_{strategy.process_index}.pt"
+    rng = load_torch(rng_file) if rng_file.is_file() else None
+    if rng is None and int(meta["num_processes"]) > strategy.process_index:
+        raise CheckpointError(f"{rng_file} is missing: the random generators could not be restored exactly")
+    return Loaded(path, meta, models, optimizers, schedulers, custom, scaler, grads, rng)
+
+
+def load_model_file(path: Path, index: int) -> dict[str, torch.Tensor]:
+    """The model's weights from either format ``save_state(safe_serialization=...)`` writes."""
+    pickled = path / name_of("pytorch_model", index, "bin")
+    if pickled.is_file() and not (path / name_of("model", index, "safetensors")).is_file():
+        return load_torch(pickled)
+    return load_tensors(path / name_of("model", index, "safetensors"))

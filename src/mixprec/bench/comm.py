@@ -1,7 +1,7 @@
 """Gradients on the wire: the same DDP training step with each communication dtype, side by side.
 
 ``mixprec bench --nproc-per-node N`` launches N processes (torch's launcher); each runs this, and the main
-process reports. Per setting (``comm_dtype`` fp32 / bf16 / fp16, :mod:`mixprec.accelerator.comm`):
+process reports. Per setting (``comm_dtype`` fp32 / bf16 / fp16, :mod:`mixprec.strategies.comm`):
 
 - **bytes all-reduced per step**, measured: one extra, untimed step runs under torch's profiler, and every
   collective the backend ran (``gloo:all_reduce`` / ``nccl:all_reduce`` events: element count and dtype) is
@@ -13,7 +13,7 @@ process reports. Per setting (``comm_dtype`` fp32 / bf16 / fp16, :mod:`mixprec.a
 - the **last training loss**, to show the settings trained alike.
 
 Each setting trains its own DDP copy of the same initial model with its own AdamW, through the bench's one
-step (``runner.train_step``). Depends on the precision layer and on :mod:`mixprec.accelerator.comm` (a leaf:
+step (``runner.train_step``). Depends on the precision layer and on :mod:`mixprec.strategies.comm` (a leaf:
 the hooks); it wraps the model in DDP itself rather than through the Accelerator.
 """
 
@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mixprec.accelerator.comm import CommPrecision, make_comm
 from mixprec.bench.runner import train_step
 from mixprec.bench.timing import Summary, make_timer, summarize, synchronize
 from mixprec.bench.workload import Batch, Workload
 from mixprec.precision.base import Precision
 from mixprec.scaling.scaler import GradScaler
+from mixprec.strategies.comm import CommPrecision, make_comm
 
 _ITEMSIZE = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "int": 4, "long int": 8,
              "unsigned char": 1, "signed char": 1, "bool": 1, "short int": 2}  # fmt: skip

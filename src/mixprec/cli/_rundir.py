@@ -142,11 +142,11 @@ def lock_run_dir(run_dir: Path) -> Any:
     """Create and lock the run folder on the main process (a no-op context elsewhere: the Trainer makes the
     processes agree). FolderInUseError names the process already running there, on every process under
     torchrun (the main one's verdict goes through the launcher's store, before any process group exists:
-    mixprec.accelerator.verdict), so none waits for a group the main process will never join."""
+    mixprec.strategies.verdict), so none waits for a group the main process will never join."""
     import contextlib
 
-    from mixprec.accelerator.verdict import main_decides
     from mixprec.checkpoint import FolderInUseError, lock_folder
+    from mixprec.strategies.verdict import main_decides
 
     held = main_decides(
         f"lock:{os.path.realpath(run_dir)}",

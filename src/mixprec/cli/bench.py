@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_comm(args: argparse.Namespace) -> int:
     """--nproc-per-node: launch the processes (from the command line), or be one of them (under the launcher)."""
-    from mixprec.accelerator.comm import make_comm
+    from mixprec.strategies.comm import make_comm
 
     comms = [c.strip() for c in args.comm_dtypes.split(",") if c.strip()]
     try:

@@ -120,8 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors about the user's files rather than mixprec's code: a damaged checkpoint, a folder in use.
     Imported here, not at the top, to keep `mixprec --help` free of torch."""
-    from mixprec.accelerator.peers import PeerLostError  # a peer died or went silent: one line naming it
     from mixprec.checkpoint import CheckpointError, FolderInUseError
+    from mixprec.strategies.peers import PeerLostError  # a peer died or went silent: one line naming it
 
     return (CheckpointError, FolderInUseError, PeerLostError)
 

@@ -12,7 +12,7 @@ One default is changed, for multi-node restarts: ``TORCH_DISABLE_SHARE_RDZV_TCP_
 each rendezvous round gives the workers a fresh store. With torch's default the workers of every round share
 the c10d rendezvous store, and mixprec keeps the rounds apart by prefixing its keys with the restart count;
 but that count is kept per node, and after a restart the nodes can disagree on it (see
-:mod:`mixprec.accelerator.restarts`), so their workers would look for each other under different prefixes.
+:mod:`mixprec.strategies.restarts`), so their workers would look for each other under different prefixes.
 Users of plain ``torchrun`` on several nodes with ``--max-restarts`` should set the variable themselves.
 
     mixprec torchrun --nnodes=2 --nproc_per_node=8 --max-restarts=3 --rdzv-backend=c10d \\

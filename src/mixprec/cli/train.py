@@ -21,9 +21,6 @@ from typing import Any
 import torch
 from torch.utils.data import Subset
 
-from mixprec.accelerator.comm import COMM_NAMES
-from mixprec.accelerator.distributed import LaunchEnv
-from mixprec.accelerator.restarts import restarted_anywhere, restarted_by_launcher, restarts_allowed_on_several_nodes
 from mixprec.cli import _rundir, _threads, report
 from mixprec.cli._common import (
     DataModelInfo,
@@ -39,6 +36,9 @@ from mixprec.cli._lora import add_lora_args, apply_lora, lora_plan
 from mixprec.cli.main import CliError
 from mixprec.data import decode, encode, unigram_entropy
 from mixprec.models import GPT
+from mixprec.strategies.comm import COMM_NAMES
+from mixprec.strategies.launch_env import LaunchEnv
+from mixprec.strategies.restarts import restarted_anywhere, restarted_by_launcher, restarts_allowed_on_several_nodes
 from mixprec.trainer.optimizers import OPTIMIZER_NAMES
 from mixprec.trainer.signals import TrainingInterrupted
 
@@ -371,7 +371,7 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
                 run_dir, wall_start)  # fmt: skip
     # every process, once the main one has written the run: leave the process group together (wait for the
     # others, let the backend's threads finish, then destroy it), not at interpreter exit (see
-    # mixprec.accelerator.distributed: a gloo worker thread racing the shutdown aborted 3 runs in 30)
+    # mixprec.strategies.process_group: a gloo worker thread racing the shutdown aborted 3 runs in 30)
     trainer.accelerator.end_training()
     return 0
 

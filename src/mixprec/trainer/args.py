@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from mixprec.accelerator.comm import make_comm
 from mixprec.accelerator.config import parse_state_dict_type
 from mixprec.precision.registry import canonical_name, policy_name
+from mixprec.strategies.comm import make_comm
 from mixprec.trainer.configs import (
     DISTRIBUTED,
     REPORTERS,
@@ -190,13 +190,13 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
     """None (DDP under torchrun, else one process), "ddp" or "fsdp"."""
     fsdp_state_dict_type: str = "full"
     """FSDP2 checkpoints: "full" (gathered on the main process) or "sharded" (each process writes its shards,
-    loadable by any number of processes; mixprec.accelerator.dcp_state). HF's SHARDED_STATE_DICT accepted."""
+    loadable by any number of processes; mixprec.strategies.dcp_state). HF's SHARDED_STATE_DICT accepted."""
     ddp_timeout: float = 300
     """Seconds a collective waits for every process before the run ends naming the rank that did not answer
-    (HF's name; its default is 1800, torch's too: mixprec waits 5 minutes, see mixprec.accelerator.peers)."""
+    (HF's name; its default is 1800, torch's too: mixprec waits 5 minutes, see mixprec.strategies.peers)."""
     comm_dtype: str | None = None
     """Dtype gradients travel in between processes (HF has no such field): None/"fp32", "bf16" (half the bytes
-    per step), "fp16"; DDP communication hooks or FSDP2's reduce_dtype (mixprec.accelerator.comm)."""
+    per step), "fp16"; DDP communication hooks or FSDP2's reduce_dtype (mixprec.strategies.comm)."""
 
     # -- precision watch ------------------------------------------------------------------------------
     precision_watch: int | str | dict | None = None

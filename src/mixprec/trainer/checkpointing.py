@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec.accelerator.restarts import agree_on_number, restarted_anywhere
 from mixprec.accelerator.state_checks import folder_problem
 from mixprec.checkpoint import CheckpointError, DiskFullError, FolderLock, load_json, lock_folder, recover
 from mixprec.checkpoint.folders import NumberedFolders
+from mixprec.strategies.restarts import agree_on_number, restarted_anywhere
 from mixprec.trainer.data import DataPosition
 from mixprec.trainer.state import TrainerState
 from mixprec.trainer.weights import model_config_file
@@ -174,7 +174,7 @@ def agree_on_resume(
     or a folder the others cannot read. Collective.
 
     ``resume_from_checkpoint=None`` in a worker group that torchelastic restarted (on any node: see
-    :mod:`mixprec.accelerator.restarts`) means the newest complete checkpoint if there is one, else a fresh
+    :mod:`mixprec.strategies.restarts`) means the newest complete checkpoint if there is one, else a fresh
     start: the automatic resume of ``torchrun --max-restarts=N``. Pass ``False`` to always start fresh."""
     elastic = resume_from_checkpoint is None and restarted_anywhere(accelerator)
     code, error = -1, None  # -1: start fresh; -2: the main process failed; N >= 0: checkpoint-N (or the path)

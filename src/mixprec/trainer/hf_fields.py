@@ -255,12 +255,12 @@ class HFCompatFields:
         return next(iter(found.values()), None)
 
     def dataloader_configuration(self) -> Any:
-        """The :class:`~mixprec.accelerator.data_config.DataLoaderConfiguration` HF's ``accelerator_config`` (a
+        """The :class:`~mixprec.loaders.data_config.DataLoaderConfiguration` HF's ``accelerator_config`` (a
         dict, HF's AcceleratorConfig, or the path of a JSON file) asks for; None when it is unset."""
         config = _config_dict("accelerator_config", self.accelerator_config)
         if config is None:
             return None
-        from mixprec.accelerator.data_config import DataLoaderConfiguration
+        from mixprec.loaders.data_config import DataLoaderConfiguration
         from mixprec.trainer.configs import fail
 
         keys = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler", "non_blocking")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec import tree as pytree
-from mixprec.accelerator.trackers import MLflowTracker, TensorBoardTracker, WandbTracker, require
+from mixprec.tracking.trackers import MLflowTracker, TensorBoardTracker, WandbTracker, require
 from mixprec.trainer.callbacks import TrainerCallback
 
 METRICS_FILE = "metrics.jsonl"

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mixprec.accelerator.distributed import LaunchEnv, select_device
+from mixprec.strategies.launch_env import LaunchEnv, select_device
 
 LEVELS = {
     "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
@@ -113,7 +113,7 @@ class ProcessHelpers:
         if self.world_size == 1:
             yield
             return
-        from mixprec.accelerator.process_state import PartialState
+        from mixprec.strategies.process_state import PartialState
 
         state = PartialState(cpu=self.use_cpu)
         first = state.local_main_process_first() if local else state.main_process_first()

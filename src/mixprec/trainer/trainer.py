@@ -315,7 +315,7 @@ class Trainer(ScriptEndings):
         ``mixprec train`` exits with, so schedulers see a job that did not finish). Under ``torchrun --max-restarts=N``,
         a restarted worker group resumes by itself (``None`` then means the newest complete checkpoint if
         any; ``False`` always starts fresh). A peer that dies or stays silent past ``ddp_timeout`` ends the
-        run with :class:`~mixprec.accelerator.peers.PeerLostError` naming its rank. output_dir is locked while training:
+        run with :class:`~mixprec.strategies.peers.PeerLostError` naming its rank. output_dir is locked while training:
         a second run into it is refused (FolderInUseError) naming the process that holds it."""
         with ckpt.lock_output_dir(self.accelerator, self.args.output_dir):
             try:

@@ -13,9 +13,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mixprec.accelerator.dcp_state import MODEL_DIR, load_sharded_state
 from mixprec.accelerator.model_part import completed, saved_keys
 from mixprec.checkpoint import load_tensors, save_json, save_tensors
+from mixprec.strategies.dcp_state import MODEL_DIR, load_sharded_state
 
 if TYPE_CHECKING:
     import torch

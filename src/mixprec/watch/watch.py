@@ -45,7 +45,7 @@ from mixprec.watch.stagnation import StagnationWarning, stagnation_message
 from mixprec.watch.trend import HeadroomWarning, TrendWatch
 
 if TYPE_CHECKING:
-    from mixprec.accelerator.accelerator import Accelerator
+    from mixprec.watch.host import WatchHost
 
 logger = logging.getLogger("mixprec.watch")
 
@@ -61,7 +61,8 @@ class PrecisionWatch:
     """Watches one prepared model's ranges during training; see the module docstring.
 
     ``PrecisionWatch(every=50, fallback=True)`` or ``PrecisionWatch(WatchConfig(...))``; then
-    ``watch.attach(accelerator, model)`` (``Accelerator(watch=...)`` does it in ``prepare``).
+    ``watch.attach(accelerator, model)`` (``Accelerator(watch=...)`` does it in ``prepare``; any
+    :class:`~mixprec.watch.host.WatchHost` will do).
     """
 
     def __init__(self, config: WatchConfig | int | str | dict | None = None, **settings: Any) -> None:
@@ -106,10 +107,10 @@ class PrecisionWatch:
 
     # -- wiring -----------------------------------------------------------------------------------------
 
-    def attach(self, accelerator: Accelerator, model: nn.Module) -> None:
-        """Watch ``model`` (prepared by ``accelerator``), and save the fallback list in its checkpoints. A watch
-        follows one model: the first attached (an Accelerator preparing a second model, a GAN's or a
-        teacher's, leaves it unwatched)."""
+    def attach(self, accelerator: WatchHost, model: nn.Module) -> None:
+        """Watch ``model`` (prepared by ``accelerator``, or run by any :class:`~mixprec.watch.host.WatchHost`),
+        and save the fallback list in its checkpoints. A watch follows one model: the first attached (an
+        Accelerator preparing a second model, a GAN's or a teacher's, leaves it unwatched)."""
         if self.model is not None:
             if model is not self.model:
                 logger.info("precision watch: already watching %s; %s is not watched",

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from mixprec.accelerator.distributed import LaunchEnv, make_strategy, select_device
-from mixprec.accelerator.sharding import share_bounds
+from mixprec.strategies.launch_env import LaunchEnv, select_device
+from mixprec.strategies.registry import make_strategy
 
 if TYPE_CHECKING:
-    from mixprec.accelerator.distributed import DistributedStrategy
     from mixprec.precision.base import Precision
+    from mixprec.strategies.strategy import DistributedStrategy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -214,3 +214,12 @@ def split_share(inputs: Any, index: int, count: int, apply_padding: bool = False
         else:
             share = share + type(share)(last) * missing
     return share
+
+
+def share_bounds(n: int, index: int, count: int) -> tuple[int, int]:
+    """``(start, end)`` of process ``index``'s contiguous share of ``n`` items among ``count`` processes: sizes
+    differ by at most one, the first ``n % count`` processes taking one more. The one split rule of mixprec's
+    data (a global step's samples here, ``split_between_processes`` and dispatched batches)."""
+    per, extra = divmod(n, count)
+    start = index * per + min(index, extra)
+    return start, start + per + (1 if index < extra else 0)

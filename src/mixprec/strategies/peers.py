@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 import torch.distributed as dist
 
-from mixprec.accelerator.restarts import restarts_allowed_on_several_nodes
+from mixprec.strategies.restarts import restarts_allowed_on_several_nodes
 
 logger = logging.getLogger("mixprec.accelerator")
 

@@ -3,7 +3,7 @@
 For data only the main process can read in order — an ``IterableDataset`` (a stream, a generator), a sampler
 that cannot be split — the main process iterates the DataLoader alone, takes one batch per process, and
 broadcasts them; each process keeps its own. Every sample is seen once and every process runs the same number
-of steps, as with mixprec's split of map-style data (:mod:`mixprec.accelerator.sharding`): when fewer batches
+of steps, as with mixprec's split of map-style data (:mod:`mixprec.loaders.sharding`): when fewer batches
 than processes are left, their samples are pooled and split as evenly as possible, and a tail smaller than
 the number of processes is folded into the step before it.
 
@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec import tree as pytree
-from mixprec.accelerator.process_state import split_share
+from mixprec.strategies.process_state import split_share
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
-    from mixprec.accelerator.distributed import DistributedStrategy
+    from mixprec.strategies.strategy import DistributedStrategy
 
 _END = object()
 

@@ -1,7 +1,7 @@
 """The prepared DataLoader: batches on the right device, the data split across processes, epochs counted.
 
 ``prepare`` rebuilds a DataLoader whose sampler is torch's ``SequentialSampler`` or ``RandomSampler``
-(``shuffle=False/True``) over a :class:`~mixprec.accelerator.sharding.ShardedBatchSampler`: the same
+(``shuffle=False/True``) over a :class:`~mixprec.loaders.sharding.ShardedBatchSampler`: the same
 dataset, batch size, collate_fn, workers and ``drop_last``, with each sample seen exactly once per epoch
 across all processes. The shuffle seed is drawn once from the loader's generator (or torch's global RNG, so
 ``torch.manual_seed`` governs it) on the main process and shared, and each epoch's order depends on
@@ -14,7 +14,7 @@ A loader whose sampler is already split (``DistributedSampler``, or any sampler 
 as the Trainer's) is kept as it is (``set_epoch`` is called for torch's ``DistributedSampler``; other
 samplers' epochs and positions belong to their owner). Custom samplers and iterable datasets are kept as
 they are in one process; in several, an iterable dataset's batches are read by the main process and sent to
-each process (:mod:`mixprec.accelerator.dispatch`, also for any loader with ``dispatch_batches=True``), and a
+each process (:mod:`mixprec.loaders.dispatch`, also for any loader with ``dispatch_batches=True``), and a
 custom sampler without ``dispatch_batches=True`` is refused: it cannot be split without knowing its order.
 """
 
@@ -22,17 +22,24 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from mixprec.accelerator.sharding import ShardedBatchSampler, epoch_seed
+from mixprec.loaders.sharding import ShardedBatchSampler, epoch_seed
 from mixprec.tree import tree_map
 
 if TYPE_CHECKING:
-    from mixprec.accelerator.distributed import DistributedStrategy
-    from mixprec.accelerator.gradients import GradientState
+    from mixprec.strategies.strategy import DistributedStrategy
+
+
+class Accumulation(Protocol):
+    """What a prepared loader tells the accumulation schedule (the Accelerator's
+    :class:`~mixprec.accelerator.gradients.GradientState`): that its epoch's last batch is being trained on,
+    so the window ends there and the optimizer steps."""
+
+    end_of_dataloader: bool
 
 
 def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
@@ -60,7 +67,7 @@ class PreparedDataLoader:
         self,
         loader: DataLoader,
         device: torch.device,
-        gradients: GradientState,
+        gradients: Accumulation,
         batch_sampler: ShardedBatchSampler | None = None,
         non_blocking: bool = False,
     ) -> None:
@@ -204,16 +211,16 @@ class SkippedDataLoader:
 def prepare_dataloader(
     loader: DataLoader,
     strategy: DistributedStrategy,
-    gradients: GradientState,
+    gradients: Accumulation,
     non_blocking: bool = False,
     dispatch: bool | None = None,
 ) -> PreparedDataLoader:
     """Wrap (and, when its order is known, rebuild) ``loader``; see the module docstring. ``dispatch``: the
     main process reads the batches and sends them (True; None: for an IterableDataset only) in several
-    processes (:mod:`mixprec.accelerator.dispatch`)."""
+    processes (:mod:`mixprec.loaders.dispatch`)."""
     world = strategy.num_processes
     if world > 1 and _dispatched(loader, dispatch):
-        from mixprec.accelerator.dispatch import DispatchingLoader
+        from mixprec.loaders.dispatch import DispatchingLoader
 
         return PreparedDataLoader(DispatchingLoader(loader, strategy), strategy.device, gradients, None, non_blocking)
     plan = _split_plan(loader, world)

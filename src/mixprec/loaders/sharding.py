@@ -24,6 +24,8 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
+from mixprec.strategies.process_state import share_bounds
+
 
 class ShardedBatchSampler(Sampler[list[int]]):
     """Batches of dataset indices for one process (see the module docstring for the split)."""
@@ -95,15 +97,6 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         """Batches in a full epoch (the same on every process)."""
         return len(self._steps)
-
-
-def share_bounds(n: int, index: int, count: int) -> tuple[int, int]:
-    """``(start, end)`` of process ``index``'s contiguous share of ``n`` items among ``count`` processes: sizes
-    differ by at most one, the first ``n % count`` processes taking one more. The one split rule of mixprec's
-    data (a global step's samples here, ``split_between_processes`` and dispatched batches)."""
-    per, extra = divmod(n, count)
-    start = index * per + min(index, extra)
-    return start, start + per + (1 if index < extra else 0)
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

@@ -2,7 +2,7 @@
 
 Mixed precision. ``fully_shard`` gets ``MixedPrecisionPolicy(param_dtype=compute dtype,
 reduce_dtype=float32)``: parameters are all-gathered in fp16/bf16 (half the traffic and memory of fp32),
-gradients are reduce-scattered in fp32 (in bf16/fp16 with ``comm_dtype``: :mod:`mixprec.accelerator.comm`),
+gradients are reduce-scattered in fp32 (in bf16/fp16 with ``comm_dtype``: :mod:`mixprec.strategies.comm`),
 and the sharded master weights and optimizer state stay fp32. The forward *also* runs under the precision's
 autocast, because the policy alone would run every op in the low precision: autocast keeps softmax, norms,
 losses and reductions in fp32, as in the single-process mixed modes. (Under autocast the matmuls' casts are
@@ -16,26 +16,30 @@ and every process skips the same steps. ``fully_shard`` replaces parameters by s
 
 Works on CPU with gloo (torch 2.13) as on CUDA with nccl. Checkpoints are full (unsharded) state dicts
 gathered on the main process, so they load into any number of processes, or none; with
-``fsdp_state_dict_type="sharded"`` each process writes its own shards instead (dcp_state.py), which load
-into any number of processes too.
+``fsdp_state_dict_type="sharded"`` each process writes its own shards instead (:meth:`FSDP2Strategy.save_shards`),
+which load into any number of processes too.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from mixprec.accelerator.comm import CommPrecision
-from mixprec.accelerator.distributed import LaunchEnv, ProcessGroupStrategy
-from mixprec.accelerator.model_checks import check_no_low_precision_trainable
-from mixprec.accelerator.prepared import patch_forward
+from mixprec.checkpoint import CheckpointError
+from mixprec.precision.master_weights import needs_master
+from mixprec.strategies import dcp_state
+from mixprec.strategies.comm import CommPrecision
+from mixprec.strategies.process_group import ProcessGroupStrategy
+from mixprec.strategies.strategy import Owned, owned_pairs
 
 if TYPE_CHECKING:
     from mixprec.precision.base import Precision
+    from mixprec.strategies.launch_env import LaunchEnv
 
 
 class FSDP2Strategy(ProcessGroupStrategy):
@@ -47,7 +51,6 @@ class FSDP2Strategy(ProcessGroupStrategy):
     """
 
     name = "fsdp"
-    saves_partial_gradients = False  # unsynced sums live unsharded inside FSDP2 during no_sync
 
     def __init__(
         self,
@@ -72,11 +75,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
 
         model = precision.convert_module(model.to(self.device))
         if precision.param_dtype == torch.float32:  # fully_shard replaces the parameters a master would copy
-            check_no_low_precision_trainable(
-                model, "prepare() under FSDP2",
-                "cast the trainable parameters to float32 before prepare (peft: get_peft_model(..., "
-                "autocast_adapter_dtype=True)), or use precision='bf16-pure'",
-            )  # fmt: skip
+            check_no_low_precision_trainable(model)
         # fully_shard, unlike DDP, does not broadcast: make every process start from the main one's weights.
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
@@ -92,7 +91,6 @@ class FSDP2Strategy(ProcessGroupStrategy):
         fully_shard(model, **options)
         new = dict(model.named_parameters(remove_duplicate=False))
         self._replaced.update({old: new[name] for old, name in names.items()})
-        patch_forward(model, precision)
         return model
 
     def _units(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
@@ -103,8 +101,16 @@ class FSDP2Strategy(ProcessGroupStrategy):
             if isinstance(module, torch.nn.ModuleList):
                 yield from (child for child in module if any(True for _ in child.parameters()))
 
-    def replaced_parameters(self) -> dict[int, torch.nn.Parameter]:
-        return self._replaced
+    def follow_replaced_parameters(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._replaced:
+            return
+        if optimizer.state:
+            raise ValueError(
+                "prepare(): under FSDP the optimizer must be prepared before its first step (it already has "
+                "state for the unsharded parameters)"
+            )
+        for group in optimizer.param_groups:
+            group["params"] = [self._replaced.get(id(p), p) for p in group["params"]]
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
@@ -155,3 +161,34 @@ class FSDP2Strategy(ProcessGroupStrategy):
             raise ValueError("load_state under FSDP: an optimizer whose parameters belong to no prepared model")
         state = read() if self.is_main_process else {}
         set_optimizer_state_dict(model, optimizer, state, options=self._options(loading=True))
+
+    # -- what save_state writes besides full state dicts ---------------------------------------------
+
+    def partial_gradients(
+        self, models: list[torch.nn.Module], micro_step: int, accumulation_steps: int
+    ) -> list[dict[str, torch.Tensor]]:
+        if micro_step == 0:
+            return []
+        # the unsynced sums live unsharded inside FSDP2 during no_sync: there is no local .grad to save
+        raise CheckpointError(
+            f"save_state inside an accumulation window ({micro_step} of {accumulation_steps} micro-batches "
+            f"summed) is not supported under {self.name}: save right after an optimizer step (when "
+            "accelerator.sync_gradients is True)"
+        )
+
+    def save_shards(self, models: list[torch.nn.Module], optimizers: list[Owned], folder: Path) -> None:
+        if self.sharded_state:  # every process writes its shards (DCP gathers any process's error to all)
+            dcp_state.save_sharded_state(models, owned_pairs(optimizers, "save_state"), folder)
+
+
+def check_no_low_precision_trainable(model: torch.nn.Module) -> None:
+    """``fully_shard`` replaces the parameters an fp32 master would copy (see
+    :mod:`mixprec.precision.master_weights`): refuse a trainable fp16/bf16 parameter by name, with the fix."""
+    for name, p in model.named_parameters():
+        if needs_master(p):
+            raise ValueError(
+                f"prepare() under FSDP2: parameter {name!r} is {str(p.dtype).removeprefix('torch.')} and "
+                "trainable, and cannot get an fp32 master copy here; cast the trainable parameters to float32 "
+                "before prepare (peft: get_peft_model(..., autocast_adapter_dtype=True)), or use "
+                "precision='bf16-pure'"
+            )

@@ -8,7 +8,7 @@ until the launcher killed them (issue 24: "the folder lock under torchrun report
 
 :func:`main_decides` runs the check on the main process and writes its outcome (empty: success; else the
 error's type and message) into the launch's key-value store (torchrun's agent's, or the one rank 0 serves
-on MASTER_PORT, which the process group then adopts: :func:`mixprec.accelerator.peers.open_early_store`).
+on MASTER_PORT, which the process group then adopts: :func:`mixprec.strategies.peers.open_early_store`).
 The other processes wait for that key and raise the same error; on a failure the main process waits until
 they have read it before it exits, since the launcher stops the others as soon as one process ends. Cost:
 one store round trip per process, no process group. Without a store (one process, no MASTER_ADDR/PORT)
@@ -91,6 +91,6 @@ def _with_subclasses(errors: tuple[type[Exception], ...]) -> list[type[Exception
 
 
 def _launcher_store(timeout_s: float, environ: Mapping[str, str]):  # noqa: ANN202 - a torch Store or None
-    from mixprec.accelerator.peers import open_early_store
+    from mixprec.strategies.peers import open_early_store
 
     return open_early_store(datetime.timedelta(seconds=timeout_s), environ)

@@ -1,8 +1,8 @@
 """``DataLoaderConfiguration``: HF Accelerate's DataLoader settings, as ``Accelerator(dataloader_config=...)``.
 
 mixprec's prepared DataLoaders split each epoch so that every sample is seen once and every process runs the
-same number of batches: by index for map-style data (:mod:`mixprec.accelerator.sharding`, with a seeded order
-and a saved position), by the main process dispatching batches otherwise (:mod:`mixprec.accelerator.dispatch`).
+same number of batches: by index for map-style data (:mod:`mixprec.loaders.sharding`, with a seeded order
+and a saved position), by the main process dispatching batches otherwise (:mod:`mixprec.loaders.dispatch`).
 The settings that ask for one of those are accepted; those that ask for something else are refused by name,
 with what to do instead, rather than ignored.
 """
@@ -20,7 +20,7 @@ class DataLoaderConfiguration:
 
     dispatch_batches: bool | None = None
     """True: the main process reads every batch and sends each process its own
-    (:mod:`mixprec.accelerator.dispatch`), for data that cannot be split by index (a stream, a custom
+    (:mod:`mixprec.loaders.dispatch`), for data that cannot be split by index (a stream, a custom
     sampler). None (default, as accelerate): dispatch IterableDatasets in several processes, split the others.
     False: never dispatch (an IterableDataset in several processes is then refused)."""
 

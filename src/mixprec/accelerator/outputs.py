@@ -1,0 +1,213 @@
+"""What an Accelerator writes and reads, with accelerate's names: ``save_state`` / ``load_state`` (one atomic
+folder, :mod:`mixprec.accelerator.state`), the project folder, automatic checkpoint naming and its hooks
+(:mod:`mixprec.accelerator.checkpoints`), the elastic resume, ``save_model`` (the HF layout,
+:mod:`mixprec.accelerator.saving`), the experiment trackers' logs (:mod:`mixprec.tracking.trackers`),
+``free_memory`` and ``end_training``.
+
+A part of :class:`~mixprec.accelerator.accelerator.Accelerator` (a base class of it), apart only to keep one
+file per concern; the distributed strategy decides how each piece is gathered, sharded or written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mixprec.accelerator.checkpoints import check_checkpointable
+from mixprec.accelerator.lifecycle import release_prepared
+from mixprec.accelerator.saving import save_model
+from mixprec.accelerator.state_checks import RunState
+from mixprec.strategies.restarts import agree_on_number, restarted_anywhere
+
+if TYPE_CHECKING:
+    from mixprec.accelerator.checkpoints import StateCheckpoints
+    from mixprec.accelerator.gradients import GradientState
+    from mixprec.accelerator.prepared import PreparedOptimizer, PreparedScheduler
+    from mixprec.accelerator.project import ProjectConfiguration
+    from mixprec.accelerator.state_checks import Registry
+    from mixprec.loaders.data import PreparedDataLoader
+    from mixprec.precision.base import Precision
+    from mixprec.strategies.strategy import DistributedStrategy
+    from mixprec.tracking.trackers import Trackers
+
+logger = logging.getLogger("mixprec.accelerator")
+
+
+class OutputMethods:
+    """Saving, loading and logging an Accelerator's run (see the module doc)."""
+
+    device: torch.device
+    _checkpoints: StateCheckpoints
+    _trackers: Trackers
+    _registry: Registry
+    _strategy: DistributedStrategy
+    _precision: Precision
+    _gradients: GradientState
+    unwrap_model: Callable[[torch.nn.Module], torch.nn.Module]
+
+    # accelerate's names for what prepare() registered, which scripts and libraries written for it read
+    # (the lists themselves: free_memory empties them).
+    @property
+    def _models(self) -> list[torch.nn.Module]:
+        return self._registry.models
+
+    @property
+    def _optimizers(self) -> list[PreparedOptimizer]:
+        return self._registry.optimizers
+
+    @property
+    def _schedulers(self) -> list[PreparedScheduler]:
+        return self._registry.schedulers
+
+    @property
+    def _dataloaders(self) -> list[PreparedDataLoader]:
+        return self._registry.dataloaders
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Include objects with ``state_dict()`` / ``load_state_dict()`` in ``save_state`` / ``load_state``.
+        Raises ValueError listing every object that lacks them (by position), registering none."""
+        check_checkpointable(objects)
+        self._registry.custom.extend(objects)
+
+    @property
+    def project_configuration(self) -> ProjectConfiguration:
+        return self._checkpoints.project
+
+    @property
+    def project_dir(self) -> str | os.PathLike[str] | None:
+        return self._checkpoints.project.project_dir
+
+    @property
+    def logging_dir(self) -> str | os.PathLike[str] | None:
+        return self._checkpoints.project.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        """The number the next automatic checkpoint gets."""
+        return self._checkpoints.project.iteration
+
+    def save_state(
+        self,
+        output_dir: str | Path | None = None,
+        safe_serialization: bool = True,
+        *,
+        extra_json: Mapping[str, Any] | None = None,
+        async_save: bool = False,
+    ) -> Path:
+        """Save models, optimizers, schedulers, scaler, data positions and RNG states, atomically (see
+        :mod:`mixprec.accelerator.state`); with no ``output_dir``, to the project's next automatic checkpoint
+        (:mod:`mixprec.accelerator.project`). ``safe_serialization=False`` writes the weights with torch.save.
+        ``extra_json={"name": obj}`` adds ``name.json`` to the folder. Collective: call it on every process.
+        ``async_save=True``: returns once the state is copied to host memory; a background thread writes and
+        commits the folder (it appears when complete; ``wait_for_checkpoint()`` waits for it)."""
+        return self._checkpoints.save(
+            self._run_state(), output_dir, safe_serialization=safe_serialization, extra_json=extra_json,
+            async_save=async_save,
+        )  # fmt: skip
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous ``save_state`` has committed its folder; raise its failure on every
+        process. Collective. ``load_state`` and ``end_training`` call it themselves."""
+        self._checkpoints.wait(self._run_state())
+
+    def load_state(self, input_dir: str | Path | None = None, *, map_location: str | None = None) -> dict[str, Any]:
+        """Restore a folder written by ``save_state`` (either format; with no ``input_dir``, the project's newest
+        automatic checkpoint) into the prepared objects (call after ``prepare``). Loads no pickled objects.
+        ``map_location`` ("cpu" or "on_device", accelerate's values) is accepted: the state always lands on
+        the devices of the parameters it belongs to. Collective."""
+        return self._checkpoints.load(self._run_state(), input_dir, map_location=map_location)
+
+    def resume_after_restart(self) -> Path | None:
+        """The elastic pattern in one line: when ``torchrun --max-restarts=N`` restarted this worker group (a
+        process died; on any node), load the project's newest automatic checkpoint and return its folder;
+        otherwise (a first start, or no checkpoint yet) load nothing and return None. The main process chooses
+        the folder for all. Needs ``ProjectConfiguration(automatic_checkpoint_naming=True)``. Collective."""
+        number = self._checkpoints.latest_number()  # every process checks the configuration; the main one's count
+        if not restarted_anywhere(self):
+            return None
+        number = agree_on_number(self, number)
+        if number < 0:
+            logger.warning("restarted by the launcher, but no checkpoint was saved yet: starting afresh")
+            return None
+        folder = self.project_configuration.checkpoint(number)
+        self.load_state(folder)
+        logger.warning("restarted by the launcher: resumed from %s", folder)
+        return folder
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """``hook(models, weights, output_dir)`` before ``save_state`` writes (see
+        :mod:`mixprec.accelerator.checkpoints`); returns a handle with ``remove()``."""
+        return self._checkpoints.register_save_hook(hook)
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """``hook(models, input_dir)`` before ``load_state`` loads; returns a handle with ``remove()``."""
+        return self._checkpoints.register_load_hook(hook)
+
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        save_directory: str | os.PathLike[str],
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write ``model``'s full weights in the Hugging Face layout (``model.safetensors``, or shards and an
+        index; see :mod:`mixprec.accelerator.saving`), gathered through the distributed strategy (FSDP2
+        included) and written by the main process. Collective: call it on every process."""
+        save_model(self._strategy, self.unwrap_model(model), save_directory,
+                   max_shard_size=max_shard_size, safe_serialization=safe_serialization)  # fmt: skip
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor] | None:
+        """``model``'s full state dict on the main process (gathered under FSDP2: a collective), None on the
+        others. ``unwrap`` is accepted for accelerate's scripts: the keys are the user's module's either way."""
+        return self._strategy.model_state_dict(self.unwrap_model(model))
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Forget every prepared model, optimizer, scheduler and DataLoader, collect garbage and empty the
+        device's cache; returns ``[None] * len(objects)`` to assign back (``model, opt = free_memory(model,
+        opt)``), as accelerate. Objects registered for checkpointing are kept (a precision watch among them
+        still holds the model it watches). A model prepared here before can be prepared again."""
+        release_prepared(self._registry, self._gradients, self._precision, self.device)
+        return [None for _ in objects]
+
+    clear = free_memory
+
+    def _run_state(self) -> RunState:
+        return RunState(self._registry, self._strategy, self._precision, self._gradients)
+
+    # -- experiment trackers (accelerate's log_with) --------------------------------------------------
+
+    def init_trackers(
+        self, project_name: str, config: dict[str, Any] | None = None, init_kwargs: dict[str, Any] | None = None
+    ) -> None:
+        """Start the ``log_with`` trackers on the main process: TensorBoard under ``logging_dir/project_name``,
+        MLflow's experiment or W&B's project named ``project_name``; ``config`` is stored as the run's
+        hyperparameters; ``init_kwargs={"wandb": {...}}`` goes to that tracker."""
+        self._trackers.init(project_name, config, init_kwargs)
+
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
+        """Log ``values`` to every tracker (main process only)."""
+        self._trackers.log(values, step, log_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The tracker ``name`` ("tensorboard", "mlflow", "wandb"), or with ``unwrap`` what it wraps (the
+        SummaryWriter, the mlflow module, the wandb run)."""
+        return self._trackers.get(name, unwrap)
+
+    @property
+    def trackers(self) -> list[Any]:
+        return list(self._trackers.active)
+
+    def end_training(self) -> None:
+        """Finish the trackers, then leave the process group this Accelerator joined (call at the end of a
+        distributed script), once every process has reached this call. An asynchronous save still in flight
+        is finished first (its failure raised after the group is left)."""
+        try:
+            self._checkpoints.wait(self._run_state())
+        finally:
+            self._trackers.finish()
+            self._strategy.close(wait_for_peers=True)

@@ -1,0 +1,205 @@
+"""The Accelerator's process-side methods, with accelerate's names: where this process stands, collectives
+over nested tensors, which process runs a block, and a flag any process can raise.
+
+A part of :class:`~mixprec.accelerator.accelerator.Accelerator` (a base class of it), apart only to keep one
+file per concern: each method delegates to the distributed strategy or to ``accelerator.state``
+(:class:`~mixprec.strategies.process_state.AcceleratorState`), and none branches on the kind.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mixprec import tree as pytree
+
+if TYPE_CHECKING:
+    from mixprec.accelerator.config import AcceleratorConfig
+    from mixprec.precision.base import Precision
+    from mixprec.strategies.process_state import AcceleratorState
+    from mixprec.strategies.strategy import DistributedStrategy
+
+
+logger = logging.getLogger("mixprec.accelerator")
+
+
+class ProcessMethods:
+    """Topology, collectives and per-process decorators of an Accelerator (see the module doc)."""
+
+    state: AcceleratorState
+    device: torch.device
+    config: AcceleratorConfig
+    _precision: Precision
+    _strategy: DistributedStrategy
+    _trigger: bool
+
+    @property
+    def distributed_type(self) -> str:
+        """ "single", "ddp" or "fsdp"."""
+        return self.state.distributed_type
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.state.local_process_index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.state.is_local_main_process
+
+    def gather(self, data: Any) -> Any:
+        """Concatenate tensors (nested in dicts/lists) from every process along dim 0; processes may hold
+        different numbers of rows. Collective, and a host sync (the row counts)."""
+        return _map_tensors(data, self._strategy.all_gather, self.device)
+
+    gather_for_metrics = gather  # the prepared DataLoaders repeat no sample, so there is nothing to drop
+
+    def pad_across_processes(self, data: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
+        """Pad tensors (nested) along ``dim`` to the longest any process holds, with ``pad_index`` (at the start
+        with ``pad_first``), so that they can be gathered: accelerate's, for token-level predictions whose
+        sequence lengths differ between processes. Collective (one all-reduce per tensor); a tensor with fewer
+        than ``dim + 1`` dimensions is returned as it is, as everything is in one process."""
+        return self._strategy.pad_across_processes(data, dim, pad_index, pad_first)
+
+    def reduce(self, data: Any, reduction: str = "sum") -> Any:
+        """All-reduce tensors (nested) across processes: "sum", "mean", "max" or "min". Returns new tensors."""
+        return _map_tensors(data, lambda t: self._strategy.all_reduce(t.clone(), reduction), self.device)
+
+    def wait_for_everyone(self) -> None:
+        self.state.wait_for_everyone()
+
+    def explain_failure(self, err: BaseException) -> BaseException:
+        """``err`` itself, or, when it is a collective that failed because a peer died or stopped answering
+        within ``timeout``, a :class:`~mixprec.strategies.peers.PeerLostError` naming that rank (asks the
+        launcher's store, up to 5 s). ``except Exception as err: raise accelerator.explain_failure(err)``."""
+        return self._strategy.explain_failure(err) or err
+
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        """The main process runs the block first (downloads, caches), then the others."""
+        return self.state.main_process_first()
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        """The first process of each machine runs the block first, then the others."""
+        return self.state.local_main_process_first()
+
+    def split_between_processes(
+        self, inputs: Any, apply_padding: bool = False
+    ) -> contextlib.AbstractContextManager[Any]:
+        """This process's contiguous share of ``inputs`` (see :meth:`PartialState.split_between_processes`)."""
+        return self.state.split_between_processes(inputs, apply_padding)
+
+    def on_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: run ``function`` on the main process only."""
+        return self.state.on_main_process(function)
+
+    def on_local_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: run ``function`` on each machine's first process only."""
+        return self.state.on_local_main_process(function)
+
+    def on_last_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: run ``function`` on the last process only."""
+        return self.state.on_last_process(function)
+
+    def on_process(self, function: Callable[..., Any] | None = None, process_index: int | None = None) -> Any:
+        """Decorator: run ``function`` on process ``process_index`` only."""
+        return self.state.on_process(function, process_index=process_index)
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.state.is_last_process
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.state.use_distributed
+
+    # -- a flag any process can raise (accelerate's trigger: stop every process together) ---------------
+
+    def set_trigger(self) -> None:
+        """Raise this process's flag; the next :meth:`check_trigger` on every process sees it."""
+        self._trigger = True
+
+    def check_trigger(self) -> bool:
+        """Whether any process called :meth:`set_trigger` since the last check (then lowered everywhere).
+        Collective: every process must call it."""
+        raised = not self._strategy.all_true(not self._trigger)
+        self._trigger = False
+        return raised
+
+    def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
+        """Save ``obj`` on the main process only (accelerate's): ``torch.save``, or safetensors for a dict of
+        tensors with ``safe_serialization=True``."""
+        if not self.is_main_process:
+            return
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
+        else:
+            torch.save(obj, f)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        self.state.print(*args, **kwargs)
+
+    # -- what this run is, said once by the main process --------------------------------------------
+
+    def _report(self) -> None:
+        d = self._precision.describe()
+        if self._precision.pending:  # said once, when decided (issue 29: one story per run)
+            logger.info("mixprec: auto on %s, %s: %s", d["device"], self._strategy.describe(), d["reason"])
+            return
+        line = (
+            f"mixprec: {d['precision']} on {d['device']} (compute {d['compute_dtype']}, master weights "
+            f"{d['param_dtype']}, loss scaling {'on' if d['loss_scaling'] else 'off'}), "
+            f"{self._strategy.describe()}: {d['reason']}"
+        )
+        if self.config.step_in_backward:
+            line += "; optimizer steps in backward (each gradient freed once applied)"
+        self._say(line)
+
+    def _say(self, line: str) -> None:
+        if self.is_main_process:
+            logger.info(line)
+            if self.config.verbose:
+                _print_line(line)
+
+
+def _print_line(line: str) -> None:
+    """``line`` on stderr on a line of its own: through tqdm when one of its bars is drawn on the terminal
+    (it clears the bar, prints, redraws), else a plain print (the Trainer draws no bar into a file)."""
+    tqdm = sys.modules.get("tqdm")
+    bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
+    if bars:
+        tqdm.tqdm.write(line, file=sys.stderr)  # type: ignore[union-attr]
+        sys.stderr.flush()
+    else:
+        builtins.print(line, file=sys.stderr, flush=True)
+
+
+def _map_tensors(data: Any, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> Any:
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x.to(device))  # nccl collectives need device tensors (a no-op on the CPU)
+        if isinstance(x, (int, float, bool)):
+            return fn(torch.tensor(x, device=device))
+        raise TypeError(f"gather/reduce take tensors (or dicts/lists of them), got {type(x).__name__}")
+
+    return pytree.tree_map(leaf, data)
