@@ -26,6 +26,7 @@ from mixprec.precision import auto_cache
 from mixprec.precision.base import Precision
 from mixprec.precision.master_weights import master_names
 from mixprec.precision.op_timing import measure_op_kinds, policy_candidate
+from mixprec.precision.policy import make_policy
 from mixprec.precision.race import ROUNDS, Agree, AutoDecision, Clock, Unfinished, decide, recheck
 from mixprec.precision.trial import no_trace, race_clock, run_trial
 
@@ -230,9 +231,7 @@ class AutoPrecision(Precision):
         key = auto_cache.fingerprint(self.device, models, auto_cache.shapes_of(batch), key_names, self.processes)
         cached = auto_cache.lookup(key) if use_cache else None
         if op_policy and cached is not None and cached.chosen not in names and cached.chosen.startswith(_POLICY_BASE):
-            from mixprec.precision.registry import make_precision  # the registry makes "auto": imported late
-
-            self._add_candidate(make_precision(cached.chosen, self.device))  # a cached race's policy
+            self._add_candidate(make_policy(cached.chosen, self.device))  # a cached race's policy
             names = [p.name for p in self.candidates]  # safest first, the policy in its place
         same = self._agree or (lambda xs: xs)
         hit = same([cached.chosen] if cached is not None and cached.chosen in names else [])

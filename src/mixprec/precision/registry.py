@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from mixprec.precision.auto import AutoPrecision
 from mixprec.precision.base import Precision, PrecisionNotSupportedError, default_device
 from mixprec.precision.fp8 import Fp8Precision, Fp8RowwisePrecision
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
 from mixprec.precision.op_policy import OpPolicy, check_op_kinds
-from mixprec.precision.policy import POLICY_BASES
+from mixprec.precision.policy import POLICY_BASES, make_policy
 from mixprec.precision.pure import PureBf16KahanPrecision, PureBf16Precision
 
 _STRATEGIES: dict[str, type[Precision]] = {}
@@ -86,8 +87,6 @@ def make_precision(name: str = AUTO, device: torch.device | str | None = None, *
         return _make_policy(key, dev)
     if key != AUTO:
         return _STRATEGIES[key](dev)
-    from mixprec.precision.auto import AutoPrecision
-
     Precision.check_supported(dev)
     return AutoPrecision(auto_candidates(dev), processes=processes)
 
@@ -137,8 +136,7 @@ def _parse_policy(key: str) -> OpPolicy:
 
 
 def _make_policy(key: str, device: torch.device) -> Precision:
-    policy = _parse_policy(key)
-    return POLICY_BASES[policy.base](policy.fp32_ops, device)
+    return make_policy(_parse_policy(key).spec, device)
 
 
 def _device(device: torch.device | str | None) -> torch.device:
