@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from mixprec.cli._common import add_data_model_args, load_model_and_data, positive_int
+from mixprec.cli._common import add_data_model_args, load_model_and_data, parse_precision, positive_int
 from mixprec.precision.base import default_device
 
 # Sized for the one-minute budget on 2 CPU cores: without native fp16 on the CPU, each fp16 pass of the
@@ -95,7 +95,8 @@ def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device
 def run(args: argparse.Namespace) -> int:
     from mixprec.diagnostics import diagnose  # heavy: only when this subcommand runs
 
-    model, train, _val, info = load_model_and_data(args)
+    precision = parse_precision(args.precision, getattr(args, "fp32_ops", None))
+    model, train, _val, info = load_model_and_data(args, precision=precision)
     device = default_device()
     model.to(device)
     generator = torch.Generator().manual_seed(args.seed)
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         model,
         loader,
         device=device,
-        precision_target=info.precision if info.precision != "auto" else "fp16",
+        precision_target="fp16" if precision.pending else precision.name,  # "auto" may pick fp16: its range
         max_batches=args.batches,
         nonfinite_batches=min(args.nonfinite_batches, args.batches),
         lr=args.lr,

@@ -30,6 +30,7 @@ from mixprec.cli._common import (
     add_data_model_args,
     load_model_and_data,
     nonnegative_int,
+    parse_precision,
     positive_float,
     positive_int,
 )
@@ -39,6 +40,7 @@ from mixprec.cli._lora import add_lora_args, apply_lora, lora_plan
 from mixprec.cli.main import CliError
 from mixprec.data import decode, encode, unigram_entropy
 from mixprec.models import GPT
+from mixprec.precision.base import Precision
 from mixprec.trainer.optimizers import OPTIMIZER_NAMES
 from mixprec.trainer.signals import TrainingInterrupted
 
@@ -205,12 +207,12 @@ def _z_loss_weight(text: str) -> float:
 # -- the run ----------------------------------------------------------------------------------------------
 
 
-def _training_arguments(args: argparse.Namespace, info: DataModelInfo, output_dir: Path) -> Any:
+def _training_arguments(args: argparse.Namespace, precision: Precision, output_dir: Path) -> Any:
     from mixprec.trainer.args import TrainingArguments
 
     return TrainingArguments(
         output_dir=str(output_dir),
-        precision=info.precision,
+        precision=precision,  # parsed once, at the edge: the Trainer's Accelerator runs this very strategy
         num_train_epochs=float(args.epochs),
         max_steps=args.max_steps if args.max_steps is not None else -1,
         per_device_train_batch_size=args.batch_size,
@@ -308,8 +310,9 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     if _rundir.world_size() == 1 and not torch.cuda.is_available():  # a CPU run: threads for the load it meets
         threads = _threads.choose_threads()
         torch.set_num_threads(threads.threads)
-    lora = lora_plan(args)  # a bad --lora-* flag fails before anything is loaded
-    model, train_chunks, val_chunks, info = load_model_and_data(args, lora.base_dtype if lora else None)
+    precision = parse_precision(args.precision, args.fp32_ops)  # the one parse of --precision / --fp32-ops
+    lora = lora_plan(args, precision)  # a bad --lora-* flag fails before anything is loaded
+    model, train_chunks, val_chunks, info = load_model_and_data(args, lora.base_dtype if lora else None, precision)
     if args.z_loss:
         if not isinstance(model, GPT):
             raise CliError(f"--z-loss {args.z_loss:g}: only the built-in GPT has a z-loss; drop --z-loss for --model")
@@ -322,7 +325,7 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     train_dataset = EpochChunks(train_chunks, chunks_per_epoch, seed=args.seed)
     eval_dataset = _eval_subset(val_chunks, info.seq_len)
     baseline = unigram_entropy(_subset_tokens(eval_dataset))
-    training_args = _training_arguments(args, info, run_dir)
+    training_args = _training_arguments(args, precision, run_dir)
 
     from mixprec.trainer.trainer import Trainer
 

@@ -63,6 +63,13 @@ class AutoPrecision(Precision):
             op_policy = os.environ.get("MIXPREC_AUTO_OP_POLICY", "1") != "0"
         self.op_policy = op_policy and any(p.name == _POLICY_BASE for p in self.candidates)
 
+    def bind(self, device: torch.device, processes: int = 1) -> None:
+        """As the base, for every candidate too; the race learns how many processes run it in lockstep."""
+        for candidate in self.candidates:
+            candidate.bind(device)
+        super().bind(device)
+        self.processes = processes
+
     # -- what it is now ------------------------------------------------------------------------------
 
     @property

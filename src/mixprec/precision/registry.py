@@ -91,6 +91,47 @@ def make_precision(name: str = AUTO, device: torch.device | str | None = None, *
     return AutoPrecision(auto_candidates(dev), processes=processes)
 
 
+def precision_for(
+    precision: str | Precision, device: torch.device | str | None = None, *, processes: int = 1
+) -> Precision:
+    """The strategy a training loop runs: a name parsed by :func:`make_precision`, or a strategy already
+    made (``make_precision("bf16")``, an ``AutoPrecision``: parsed at the edge, e.g. by the command line)
+    used as it is, bound to ``device`` and ``processes`` (:meth:`Precision.bind`). No name is parsed twice."""
+    if isinstance(precision, Precision):
+        precision.bind(_device(device), processes)
+        return precision
+    return make_precision(precision, device, processes=processes)
+
+
+def may_scale_loss(precision: str | Precision) -> bool:
+    """Whether ``precision`` scales the loss, or may: fp16 and its policies, and "auto" until decided (it may
+    pick fp16). What a caller that cannot work with a loss scale (the step in backward) asks."""
+    if isinstance(precision, Precision):
+        return precision.pending or precision.needs_loss_scaling
+    key = canonical_name(precision)
+    return key == AUTO or _class_of(key).needs_loss_scaling
+
+
+def hf_flags(precision: str | Precision) -> tuple[bool, bool]:
+    """HF's ``(fp16, bf16)`` flags for ``precision``: the fp16 / bf16 autocast mode or a policy refining it
+    ("bf16:fp32_ops=attention" is bf16); both False for fp32, pure bf16, fp8 and an undecided "auto"."""
+    name = precision.name if isinstance(precision, Precision) else canonical_name(precision)
+    base = name.partition(":")[0]  # a policy is its base mode
+    return base == Fp16MixedPrecision.name, base == Bf16MixedPrecision.name
+
+
+def autocast_format(precision: str | Precision) -> str | None:
+    """The name of the plain autocast mode ``precision`` is ("fp16" or "bf16": the number format a
+    diagnosis judges it by), None for any other mode (fp32, a policy, pure bf16, fp8, "auto")."""
+    name = precision.name if isinstance(precision, Precision) else canonical_name(precision)
+    return name if _STRATEGIES.get(name) in (Fp16MixedPrecision, Bf16MixedPrecision) else None
+
+
+def _class_of(key: str) -> type[Precision]:
+    """The strategy class of a canonical name other than "auto" (a policy's class for a policy)."""
+    return POLICY_BASES[OpPolicy.parse(key).base] if ":" in key else _STRATEGIES[key]
+
+
 def auto_candidates(device: torch.device) -> list[Precision]:
     """The registered modes "auto" may pick on ``device`` (those declaring ``auto_candidate`` that the device
     runs), safest first."""
@@ -105,7 +146,7 @@ def auto_candidates(device: torch.device) -> list[Precision]:
     return out
 
 
-def policy_name(precision: str, fp32_ops: str | list[str] | tuple[str, ...] | None) -> str:
+def policy_name(precision: str | Precision, fp32_ops: str | list[str] | tuple[str, ...] | None) -> str:
     """The precision name for ``precision`` with ``fp32_ops`` kept in fp32 (the ``fp32_ops=`` argument of
     the Accelerator, TrainingArguments and ``mixprec train``): ``("bf16", ["attention"])`` ->
     "bf16:fp32_ops=attention"; ``precision`` unchanged when ``fp32_ops`` is empty. Raises a ValueError naming
@@ -113,6 +154,11 @@ def policy_name(precision: str, fp32_ops: str | list[str] | tuple[str, ...] | No
     kinds = check_op_kinds(fp32_ops or ())
     if not kinds:
         return precision
+    if isinstance(precision, Precision):  # a strategy already made: its kinds are part of its name
+        raise ValueError(
+            f"fp32_ops={sorted(kinds)} with a precision strategy ({precision.name!r}): name the kinds in it, "
+            f"make_precision('{precision.name}:fp32_ops={','.join(sorted(kinds))}'), and drop fp32_ops"
+        )
     base = canonical_name(precision)
     if ":" in base:
         base = OpPolicy.parse(base).base
