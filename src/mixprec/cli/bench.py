@@ -14,6 +14,7 @@ from mixprec.cli._common import add_data_model_args, load_model_and_data, nonneg
 from mixprec.cli._config import explicit_flags
 from mixprec.cli.main import CliError
 from mixprec.models import GPT_PRESETS
+from mixprec.precision.policy import POLICY_BASES
 from mixprec.precision.registry import canonical_name
 
 # The default run must finish in well under a minute on 2 shared CPU cores, where one fp16 step of the
@@ -144,7 +145,7 @@ def _measured_base(policy: str | None) -> str | None:
         return None
     _, _, mode = policy.partition(":")
     base = canonical_name(mode) if mode.strip() else "bf16"
-    if base not in ("bf16", "fp16"):
+    if base not in POLICY_BASES:
         raise CliError(f"--policy {policy!r}: measured policies refine bf16 or fp16 (e.g. --policy measured:fp16)")
     return base
 

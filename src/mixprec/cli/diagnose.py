@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from mixprec.cli._common import add_data_model_args, load_model_and_data, parse_precision, positive_int
+from mixprec.diagnostics.formats import FORMATS
 from mixprec.precision.base import default_device
 
 # Sized for the one-minute budget on 2 CPU cores: without native fp16 on the CPU, each fp16 pass of the
@@ -75,7 +76,7 @@ def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device
     acc = Accelerator(mixed_precision="auto", device=device, verbose=False)
     copy_ = acc.prepare(copy.deepcopy(model))
     batch = {k: v.to(device) for k, v in batch.items()}
-    excluded = {n: "the diagnosis judged it unsafe for this model" for n in ("fp16", "bf16")}
+    excluded = {n: "the diagnosis judged it unsafe for this model" for n in FORMATS}
     for name in report.safe_precisions:
         excluded.pop(name, None)
     decision = acc.settle_precision(lambda: extract_loss(copy_(**batch)), batch, excluded=excluded)

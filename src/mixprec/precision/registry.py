@@ -103,13 +103,19 @@ def precision_for(
     return make_precision(precision, device, processes=processes)
 
 
+def needs_loss_scaling(name: str) -> bool:
+    """Whether the mode ``name`` scales the loss (fp16 and its policies), e.g. a run summary's precision;
+    False for "auto" (undecided: it scales nothing yet)."""
+    key = canonical_name(name)
+    return key != AUTO and _class_of(key).needs_loss_scaling
+
+
 def may_scale_loss(precision: str | Precision) -> bool:
     """Whether ``precision`` scales the loss, or may: fp16 and its policies, and "auto" until decided (it may
     pick fp16). What a caller that cannot work with a loss scale (the step in backward) asks."""
     if isinstance(precision, Precision):
         return precision.pending or precision.needs_loss_scaling
-    key = canonical_name(precision)
-    return key == AUTO or _class_of(key).needs_loss_scaling
+    return canonical_name(precision) == AUTO or needs_loss_scaling(precision)
 
 
 def hf_flags(precision: str | Precision) -> tuple[bool, bool]:
