@@ -12,6 +12,7 @@ import torch
 from mixprec.bench import BenchConfig, Workload, format_table, run_bench, to_json, workload_from_dataset, write_chart
 from mixprec.cli._common import add_data_model_args, load_model_and_data, nonnegative_int, positive_int
 from mixprec.cli._config import explicit_flags
+from mixprec.cli._subcommand import Subcommand
 from mixprec.cli.main import CliError
 from mixprec.models import GPT_PRESETS
 from mixprec.precision.policy import POLICY_BASES
@@ -60,14 +61,7 @@ all-reduced per step (profiled) and step time per setting; --precisions then nam
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "bench",
-        help="time fp32, fp16, bf16 and auto on the same model: step time, tokens/s, memory, loss, MFU",
-        description="Benchmark the same model and data under several precisions, interleaved, in one process.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_model_args(parser, batch_size=DEFAULT_BATCH_SIZE, seq_len=DEFAULT_SEQ_LEN)
     group = parser.add_argument_group("benchmark")
     group.add_argument(
@@ -112,7 +106,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     group.add_argument("--json", action="store_true", help="print only the JSON document on stdout")
     group.add_argument("--output", metavar="PNG", default=None, help="write a chart of step time and memory")
-    parser.set_defaults(func=run)
 
 
 def _workload_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -288,3 +281,13 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(table)
     return 0
+
+
+COMMAND = Subcommand(
+    name="bench",
+    help="time fp32, fp16, bf16 and auto on the same model: step time, tokens/s, memory, loss, MFU",
+    description="Benchmark the same model and data under several precisions, interleaved, in one process.",
+    epilog=EPILOG,
+    add_arguments=_add_arguments,
+    run=run,
+)

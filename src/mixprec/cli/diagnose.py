@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from mixprec.cli._common import add_data_model_args, load_model_and_data, parse_precision, positive_int
+from mixprec.cli._subcommand import Subcommand
 from mixprec.diagnostics.formats import FORMATS
 from mixprec.precision.base import default_device
 
@@ -37,14 +38,7 @@ The model and its gradients are left as they were.
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "diagnose",
-        help="see fp16/bf16 underflow and overflow per layer, and the loss scale to start from",
-        description="Diagnose what fp16 and bf16 would do to a model's activations and gradients.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_model_args(parser, batch_size=DEFAULT_BATCH_SIZE, precision="fp16")
     group = parser.add_argument_group("diagnosis")
     group.add_argument(
@@ -61,7 +55,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--plot", metavar="PNG", default=None, help="draw the histograms into this PNG (default: none)")
     group.add_argument("--no-plot", action="store_true", help=argparse.SUPPRESS)  # the default; kept for old scripts
     group.add_argument("--json", action="store_true", help="print only the report as JSON on stdout")
-    parser.set_defaults(func=run)
 
 
 def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device, log: Any) -> dict[str, Any]:
@@ -123,3 +116,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(report.table(top=args.top))
     return 0
+
+
+COMMAND = Subcommand(
+    name="diagnose",
+    help="see fp16/bf16 underflow and overflow per layer, and the loss scale to start from",
+    description="Diagnose what fp16 and bf16 would do to a model's activations and gradients.",
+    epilog=EPILOG,
+    add_arguments=_add_arguments,
+    run=run,
+)

@@ -37,6 +37,7 @@ from mixprec.cli._common import (
 from mixprec.cli._config import add_config_arg, apply_config
 from mixprec.cli._epochs import EpochCallback, EpochChunks, evenly_spaced
 from mixprec.cli._lora import add_lora_args, apply_lora, lora_plan
+from mixprec.cli._subcommand import Subcommand
 from mixprec.cli.main import CliError
 from mixprec.data import decode, encode, unigram_entropy
 from mixprec.models import GPT
@@ -92,14 +93,7 @@ config file (TOML, or YAML with pyyaml): flag names as keys, e.g.
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "train",
-        help="train a model (default: the built-in GPT on the embedded corpus)",
-        description="Train a model with mixprec's Trainer and report what the precision did.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arg(parser)
     add_data_model_args(parser, batch_size=DEFAULT_BATCH_SIZE, seq_len=DEFAULT_SEQ_LEN)
     g = parser.add_argument_group("training")
@@ -190,7 +184,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "high learning rates (1e-4 is the usual weight; default: 0, off)",
     )
     add_lora_args(parser)
-    parser.set_defaults(func=run)
 
 
 def _z_loss_weight(text: str) -> float:
@@ -428,3 +421,13 @@ def _report(
     _emit()
     _emit(f"sample from the trained model (prompt {SAMPLE_PROMPT!r}, temperature 0.8):")
     _emit(sample)
+
+
+COMMAND = Subcommand(
+    name="train",
+    help="train a model (default: the built-in GPT on the embedded corpus)",
+    description="Train a model with mixprec's Trainer and report what the precision did.",
+    epilog=EPILOG,
+    add_arguments=_add_arguments,
+    run=run,
+)
