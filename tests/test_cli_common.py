@@ -95,7 +95,7 @@ def test_fp32_ops_flag_folds_into_the_precision_and_a_typo_is_one_line():
 
 
 def test_fp32_ops_is_a_config_file_key(tmp_path):
-    from mixprec.cli._config import apply_config
+    from mixprec.cli._config_file import apply_config
     from mixprec.cli.main import build_parser
 
     config = tmp_path / "run.toml"

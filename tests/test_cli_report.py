@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-from mixprec.cli.report import format_duration, format_table, last_value, perplexity, printable, summary_rows
+from mixprec.cli._summary_table import format_duration, format_table, last_value, perplexity, printable, summary_rows
 
 SUMMARY = {
     "precision": "fp16",
@@ -90,7 +90,7 @@ def test_printable_keeps_text_and_defuses_terminal_controls():
 
 
 def test_the_summary_shows_the_per_op_timing_behind_a_policy_auto_raced():
-    from mixprec.cli.report import auto_rows, format_table
+    from mixprec.cli._summary_table import auto_rows, format_table
     from mixprec.precision.op_timing import KindTiming, OpTimingReport, policy_from_timings
 
     timings = (KindTiming("linear", 8, 30.0, 60.0), KindTiming("attention", 4, 40.0, 10.0))

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mixprec.bench.config import BenchConfig
+from mixprec.bench.bench_config import BenchConfig
 from mixprec.bench.footprint import training_state_bytes
 from mixprec.bench.memory import MemoryMeasurement, measure_run
 from mixprec.bench.peak import PeakFlops, measure_peak_flops

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.cli._config import track_explicit
+from mixprec.cli._config_file import track_explicit
 from mixprec.cli.main import CliError
 from mixprec.data import VOCAB_SIZE, CausalLMDataset, load_corpus, unigram_entropy
 from mixprec.models import GPT, GPT_PRESETS
@@ -120,7 +120,7 @@ def add_data_model_args(
 
     The keyword arguments are this subcommand's defaults (``seq_len`` is capped at the model's block size;
     ``precision=None`` leaves out --precision).
-    Flags added here are tracked for ``--config`` (see ``mixprec.cli._config``), so a subcommand may add
+    Flags added here are tracked for ``--config`` (see ``mixprec.cli._config_file``), so a subcommand may add
     ``--config`` too.
     """
     track_explicit(parser)

@@ -11,7 +11,7 @@ import torch
 
 from mixprec.bench import BenchConfig, Workload, format_table, run_bench, to_json, workload_from_dataset, write_chart
 from mixprec.cli._common import add_data_model_args, load_model_and_data, nonnegative_int, positive_int
-from mixprec.cli._config import explicit_flags
+from mixprec.cli._config_file import explicit_flags
 from mixprec.cli._subcommand import Subcommand
 from mixprec.cli.main import CliError
 from mixprec.models import GPT_PRESETS

@@ -24,7 +24,7 @@ from torch.utils.data import Subset
 from mixprec.accelerator.comm import COMM_NAMES
 from mixprec.accelerator.distributed import LaunchEnv
 from mixprec.accelerator.restarts import restarted_anywhere, restarted_by_launcher, restarts_allowed_on_several_nodes
-from mixprec.cli import _rundir, _threads, report
+from mixprec.cli import _rundir, _summary_table, _threads
 from mixprec.cli._common import (
     DataModelInfo,
     add_data_model_args,
@@ -34,7 +34,7 @@ from mixprec.cli._common import (
     positive_float,
     positive_int,
 )
-from mixprec.cli._config import add_config_arg, apply_config
+from mixprec.cli._config_file import add_config_arg, apply_config
 from mixprec.cli._epochs import EpochCallback, EpochChunks, evenly_spaced
 from mixprec.cli._lora import add_lora_args, apply_lora, lora_plan
 from mixprec.cli._subcommand import Subcommand
@@ -357,7 +357,7 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     summary = dict(output.metrics)
 
     history = trainer.state.log_history
-    last_eval = report.last_value(history, "eval_loss")
+    last_eval = _summary_table.last_value(history, "eval_loss")
     if last_eval is None or last_eval[1] != trainer.state.global_step:
         last_eval = (float(trainer.evaluate()["eval_loss"]), trainer.state.global_step)
     eval_loss = last_eval[0]
@@ -390,10 +390,10 @@ def _report(
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     device = next(unwrapped.parameters()).device
     try:
-        sample = report.printable(_sample(unwrapped, args.seed, device, info.seq_len))
+        sample = _summary_table.printable(_sample(unwrapped, args.seed, device, info.seq_len))
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:  # the run itself succeeded and is saved
         sample = f"(no sample: generation failed: {exc})"
-    rows = report.summary_rows(
+    rows = _summary_table.summary_rows(
         summary=summary,
         log_history=history,
         eval_loss=eval_loss,
@@ -417,7 +417,7 @@ def _report(
     }
     (run_dir / _rundir.RUN_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
     _emit()
-    _emit(report.format_table(rows, "mixprec train: summary"))
+    _emit(_summary_table.format_table(rows, "mixprec train: summary"))
     _emit()
     _emit(f"sample from the trained model (prompt {SAMPLE_PROMPT!r}, temperature 0.8):")
     _emit(sample)
