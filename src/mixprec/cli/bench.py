@@ -204,7 +204,7 @@ def _run_comm(args: argparse.Namespace) -> int:
 def _comm_worker(args: argparse.Namespace, precision_name: str, comms: list[str]) -> int:
     import torch.distributed as dist
 
-    from mixprec.bench.comm import format_comm_table, run_comm_bench
+    from mixprec.bench.comm_bench import format_comm_table, run_comm_bench
     from mixprec.precision.registry import resolve_precision
 
     env_rank = int(os.environ.get("RANK", "0"))
