@@ -69,15 +69,11 @@ def nanogpt(a: argparse.Namespace, out: Path, left: float) -> dict[str, Any]:
 
 
 def _variants(a: argparse.Namespace, model: str, batch: int, steps: int, variants: list[str], left: float) -> dict:
-    from benchmarks import gpu_suite
-
     sub = copy.copy(a)
     sub.model, sub.batch_size, sub.seq_len, sub.steps, sub.warmup = model, batch, 1024, steps, 3
     sub.variants = variants
     sub.deadline = time.perf_counter() + left - 20  # a variant is started only if 20 s are left
-    results, header = gpu_suite.run_variants(sub)
-    print(gpu_suite.format_report(results, header), flush=True)
-    return {"header": header, "rows": [asdict(r) for r in results]}
+    return a.variants_table(sub)
 
 
 def gpt2(a: argparse.Namespace, out: Path, left: float) -> dict[str, Any]:
@@ -173,8 +169,14 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
-def run_plan(a: argparse.Namespace) -> int:
+def run_plan(a: argparse.Namespace, variants_table: Callable[[argparse.Namespace], dict[str, Any]]) -> int:
+    """Run the sections of ``a.sections``; ``variants_table(args)`` is gpu_suite's run of ``args.variants``
+    (printed, and returned as {"header", "rows"}), handed in so this plan imports nothing from gpu_suite,
+    which calls it."""
     import torch
+
+    a = copy.copy(a)
+    a.variants_table = variants_table
 
     started = time.perf_counter()
     out = Path(a.out)

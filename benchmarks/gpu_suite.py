@@ -45,6 +45,8 @@ from typing import NamedTuple
 
 import torch
 
+from benchmarks._gpu_plan import run_plan
+
 
 class Variant(NamedTuple):
     """One row: the precision, whether the model is compiled, GPTConfig overrides, and fp8's layer choice."""
@@ -276,6 +278,13 @@ def run_variants(a: argparse.Namespace) -> tuple[list[VariantResult], str]:
     return results, header
 
 
+def variants_table(a: argparse.Namespace) -> dict:
+    """:func:`run_variants`, its table printed; {"header", "rows"} (the issue-28 plan's gpt2 sections)."""
+    results, header = run_variants(a)
+    print(format_report(results, header), flush=True)
+    return {"header": header, "rows": [asdict(r) for r in results]}
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -285,9 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump({"skipped": "no CUDA device"}, f)
         return 0
     if a.plan == "issue28":
-        from benchmarks._gpu_plan import run_plan
-
-        return run_plan(a)
+        return run_plan(a, variants_table)
     results, header = run_variants(a)
     print(format_report(results, header))
     if a.json:

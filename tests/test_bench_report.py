@@ -1,4 +1,4 @@
-"""bench.report: the table, the JSON document and the chart."""
+"""bench.render: the table, the JSON document and the chart."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_chart_is_a_png(result, tmp_path):
 
 
 def test_a_difference_that_rounds_to_zero_prints_without_a_minus():
-    from mixprec.bench.report import _num
+    from mixprec.bench.render import _num
 
     assert _num(-1e-7, "+.4f") == "+0.0000" and _num(-0.25, "+.4f") == "-0.2500" and _num(-1e-9, ".4f") == "0.0000"
     assert _num(None, ".4f") == "-"

@@ -1,4 +1,4 @@
-"""bench.runner and bench.config: every precision runs its own copy of the same work, in its own dtype."""
+"""bench.runner and bench.bench_config: every precision runs its own copy of the same work, in its own dtype."""
 
 from __future__ import annotations
 

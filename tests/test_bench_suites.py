@@ -234,7 +234,7 @@ def test_the_issue28_plan_records_failures_skips_what_the_time_limit_leaves_and_
     monkeypatch.setattr(_gpu_plan, "MIN_SECONDS", {**_gpu_plan.MIN_SECONDS, "tests": 0, "nanogpt": 0, "gpt2": 0})
     a = gpu_suite.parse_args(["--plan", "issue28", "--out", str(tmp_path), "--sections", "tests,nanogpt,gpt2,gpt-1b",
                               "--time-limit", "100", "--device", "cpu"])  # fmt: skip
-    assert _gpu_plan.run_plan(a) == 0
+    assert _gpu_plan.run_plan(a, gpu_suite.variants_table) == 0
     doc = json.loads((tmp_path / "summary.json").read_text())
     sections = doc["sections"]
     assert sections["gpt2"]["error"] == "RuntimeError: planted"  # recorded, and the plan went on

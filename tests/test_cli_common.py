@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from mixprec.cli._common import add_data_model_args, check_precision, load_model_and_data
+from mixprec.cli._common import add_data_model_args, load_model_and_data, parse_precision
 from mixprec.cli.main import CliError
 
 
@@ -18,11 +18,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def test_unknown_precision_lists_the_valid_names():
     with pytest.raises(CliError) as err:
-        check_precision("fp17")
+        parse_precision("fp17")
     assert "fp17" in str(err.value)
     for name in ("no", "fp16", "bf16", "auto"):
         assert name in str(err.value)
-    assert check_precision("16-mixed") == "fp16"
+    assert parse_precision("16-mixed").name == "fp16"
 
 
 def test_load_model_and_data_refuses_a_sequence_longer_than_the_block(tmp_path):
@@ -86,20 +86,20 @@ def test_a_subcommand_sets_its_own_default_sequence_length(tmp_path):
 
 
 def test_fp32_ops_flag_folds_into_the_precision_and_a_typo_is_one_line():
-    from mixprec.cli._common import check_precision
+    from mixprec.cli._common import parse_precision
 
-    assert check_precision("bf16", "attention") == "bf16:fp32_ops=attention"
-    assert check_precision("bf16:fp32_ops=attention") == "bf16:fp32_ops=attention"  # the same, spelled out
+    assert parse_precision("bf16", "attention").name == "bf16:fp32_ops=attention"
+    assert parse_precision("bf16:fp32_ops=attention").name == "bf16:fp32_ops=attention"  # the same, spelled out
     with pytest.raises(CliError, match=r"^--fp32-ops: .*unknown op kind 'attn'; choose from: linear, attention"):
-        check_precision("bf16", "attn")
+        parse_precision("bf16", "attn")
 
 
 def test_fp32_ops_is_a_config_file_key(tmp_path):
-    from mixprec.cli._config import apply_config
+    from mixprec.cli._config_file import apply_config
     from mixprec.cli.main import build_parser
 
     config = tmp_path / "run.toml"
     config.write_text('precision = "bf16"\nfp32_ops = "attention,norm"\n')
     args = build_parser().parse_args(["train", "--config", str(config)])
     apply_config(args)
-    assert check_precision(args.precision, args.fp32_ops) == "bf16:fp32_ops=attention,norm"
+    assert parse_precision(args.precision, args.fp32_ops).name == "bf16:fp32_ops=attention,norm"

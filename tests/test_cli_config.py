@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from mixprec.cli._common import add_data_model_args
-from mixprec.cli._config import add_config_arg, apply_config, dump_toml, explicit_flags, load_config_file
+from mixprec.cli._config_file import add_config_arg, apply_config, dump_toml, explicit_flags, load_config_file
 from mixprec.cli.main import CliError
 
 

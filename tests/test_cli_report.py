@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-from mixprec.cli.report import format_duration, format_table, last_value, perplexity, printable, summary_rows
+from mixprec.cli._summary_table import format_duration, format_table, last_value, perplexity, printable, summary_rows
 
 SUMMARY = {
     "precision": "fp16",
@@ -90,7 +90,7 @@ def test_printable_keeps_text_and_defuses_terminal_controls():
 
 
 def test_the_summary_shows_the_per_op_timing_behind_a_policy_auto_raced():
-    from mixprec.cli.report import auto_rows, format_table
+    from mixprec.cli._summary_table import auto_rows, format_table
     from mixprec.precision.op_timing import KindTiming, OpTimingReport, policy_from_timings
 
     timings = (KindTiming("linear", 8, 30.0, 60.0), KindTiming("attention", 4, 40.0, 10.0))
@@ -105,3 +105,11 @@ def test_the_summary_shows_the_per_op_timing_behind_a_policy_auto_raced():
     assert "bf16:fp32_ops=attention" in text and "<- chosen" in text
     attention = next(line for line in text.splitlines() if line.strip().startswith("attention"))
     assert "40.00" in attention and "10.00" in attention and attention.rstrip().endswith("fp32")
+
+
+def test_the_loss_scale_row_follows_the_mode_not_its_spelling():
+    # an fp16 policy scales the loss as fp16 does; bf16 (whose guard reports a scale of 1) does not
+    policy = _rows(summary={**SUMMARY, "precision": "fp16:fp32_ops=norm", "final_loss_scale": 512.0})
+    assert policy["loss scale"] == "512 at the end"
+    bf16 = _rows(summary={**SUMMARY, "precision": "bf16", "final_loss_scale": 1.0})
+    assert bf16["loss scale"] == "none (bf16 trains without loss scaling)"

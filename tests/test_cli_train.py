@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mixprec.cli import train as train_cli
-from mixprec.cli._config import load_config_file
+from mixprec.cli._config_file import load_config_file
 from mixprec.cli.main import main
 
 # an epoch of 256 tokens = 8 chunks of 32 = 2 steps of batch 4

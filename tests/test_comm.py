@@ -101,7 +101,7 @@ def test_bf16_on_the_wire_rounds_gradients_to_bf16_and_keeps_fp32_range() -> Non
 def test_bf16_and_fp16_on_the_wire_halve_the_bytes_all_reduced_per_step() -> None:
     # What `mixprec bench --nproc-per-node N` reports, measured the same way (the backend's collectives in one
     # profiled step): fp32 hands gloo every gradient's 4 bytes, bf16 and fp16 2.
-    from mixprec.bench.comm import bytes_all_reduced
+    from mixprec.bench.comm_bench import bytes_all_reduced
 
     measured = {}
     for comm in ("fp32", "bf16", "fp16"):

@@ -54,7 +54,7 @@ from mixprec.loaders.data import PreparedDataLoader, prepare_dataloader, skip_fi
 from mixprec.loaders.data_config import DataLoaderConfiguration
 from mixprec.precision.base import Precision
 from mixprec.precision.race import AutoDecision
-from mixprec.precision.registry import make_precision
+from mixprec.precision.registry import precision_for
 from mixprec.scaling.scaler import GradScaler
 from mixprec.strategies.launch_env import LaunchEnv, select_device
 from mixprec.strategies.process_state import AcceleratorState
@@ -88,7 +88,7 @@ class Accelerator(ProcessMethods, OutputMethods):
 
     def __init__(
         self,
-        mixed_precision: str | None = None,
+        mixed_precision: str | Precision | None = None,
         gradient_accumulation_steps: int = 1,
         distributed: str | None = None,
         device: torch.device | str | None = None,
@@ -430,9 +430,10 @@ class Accelerator(ProcessMethods, OutputMethods):
         )
 
 
-def _resolve(name: str, device: torch.device, processes: int) -> Precision:
-    """The precision registry's answer, with the argument named in the message."""
+def _resolve(name: str | Precision, device: torch.device, processes: int) -> Precision:
+    """The precision registry's answer (a strategy passed in is used as it is), with the argument named in
+    the message."""
     try:
-        return make_precision(name, device, processes=processes)
+        return precision_for(name, device, processes=processes)
     except ValueError as err:  # PrecisionNotSupportedError too: keep its type
         raise type(err)(f"Accelerator(mixed_precision={name!r}): {err}") from None

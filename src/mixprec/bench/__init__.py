@@ -4,10 +4,10 @@
 render it. ``mixprec bench`` is the command line over these.
 """
 
-from mixprec.bench.config import DEFAULT_PRECISIONS, BenchConfig
+from mixprec.bench.bench_config import DEFAULT_PRECISIONS, BenchConfig
 from mixprec.bench.memory import MemoryMeasurement, cpu_memory_supported, measure_run
 from mixprec.bench.peak import PeakFlops, measure_peak_flops
-from mixprec.bench.report import format_table, to_json, write_chart
+from mixprec.bench.render import format_table, to_json, write_chart
 from mixprec.bench.result import AUTO_TOLERANCE, BenchResult, PrecisionResult
 from mixprec.bench.runner import loss_of, memory_run, run_bench, train_step
 from mixprec.bench.timing import CpuTimer, CudaTimer, Summary, make_timer, summarize

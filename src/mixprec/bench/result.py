@@ -37,6 +37,8 @@ class PrecisionResult:
     flops_per_token: float | None = None
     shares_measurement_with: str | None = None
     """For "auto": the row whose run it shares, when that precision was benchmarked too."""
+    chosen_by_auto: bool = False
+    """True for the "auto" row: its mode is what auto's race chose."""
     skipped: str | None = None
     """Why this precision did not run (the device cannot run it), else None."""
     bytes_per_param: float | None = None
@@ -71,15 +73,21 @@ class BenchResult:
     """What "auto" measured on the workload's training step before the bench ran (AutoDecision.to_dict())."""
 
     def row(self, precision: str) -> PrecisionResult | None:
+        """The row of ``precision`` as asked (canonical: "fp16", "auto", ...)."""
         return next((r for r in self.rows if r.precision == precision), None)
 
+    def auto_row(self) -> PrecisionResult | None:
+        """The row of "auto" (the mode its race chose), if it was benchmarked."""
+        return next((r for r in self.rows if r.chosen_by_auto), None)
+
     def baseline(self) -> PrecisionResult | None:
-        """The fp32 row that speedups and losses are relative to (asked as fp32 or as auto -> fp32)."""
-        return next((r for r in self.rows if r.resolved == "fp32" and r.times is not None), None)
+        """The fp32 row that speedups and losses are relative to (asked as fp32 or as auto -> fp32): the one
+        mode that computes in float32."""
+        return next((r for r in self.rows if r.compute_dtype == "float32" and r.times is not None), None)
 
     def fastest(self, among: set[str] | None = None) -> PrecisionResult | None:
         """The fastest row (other than "auto"), optionally among the modes named in ``among``."""
-        timed = [r for r in self.rows if r.times is not None and r.precision != "auto"]
+        timed = [r for r in self.rows if r.times is not None and not r.chosen_by_auto]
         if among:
             timed = [r for r in timed if r.resolved in among]
         timed = timed or [r for r in self.rows if r.times is not None]
@@ -89,7 +97,7 @@ class BenchResult:
         """Is "auto" within :data:`AUTO_TOLERANCE` of the fastest precision it could have chosen (its candidates:
         not the pure or fp8 modes, which are a user's trade of accuracy or memory) measured in this run?"""
         candidates = set((self.auto_race or {}).get("candidates") or [])
-        auto, best = self.row("auto"), self.fastest(candidates or None)
+        auto, best = self.auto_row(), self.fastest(candidates or None)
         if auto is None or auto.times is None or best is None:
             return None
         ratio = auto.times.median / best.times.median

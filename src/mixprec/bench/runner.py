@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mixprec.bench.config import BenchConfig
+from mixprec.bench.bench_config import BenchConfig
 from mixprec.bench.footprint import training_state_bytes
 from mixprec.bench.memory import MemoryMeasurement, measure_run
 from mixprec.bench.peak import PeakFlops, measure_peak_flops
@@ -137,15 +137,17 @@ def _measure_memory(workload: Workload, name: str, device: torch.device, cfg: Be
 
 def _resolve_all(
     names: tuple[str, ...], device: torch.device, decide_auto: Callable[[Precision], Precision]
-) -> list[tuple[str, Precision | str]]:
-    out: list[tuple[str, Precision | str]] = []
+) -> list[tuple[str, Precision | str, bool]]:
+    """(name as asked, canonical; its strategy or why the device cannot run it; whether "auto" chose it)."""
+    out: list[tuple[str, Precision | str, bool]] = []
     for name in names:
         canon = canonical_name(name)
         try:
             p = make_precision(canon, device)
-            out.append((canon, decide_auto(p) if p.pending else p))
+            by_auto = p.pending
+            out.append((canon, decide_auto(p) if by_auto else p, by_auto))
         except PrecisionNotSupportedError as exc:
-            out.append((canon, str(exc)))
+            out.append((canon, str(exc), False))
     return out
 
 
@@ -209,12 +211,12 @@ def run_bench(
     # "auto" shares the run of the mode it picked (one arm per distinct mode): same code, same numbers,
     # so it cannot look faster or slower than its twin by noise alone
     arms_by_mode: dict[str, Precision] = {}
-    for name, p in resolved:
+    for name, p, by_auto in resolved:
         if isinstance(p, Precision):
             arms_by_mode.setdefault(p.name, p)
-            if name == "auto":
-                say(f"auto -> {p.name}: {p.reason}")
-    asked = {name for name, _ in resolved}
+            if by_auto:
+                say(f"{name} -> {p.name}: {p.reason}")
+    asked = {name for name, _, by_auto in resolved if not by_auto}
 
     peaks: dict[str, PeakFlops] = {}
     if cfg.measure_peak:
@@ -239,13 +241,13 @@ def run_bench(
         say(f"round {r + 1}/{cfg.rounds}: median step so far: {done}")
 
     rows: list[PrecisionResult] = []
-    for name, p in resolved:
+    for name, p, by_auto in resolved:
         if not isinstance(p, Precision):
             rows.append(PrecisionResult(name, name, "", "", workload.tokens_per_step, skipped=p))
             continue
         arm = arms[p.name]
         last = arm.losses[-cfg.steps :]
-        shared = p.name if name == "auto" and p.name in asked else None
+        shared = p.name if by_auto and p.name in asked else None
         rows.append(
             PrecisionResult(
                 precision=name,
@@ -261,6 +263,7 @@ def run_bench(
                 peak=peaks.get(str(p.compute_dtype)),
                 flops_per_token=workload.flops_per_token,
                 shares_measurement_with=shared,
+                chosen_by_auto=by_auto,
                 bytes_per_param=training_state_bytes(arm.model, arm.optimizer)["per_param"],
             )
         )

@@ -25,12 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.cli._config import track_explicit
+from mixprec.cli._config_file import track_explicit
 from mixprec.cli.main import CliError
 from mixprec.data import VOCAB_SIZE, CausalLMDataset, load_corpus, unigram_entropy
 from mixprec.models import GPT, GPT_PRESETS
+from mixprec.precision.base import Precision
 from mixprec.precision.op_policy import OP_KINDS
-from mixprec.precision.registry import available_precisions, canonical_name, policy_name
+from mixprec.precision.registry import available_precisions, make_precision, policy_name
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -39,7 +40,7 @@ __all__ = [
     "DataModelInfo",
     "add_data_model_args",
     "build_model",
-    "check_precision",
+    "parse_precision",
     "load_model_and_data",
     "nonnegative_int",
     "positive_float",
@@ -119,7 +120,7 @@ def add_data_model_args(
 
     The keyword arguments are this subcommand's defaults (``seq_len`` is capped at the model's block size;
     ``precision=None`` leaves out --precision).
-    Flags added here are tracked for ``--config`` (see ``mixprec.cli._config``), so a subcommand may add
+    Flags added here are tracked for ``--config`` (see ``mixprec.cli._config_file``), so a subcommand may add
     ``--config`` too.
     """
     track_explicit(parser)
@@ -176,11 +177,13 @@ def add_data_model_args(
     )
 
 
-def check_precision(name: str, fp32_ops: str | None = None) -> str:
-    """The canonical precision name ("fp32", "fp16", "bf16", "auto", "bf16:fp32_ops=attention"), with
-    ``--fp32-ops`` folded in, or CliError listing the valid ones."""
+def parse_precision(name: str, fp32_ops: str | None = None) -> Precision:
+    """The one parse of --precision (``--fp32-ops`` folded in): the strategy the command runs, made for the
+    default device (the Accelerator binds it to this process's device) and handed down as it is; its
+    ``name`` is canonical ("fp32", "fp16", "bf16", "auto", "bf16:fp32_ops=attention"). CliError naming the
+    flag for an unknown name (listing the valid ones) or a mode this machine cannot run."""
     try:
-        return canonical_name(policy_name(name, fp32_ops))
+        return make_precision(policy_name(name, fp32_ops))
     except (TypeError, ValueError) as exc:
         raise CliError(f"--{'fp32-ops' if fp32_ops else 'precision'}: {exc}") from None
 
@@ -287,12 +290,15 @@ def build_model(name: str, seed: int, dtype: torch.dtype | None = None) -> tuple
 
 
 def load_model_and_data(
-    args: argparse.Namespace, dtype: torch.dtype | None = None
+    args: argparse.Namespace, dtype: torch.dtype | None = None, precision: Precision | None = None
 ) -> tuple[nn.Module, CausalLMDataset, CausalLMDataset, DataModelInfo]:
     """Build the model and the (train, validation) datasets that ``args`` (from :func:`add_data_model_args`)
-    describe (a Hugging Face model loaded in ``dtype`` when given). Reads the corpus from disk; no device
-    work. Raises CliError/FileNotFoundError/ValueError with a one-line message for every input problem."""
-    precision = check_precision(getattr(args, "precision", "auto"), getattr(args, "fp32_ops", None))
+    describe (a Hugging Face model loaded in ``dtype`` when given). ``precision``: the command's strategy
+    when it parsed --precision already (else parsed here); ``info.precision`` holds its name. Reads the corpus
+    from disk; no device work. Raises CliError/FileNotFoundError/ValueError with a one-line message for every
+    input problem."""
+    if precision is None:
+        precision = parse_precision(getattr(args, "precision", "auto"), getattr(args, "fp32_ops", None))
     model_name = getattr(args, "model", DEFAULT_MODEL)
     seed = getattr(args, "seed", 42)
     # data first: a wrong --data path is reported before any model is built
@@ -319,7 +325,7 @@ def load_model_and_data(
         train_tokens=len(train_tokens),
         val_tokens=len(val_tokens),
         unigram_baseline=unigram_entropy(val_tokens),
-        precision=precision,
+        precision=precision.name,
         builtin=builtin,
     )
     return model, train, val, info

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from mixprec.cli._common import check_precision, positive_float, positive_int
+from mixprec.cli._common import positive_float, positive_int
 from mixprec.cli.main import CliError
+from mixprec.precision.base import Precision
 
 ALL_LINEAR = "all-linear"
 
@@ -63,7 +64,7 @@ class LoraPlan:
     """The frozen base's dtype: the precision's compute dtype (fp32 for "auto", still undecided)."""
 
 
-def lora_plan(args: argparse.Namespace) -> LoraPlan | None:
+def lora_plan(args: argparse.Namespace, precision: Precision) -> LoraPlan | None:
     """The checked LoRA flags, or None without --lora-r (checked before anything is loaded). Raises CliError
     naming the flag and the fix."""
     from mixprec.models import GPT_PRESETS
@@ -91,15 +92,12 @@ def lora_plan(args: argparse.Namespace) -> LoraPlan | None:
     elif targets is not None:
         targets = ALL_LINEAR
     alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * r
-    return LoraPlan(r, alpha, targets, base_dtype(check_precision(getattr(args, "precision", "auto"))))
+    return LoraPlan(r, alpha, targets, base_dtype(precision))
 
 
-def base_dtype(precision: str) -> torch.dtype:
+def base_dtype(precision: Precision) -> torch.dtype:
     """The dtype the frozen base is held in: the precision's compute dtype (fp32 for "auto", still undecided)."""
-    from mixprec.precision.registry import make_precision
-
-    strategy = make_precision(precision)
-    return torch.float32 if strategy.pending else strategy.compute_dtype
+    return torch.float32 if precision.pending else precision.compute_dtype
 
 
 def apply_lora(model: torch.nn.Module, plan: LoraPlan) -> tuple[Any, str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.checkpoint.atomic import write_atomically
-from mixprec.cli._config import apply_config_file, dump_toml, explicit_flags
+from mixprec.cli._config_file import apply_config_file, dump_toml, explicit_flags
 from mixprec.cli.main import CliError
 from mixprec.models import GPT_PRESETS
 from mixprec.trainer.callbacks import TrainerCallback

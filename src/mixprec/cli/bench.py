@@ -11,9 +11,11 @@ import torch
 
 from mixprec.bench import BenchConfig, Workload, format_table, run_bench, to_json, workload_from_dataset, write_chart
 from mixprec.cli._common import add_data_model_args, load_model_and_data, nonnegative_int, positive_int
-from mixprec.cli._config import explicit_flags
+from mixprec.cli._config_file import explicit_flags
+from mixprec.cli._subcommand import Subcommand
 from mixprec.cli.main import CliError
 from mixprec.models import GPT_PRESETS
+from mixprec.precision.policy import POLICY_BASES
 from mixprec.precision.registry import canonical_name
 
 # The default run must finish in well under a minute on 2 shared CPU cores, where one fp16 step of the
@@ -59,14 +61,7 @@ all-reduced per step (profiled) and step time per setting; --precisions then nam
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "bench",
-        help="time fp32, fp16, bf16 and auto on the same model: step time, tokens/s, memory, loss, MFU",
-        description="Benchmark the same model and data under several precisions, interleaved, in one process.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_model_args(parser, batch_size=DEFAULT_BATCH_SIZE, seq_len=DEFAULT_SEQ_LEN)
     group = parser.add_argument_group("benchmark")
     group.add_argument(
@@ -111,7 +106,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     group.add_argument("--json", action="store_true", help="print only the JSON document on stdout")
     group.add_argument("--output", metavar="PNG", default=None, help="write a chart of step time and memory")
-    parser.set_defaults(func=run)
 
 
 def _workload_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -144,7 +138,7 @@ def _measured_base(policy: str | None) -> str | None:
         return None
     _, _, mode = policy.partition(":")
     base = canonical_name(mode) if mode.strip() else "bf16"
-    if base not in ("bf16", "fp16"):
+    if base not in POLICY_BASES:
         raise CliError(f"--policy {policy!r}: measured policies refine bf16 or fp16 (e.g. --policy measured:fp16)")
     return base
 
@@ -210,7 +204,7 @@ def _run_comm(args: argparse.Namespace) -> int:
 def _comm_worker(args: argparse.Namespace, precision_name: str, comms: list[str]) -> int:
     import torch.distributed as dist
 
-    from mixprec.bench.comm import format_comm_table, run_comm_bench
+    from mixprec.bench.comm_bench import format_comm_table, run_comm_bench
     from mixprec.precision.registry import resolve_precision
 
     env_rank = int(os.environ.get("RANK", "0"))
@@ -287,3 +281,13 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(table)
     return 0
+
+
+COMMAND = Subcommand(
+    name="bench",
+    help="time fp32, fp16, bf16 and auto on the same model: step time, tokens/s, memory, loss, MFU",
+    description="Benchmark the same model and data under several precisions, interleaved, in one process.",
+    epilog=EPILOG,
+    add_arguments=_add_arguments,
+    run=run,
+)

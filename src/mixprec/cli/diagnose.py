@@ -13,7 +13,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from mixprec.cli._common import add_data_model_args, load_model_and_data, positive_int
+from mixprec.cli._common import add_data_model_args, load_model_and_data, parse_precision, positive_int
+from mixprec.cli._subcommand import Subcommand
+from mixprec.diagnostics.formats import FORMATS
 from mixprec.precision.base import default_device
 
 # Sized for the one-minute budget on 2 CPU cores: without native fp16 on the CPU, each fp16 pass of the
@@ -36,14 +38,7 @@ The model and its gradients are left as they were.
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "diagnose",
-        help="see fp16/bf16 underflow and overflow per layer, and the loss scale to start from",
-        description="Diagnose what fp16 and bf16 would do to a model's activations and gradients.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_model_args(parser, batch_size=DEFAULT_BATCH_SIZE, precision="fp16")
     group = parser.add_argument_group("diagnosis")
     group.add_argument(
@@ -60,7 +55,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--plot", metavar="PNG", default=None, help="draw the histograms into this PNG (default: none)")
     group.add_argument("--no-plot", action="store_true", help=argparse.SUPPRESS)  # the default; kept for old scripts
     group.add_argument("--json", action="store_true", help="print only the report as JSON on stdout")
-    parser.set_defaults(func=run)
 
 
 def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device, log: Any) -> dict[str, Any]:
@@ -75,7 +69,7 @@ def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device
     acc = Accelerator(mixed_precision="auto", device=device, verbose=False)
     copy_ = acc.prepare(copy.deepcopy(model))
     batch = {k: v.to(device) for k, v in batch.items()}
-    excluded = {n: "the diagnosis judged it unsafe for this model" for n in ("fp16", "bf16")}
+    excluded = {n: "the diagnosis judged it unsafe for this model" for n in FORMATS}
     for name in report.safe_precisions:
         excluded.pop(name, None)
     decision = acc.settle_precision(lambda: extract_loss(copy_(**batch)), batch, excluded=excluded)
@@ -95,7 +89,8 @@ def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device
 def run(args: argparse.Namespace) -> int:
     from mixprec.diagnostics import diagnose  # heavy: only when this subcommand runs
 
-    model, train, _val, info = load_model_and_data(args)
+    precision = parse_precision(args.precision, getattr(args, "fp32_ops", None))
+    model, train, _val, info = load_model_and_data(args, precision=precision)
     device = default_device()
     model.to(device)
     generator = torch.Generator().manual_seed(args.seed)
@@ -107,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         model,
         loader,
         device=device,
-        precision_target=info.precision if info.precision != "auto" else "fp16",
+        precision_target="fp16" if precision.pending else precision.name,  # "auto" may pick fp16: its range
         max_batches=args.batches,
         nonfinite_batches=min(args.nonfinite_batches, args.batches),
         lr=args.lr,
@@ -121,3 +116,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(report.table(top=args.top))
     return 0
+
+
+COMMAND = Subcommand(
+    name="diagnose",
+    help="see fp16/bf16 underflow and overflow per layer, and the loss scale to start from",
+    description="Diagnose what fp16 and bf16 would do to a model's activations and gradients.",
+    epilog=EPILOG,
+    add_arguments=_add_arguments,
+    run=run,
+)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mixprec.cli._subcommand import Subcommand
+
 EPILOG = """\
 examples:
   mixprec export runs/x/sharded model.safetensors     a folder written by save_sharded(), by any number
@@ -15,17 +17,9 @@ The folder's manifest is verified first: a damaged or unfinished checkpoint is r
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "export",
-        help="write a sharded FSDP2 checkpoint's full weights to one safetensors file",
-        description="Gather a sharded checkpoint (save_sharded) into one safetensors file.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("folder", metavar="SHARDED_FOLDER", help="the folder save_sharded() wrote")
     parser.add_argument("output", metavar="OUTPUT", help="the .safetensors file to write (replaced atomically)")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,3 +31,13 @@ def run(args: argparse.Namespace) -> int:
     written = export_safetensors(args.folder, args.output)
     print(f"mixprec export: {written} ({written.stat().st_size / 2**20:.1f} MiB)")
     return 0
+
+
+COMMAND = Subcommand(
+    name="export",
+    help="write a sharded FSDP2 checkpoint's full weights to one safetensors file",
+    description="Gather a sharded checkpoint (save_sharded) into one safetensors file.",
+    epilog=EPILOG,
+    add_arguments=_add_arguments,
+    run=run,
+)

@@ -1,11 +1,11 @@
 """`mixprec`: the command line. One file per subcommand; this file only dispatches.
 
-Each subcommand module exposes ``register(subparsers)`` (adds its parser, with examples in the epilog, and
-sets ``func``). Errors a user can fix (:class:`CliError`, ValueError, a damaged checkpoint, a folder in
-use by another run, a file or folder that cannot be read or written, a full disk) become one line on stderr
-naming the file or flag and what to do, and exit code 2 — never a traceback (set MIXPREC_DEBUG=1 to see
-one). Library warnings (a checkpoint skipped as damaged, a resume into another precision) are printed on
-stderr as ``mixprec: warning: ...`` lines.
+Each subcommand module holds one :class:`~mixprec.cli._subcommand.Subcommand`, ``COMMAND`` (its flags, what
+it runs, and examples in its ``--help`` epilog). Errors a user can fix (:class:`CliError`, ValueError, a
+damaged checkpoint, a folder in use by another run, a file or folder that cannot be read or written, a full
+disk) become one line on stderr naming the file or flag and what to do, and exit code 2 — never a traceback
+(set MIXPREC_DEBUG=1 to see one). Library warnings (a checkpoint skipped as damaged, a resume into another
+precision) are printed on stderr as ``mixprec: warning: ...`` lines.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentPars
     subparsers = parser.add_subparsers(dest="command", metavar="<command>")
     for name, module in SUBCOMMANDS.items():
         if commands is None or name in commands:
-            importlib.import_module(module).register(subparsers)
+            importlib.import_module(module).COMMAND.register(subparsers)
         else:
             subparsers.add_parser(name, help=SUMMARIES[name], add_help=False)
     subparsers.add_parser(TORCHRUN, help=TORCHRUN_SUMMARY, add_help=False)  # main() hands it its arguments

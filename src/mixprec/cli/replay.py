@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from mixprec.cli._subcommand import Subcommand
+
 EPILOG = """\
 examples:
   mixprec replay runs/x/capsules/step-00000412          fp32 vs the run's precision, first module apart
@@ -20,20 +22,12 @@ mixprec.watch.replay(CAPSULE, model=YourModel(...)).
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "replay",
-        help="re-run a bad step from its capsule in fp32 and the run's precision; name the first module apart",
-        description="Replay a bad step's capsule and find the first module that diverges or goes non-finite.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("capsule", metavar="CAPSULE", help="a capsule folder (<run>/capsules/step-N)")
     parser.add_argument("--device", default="cpu", help="where to replay (default: cpu)")
     parser.add_argument("--tol", metavar="X", type=float, default=None,
                         help="relative L2 distance to fp32 that counts as diverged (default: 0.1)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the finding as JSON")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,3 +39,13 @@ def run(args: argparse.Namespace) -> int:
     result = replay(args.capsule, device=args.device, tol=DEFAULT_TOL if args.tol is None else args.tol)
     print(json.dumps(result.to_dict()) if args.json else result.message())
     return 0
+
+
+COMMAND = Subcommand(
+    name="replay",
+    help="re-run a bad step from its capsule in fp32 and the run's precision; name the first module apart",
+    description="Replay a bad step's capsule and find the first module that diverges or goes non-finite.",
+    epilog=EPILOG,
+    add_arguments=_add_arguments,
+    run=run,
+)

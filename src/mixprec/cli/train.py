@@ -21,21 +21,24 @@ from typing import Any
 import torch
 from torch.utils.data import Subset
 
-from mixprec.cli import _rundir, _threads, report
+from mixprec.cli import _rundir, _summary_table, _threads
 from mixprec.cli._common import (
     DataModelInfo,
     add_data_model_args,
     load_model_and_data,
     nonnegative_int,
+    parse_precision,
     positive_float,
     positive_int,
 )
-from mixprec.cli._config import add_config_arg, apply_config
+from mixprec.cli._config_file import add_config_arg, apply_config
 from mixprec.cli._epochs import EpochCallback, EpochChunks, evenly_spaced
 from mixprec.cli._lora import add_lora_args, apply_lora, lora_plan
+from mixprec.cli._subcommand import Subcommand
 from mixprec.cli.main import CliError
 from mixprec.data import decode, encode, unigram_entropy
 from mixprec.models import GPT
+from mixprec.precision.base import Precision
 from mixprec.strategies.comm import COMM_NAMES
 from mixprec.strategies.launch_env import LaunchEnv
 from mixprec.strategies.restarts import restarted_anywhere, restarted_by_launcher, restarts_allowed_on_several_nodes
@@ -90,14 +93,7 @@ config file (TOML, or YAML with pyyaml): flag names as keys, e.g.
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "train",
-        help="train a model (default: the built-in GPT on the embedded corpus)",
-        description="Train a model with mixprec's Trainer and report what the precision did.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arg(parser)
     add_data_model_args(parser, batch_size=DEFAULT_BATCH_SIZE, seq_len=DEFAULT_SEQ_LEN)
     g = parser.add_argument_group("training")
@@ -188,7 +184,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "high learning rates (1e-4 is the usual weight; default: 0, off)",
     )
     add_lora_args(parser)
-    parser.set_defaults(func=run)
 
 
 def _z_loss_weight(text: str) -> float:
@@ -205,12 +200,12 @@ def _z_loss_weight(text: str) -> float:
 # -- the run ----------------------------------------------------------------------------------------------
 
 
-def _training_arguments(args: argparse.Namespace, info: DataModelInfo, output_dir: Path) -> Any:
+def _training_arguments(args: argparse.Namespace, precision: Precision, output_dir: Path) -> Any:
     from mixprec.trainer.args import TrainingArguments
 
     return TrainingArguments(
         output_dir=str(output_dir),
-        precision=info.precision,
+        precision=precision,  # parsed once, at the edge: the Trainer's Accelerator runs this very strategy
         num_train_epochs=float(args.epochs),
         max_steps=args.max_steps if args.max_steps is not None else -1,
         per_device_train_batch_size=args.batch_size,
@@ -308,8 +303,9 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     if _rundir.world_size() == 1 and not torch.cuda.is_available():  # a CPU run: threads for the load it meets
         threads = _threads.choose_threads()
         torch.set_num_threads(threads.threads)
-    lora = lora_plan(args)  # a bad --lora-* flag fails before anything is loaded
-    model, train_chunks, val_chunks, info = load_model_and_data(args, lora.base_dtype if lora else None)
+    precision = parse_precision(args.precision, args.fp32_ops)  # the one parse of --precision / --fp32-ops
+    lora = lora_plan(args, precision)  # a bad --lora-* flag fails before anything is loaded
+    model, train_chunks, val_chunks, info = load_model_and_data(args, lora.base_dtype if lora else None, precision)
     if args.z_loss:
         if not isinstance(model, GPT):
             raise CliError(f"--z-loss {args.z_loss:g}: only the built-in GPT has a z-loss; drop --z-loss for --model")
@@ -322,7 +318,7 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     train_dataset = EpochChunks(train_chunks, chunks_per_epoch, seed=args.seed)
     eval_dataset = _eval_subset(val_chunks, info.seq_len)
     baseline = unigram_entropy(_subset_tokens(eval_dataset))
-    training_args = _training_arguments(args, info, run_dir)
+    training_args = _training_arguments(args, precision, run_dir)
 
     from mixprec.trainer.trainer import Trainer
 
@@ -361,7 +357,7 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     summary = dict(output.metrics)
 
     history = trainer.state.log_history
-    last_eval = report.last_value(history, "eval_loss")
+    last_eval = _summary_table.last_value(history, "eval_loss")
     if last_eval is None or last_eval[1] != trainer.state.global_step:
         last_eval = (float(trainer.evaluate()["eval_loss"]), trainer.state.global_step)
     eval_loss = last_eval[0]
@@ -394,10 +390,10 @@ def _report(
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     device = next(unwrapped.parameters()).device
     try:
-        sample = report.printable(_sample(unwrapped, args.seed, device, info.seq_len))
+        sample = _summary_table.printable(_sample(unwrapped, args.seed, device, info.seq_len))
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:  # the run itself succeeded and is saved
         sample = f"(no sample: generation failed: {exc})"
-    rows = report.summary_rows(
+    rows = _summary_table.summary_rows(
         summary=summary,
         log_history=history,
         eval_loss=eval_loss,
@@ -421,7 +417,17 @@ def _report(
     }
     (run_dir / _rundir.RUN_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
     _emit()
-    _emit(report.format_table(rows, "mixprec train: summary"))
+    _emit(_summary_table.format_table(rows, "mixprec train: summary"))
     _emit()
     _emit(f"sample from the trained model (prompt {SAMPLE_PROMPT!r}, temperature 0.8):")
     _emit(sample)
+
+
+COMMAND = Subcommand(
+    name="train",
+    help="train a model (default: the built-in GPT on the embedded corpus)",
+    description="Train a model with mixprec's Trainer and report what the precision did.",
+    epilog=EPILOG,
+    add_arguments=_add_arguments,
+    run=run,
+)

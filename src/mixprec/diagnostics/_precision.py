@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import torch
 
+from mixprec.diagnostics.formats import FORMATS
 from mixprec.precision.base import Precision, PrecisionNotSupportedError
-from mixprec.precision.registry import resolve_precision
+from mixprec.precision.full import FullPrecision
+from mixprec.precision.registry import autocast_format, resolve_precision
 
 TargetPrecision = Precision
 """What the non-finite search runs under: anything with ``.name``, ``.compute_dtype`` and ``.autocast()``."""
-
-_HANDLED = ("fp32", "fp16", "bf16")
 
 
 def resolve_target(name: str, device: torch.device) -> Precision:
     """Parse ``name`` for ``device``. Raises ``ValueError`` for an unknown name and
     ``PrecisionNotSupportedError`` (a ``ValueError``) for one the device cannot run; never falls back."""
     p = resolve_precision(name, device=device)
-    if p.name not in _HANDLED:  # a future mode ("fp8") needs its own format ranges before it can be judged
-        raise ValueError(f"precision {name!r} resolved to {p.name!r}; the diagnosis handles {', '.join(_HANDLED)}")
+    # fp32, or a plain autocast mode whose format has ranges here: a policy, pure bf16 or fp8 would need its
+    # own judgement before it can be judged
+    if not isinstance(p, FullPrecision) and autocast_format(p) not in FORMATS:
+        handled = ", ".join([FullPrecision.name, *FORMATS])
+        raise ValueError(f"precision {name!r} resolved to {p.name!r}; the diagnosis handles {handled}")
     return p
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from mixprec.diagnostics._guard import ModelGuard
 from mixprec.diagnostics._precision import resolve_target, try_resolve
 from mixprec.diagnostics.collect import measure, to_device
-from mixprec.diagnostics.formats import BF16, FP16
+from mixprec.diagnostics.formats import BF16, FORMATS, FP16
 from mixprec.diagnostics.nonfinite import NonfiniteEvent, find_first_nonfinite
 from mixprec.diagnostics.recommend import choose_scale_exp, recommend
 from mixprec.diagnostics.report import LayerStats, Report
@@ -132,7 +132,7 @@ def diagnose(
         raise ValueError("diagnose needs at least one batch; `batches` was empty")
 
     supported = {}
-    for name in ("fp16", "bf16"):
+    for name in FORMATS:
         resolved = try_resolve(name, dev)
         supported[name] = resolved if isinstance(resolved, str) else None
     losses: dict[str, list[float]] = {}

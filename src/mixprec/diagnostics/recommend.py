@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mixprec.diagnostics.formats import FORMATS, FP16
+from mixprec.diagnostics.formats import FORMATS, FP16, loss_scale_for
 from mixprec.diagnostics.histogram import LogHistogram
 from mixprec.diagnostics.nonfinite import NonfiniteEvent
 from mixprec.diagnostics.report import LayerStats
@@ -69,7 +69,7 @@ def _range_problems(
             f"{n_over} activation values in {n_layers} module(s) exceed {name}'s max {fmt.max:g} and would "
             f"become inf (largest: {worst.name}, up to {worst.act_max:.3g})"
         )
-    k = scale_exp if name == "fp16" else 0
+    k = scale_exp if fmt.loss_scaled else 0
     if math.ldexp(grads.max_abs, k) > fmt.max:  # only possible at k = 0: the scale is chosen to avoid it
         out.append(f"gradients up to {grads.max_abs:.3g} exceed {name}'s max {fmt.max:g} even at loss scale 1")
     under = grads.underflow_fraction(fmt, k)
@@ -130,16 +130,16 @@ def recommend(
             f"the model already produces inf/NaN in fp32 ({acts.nonfinite} activation and {grads.nonfinite} "
             "gradient values): fix that first; no lower precision can be judged"
         )
-        checks[target] = nonfinite(target, float(2**k) if target == "fp16" else 1.0)
+        checks[target] = nonfinite(target, loss_scale_for(target, k))
         return Recommendation("fp32", k, reasons, checks)
 
-    order = [target, *[n for n in ("fp16", "bf16") if n != target]] if target in FORMATS else ["fp16", "bf16"]
+    order = [target, *[n for n in FORMATS if n != target]] if target in FORMATS else list(FORMATS)
     if target not in FORMATS:  # fp32 target: still report where fp32 itself goes non-finite
         checks[target] = nonfinite(target, 1.0)
     chosen = None
     safe: list[str] = []
     for name in order:
-        scale = float(2**k) if name == "fp16" else 1.0
+        scale = loss_scale_for(name, k)
         problems = []
         if supported.get(name):
             problems.append(supported[name])
@@ -162,7 +162,7 @@ def recommend(
     if chosen is None:
         chosen = "fp32"
         reasons.append("fp32: neither 16-bit format holds this model's values on this device")
-    elif chosen == "fp16":
+    elif FORMATS[chosen].loss_scaled:
         reasons.append(f"fp16 holds the activations and, scaled by 2^{k}, the gradients")
     else:
         reasons.append("bf16 holds the activations and gradients without loss scaling (fp32's exponent range)")

@@ -15,6 +15,7 @@ from typing import Any
 from mixprec.diagnostics.collect import LayerMeasurements
 from mixprec.diagnostics.formats import BF16, FP16
 from mixprec.diagnostics.histogram import LogHistogram
+from mixprec.diagnostics.histogram_plot import plot_magnitudes
 from mixprec.diagnostics.hooks import display_name
 from mixprec.diagnostics.nonfinite import NonfiniteEvent
 
@@ -221,9 +222,13 @@ class Report:
 
     def plot(self, path: str, **kwargs: Any) -> str:
         """Write a PNG of the model-wide histograms with the fp16 and bf16 ranges shaded; returns the path."""
-        from mixprec.diagnostics.plot import plot_report
-
-        return plot_report(self, path, **kwargs)
+        batches = f"{self.batches} batch{'es' if self.batches != 1 else ''}"
+        k = int(math.log2(self.recommended_init_scale))
+        title = (
+            f"recommended: {self.recommended_precision}, initial loss scale 2^{k} "
+            f"(target {self.precision_target}, {batches} on {self.device})"
+        )
+        return plot_magnitudes(self.totals, path, init_scale=self.recommended_init_scale, title=title, **kwargs)
 
 
 def _pct(v: float | None) -> str:

@@ -26,6 +26,7 @@ from mixprec.precision import auto_cache
 from mixprec.precision.base import Precision
 from mixprec.precision.master_weights import master_names
 from mixprec.precision.op_timing import measure_op_kinds, policy_candidate
+from mixprec.precision.policy import make_policy
 from mixprec.precision.race import ROUNDS, Agree, AutoDecision, Clock, Unfinished, decide, recheck
 from mixprec.precision.trial import no_trace, race_clock, run_trial
 
@@ -61,6 +62,13 @@ class AutoPrecision(Precision):
         if op_policy is None:
             op_policy = os.environ.get("MIXPREC_AUTO_OP_POLICY", "1") != "0"
         self.op_policy = op_policy and any(p.name == _POLICY_BASE for p in self.candidates)
+
+    def bind(self, device: torch.device, processes: int = 1) -> None:
+        """As the base, for every candidate too; the race learns how many processes run it in lockstep."""
+        for candidate in self.candidates:
+            candidate.bind(device)
+        super().bind(device)
+        self.processes = processes
 
     # -- what it is now ------------------------------------------------------------------------------
 
@@ -230,9 +238,7 @@ class AutoPrecision(Precision):
         key = auto_cache.fingerprint(self.device, models, auto_cache.shapes_of(batch), key_names, self.processes)
         cached = auto_cache.lookup(key) if use_cache else None
         if op_policy and cached is not None and cached.chosen not in names and cached.chosen.startswith(_POLICY_BASE):
-            from mixprec.precision.registry import make_precision  # the registry makes "auto": imported late
-
-            self._add_candidate(make_precision(cached.chosen, self.device))  # a cached race's policy
+            self._add_candidate(make_policy(cached.chosen, self.device))  # a cached race's policy
             names = [p.name for p in self.candidates]  # safest first, the policy in its place
         same = self._agree or (lambda xs: xs)
         hit = same([cached.chosen] if cached is not None and cached.chosen in names else [])

@@ -76,6 +76,23 @@ class Precision:
                 "machine; use device='cpu' (or omit device= to get the default)"
             )
 
+    def bind(self, device: torch.device, processes: int = 1) -> None:
+        """Take the device and process count of the code that runs this strategy (the Accelerator), for a
+        strategy made before them: ``make_precision("bf16")`` on "cuda" runs on this process's "cuda:N".
+        Raises ValueError, naming the fix, for another kind of device or once the scaler exists (a strategy
+        already used elsewhere). ``processes`` matters to "auto" only (its race runs in lockstep)."""
+        if device.type != self.device.type or (self.device.index is not None and device != self.device):
+            raise ValueError(
+                f"precision {self.name!r} was made for device {str(self.device)!r} but runs on {str(device)!r}; "
+                f"make it with make_precision({self.name!r}, device={str(device)!r}), or pass its name"
+            )
+        if device != self.device and self._scaler is not None:
+            raise ValueError(
+                f"precision {self.name!r} already has a scaler on {str(self.device)!r}; pass a new strategy "
+                f"(make_precision({self.name!r}, device={str(device)!r})) or its name"
+            )
+        self.device = device
+
     # -- configuration -------------------------------------------------------------------------------
 
     def configure(

@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from mixprec.precision.base import Precision
 from mixprec.precision.op_policy import OP_KINDS, OpPolicy, kind_of
+from mixprec.precision.policy import POLICY_BASES, make_policy
 
 # fp32 must be 5% faster than the low-precision kernel to be forced: a kind within the noise stays as autocast
 # runs it (torch's own choice), so a policy changes autocast only where the measurement shows a win (on the
@@ -164,8 +165,6 @@ def measure_op_kinds(
     such state is restored (the race's ``no_trace``). ``budget_s`` bounds the replays (each call is timed
     at least once per variant). Raises ValueError for a ``base`` without autocast ("bf16" or "fp16").
     """
-    from mixprec.precision.policy import POLICY_BASES
-
     if base not in POLICY_BASES:
         raise ValueError(f"measure_op_kinds(base={base!r}): choose one of {', '.join(POLICY_BASES)}")
     dev = torch.device(device)
@@ -245,8 +244,6 @@ def policy_candidate(report: OpTimingReport, device: torch.device | str) -> Prec
     candidate)."""
     if report.policy == report.base:
         return None
-    from mixprec.precision.registry import make_precision
-
-    candidate = make_precision(report.policy, device)
+    candidate = make_policy(report.policy, device)
     candidate.reason = f"per-op-kind timing: {report.policy} ({report.elapsed_s:.2f} s)"
     return candidate

@@ -2,8 +2,8 @@
 
 The strategy is the autocast mode it refines (a bf16 policy *is* a bf16 mode: fp32 master weights, the same
 scaler, the same step) with one hook changed: ``autocast()`` adds :class:`~mixprec.precision.op_policy.
-Fp32Regions` for the named kinds. Built by the registry from the policy's spelling, never registered as a
-name of its own (the kinds make the name).
+Fp32Regions` for the named kinds. Built from the policy's spelling (:func:`make_policy`), never registered as
+a name of its own (the kinds make the name).
 """
 
 from __future__ import annotations
@@ -87,3 +87,16 @@ class Fp16PolicyPrecision(PolicyMixedPrecision, Fp16MixedPrecision):
 
 
 POLICY_BASES: dict[str, type[PolicyMixedPrecision]] = {"bf16": Bf16PolicyPrecision, "fp16": Fp16PolicyPrecision}
+
+
+def make_policy(spec: str, device: torch.device | str | None = None) -> PolicyMixedPrecision:
+    """The strategy for a policy's spelling, ``"bf16:fp32_ops=attention"``, its base a canonical mode name.
+    The registry canonicalises a user's spelling (aliases, case) before calling this; "auto"'s race and the
+    op timing hand it the spellings they made, so they need not import the registry (which imports them)."""
+    policy = OpPolicy.parse(spec)
+    if policy.base not in POLICY_BASES:
+        raise ValueError(
+            f"precision {spec!r}: a policy refines an autocast mode; start it with "
+            f"{' or '.join(repr(b + ':') for b in POLICY_BASES)}"
+        )
+    return POLICY_BASES[policy.base](policy.fp32_ops, device)

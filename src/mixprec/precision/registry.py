@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from mixprec.precision.auto import AutoPrecision
 from mixprec.precision.base import Precision, PrecisionNotSupportedError, default_device
 from mixprec.precision.fp8 import Fp8Precision, Fp8RowwisePrecision
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
 from mixprec.precision.op_policy import OpPolicy, check_op_kinds
-from mixprec.precision.policy import POLICY_BASES
+from mixprec.precision.policy import POLICY_BASES, make_policy
 from mixprec.precision.pure import PureBf16KahanPrecision, PureBf16Precision
 
 _STRATEGIES: dict[str, type[Precision]] = {}
@@ -86,10 +87,55 @@ def make_precision(name: str = AUTO, device: torch.device | str | None = None, *
         return _make_policy(key, dev)
     if key != AUTO:
         return _STRATEGIES[key](dev)
-    from mixprec.precision.auto import AutoPrecision
-
     Precision.check_supported(dev)
     return AutoPrecision(auto_candidates(dev), processes=processes)
+
+
+def precision_for(
+    precision: str | Precision, device: torch.device | str | None = None, *, processes: int = 1
+) -> Precision:
+    """The strategy a training loop runs: a name parsed by :func:`make_precision`, or a strategy already
+    made (``make_precision("bf16")``, an ``AutoPrecision``: parsed at the edge, e.g. by the command line)
+    used as it is, bound to ``device`` and ``processes`` (:meth:`Precision.bind`). No name is parsed twice."""
+    if isinstance(precision, Precision):
+        precision.bind(_device(device), processes)
+        return precision
+    return make_precision(precision, device, processes=processes)
+
+
+def needs_loss_scaling(name: str) -> bool:
+    """Whether the mode ``name`` scales the loss (fp16 and its policies), e.g. a run summary's precision;
+    False for "auto" (undecided: it scales nothing yet)."""
+    key = canonical_name(name)
+    return key != AUTO and _class_of(key).needs_loss_scaling
+
+
+def may_scale_loss(precision: str | Precision) -> bool:
+    """Whether ``precision`` scales the loss, or may: fp16 and its policies, and "auto" until decided (it may
+    pick fp16). What a caller that cannot work with a loss scale (the step in backward) asks."""
+    if isinstance(precision, Precision):
+        return precision.pending or precision.needs_loss_scaling
+    return canonical_name(precision) == AUTO or needs_loss_scaling(precision)
+
+
+def hf_flags(precision: str | Precision) -> tuple[bool, bool]:
+    """HF's ``(fp16, bf16)`` flags for ``precision``: the fp16 / bf16 autocast mode or a policy refining it
+    ("bf16:fp32_ops=attention" is bf16); both False for fp32, pure bf16, fp8 and an undecided "auto"."""
+    name = precision.name if isinstance(precision, Precision) else canonical_name(precision)
+    base = name.partition(":")[0]  # a policy is its base mode
+    return base == Fp16MixedPrecision.name, base == Bf16MixedPrecision.name
+
+
+def autocast_format(precision: str | Precision) -> str | None:
+    """The name of the plain autocast mode ``precision`` is ("fp16" or "bf16": the number format a
+    diagnosis judges it by), None for any other mode (fp32, a policy, pure bf16, fp8, "auto")."""
+    name = precision.name if isinstance(precision, Precision) else canonical_name(precision)
+    return name if _STRATEGIES.get(name) in (Fp16MixedPrecision, Bf16MixedPrecision) else None
+
+
+def _class_of(key: str) -> type[Precision]:
+    """The strategy class of a canonical name other than "auto" (a policy's class for a policy)."""
+    return POLICY_BASES[OpPolicy.parse(key).base] if ":" in key else _STRATEGIES[key]
 
 
 def auto_candidates(device: torch.device) -> list[Precision]:
@@ -106,7 +152,7 @@ def auto_candidates(device: torch.device) -> list[Precision]:
     return out
 
 
-def policy_name(precision: str, fp32_ops: str | list[str] | tuple[str, ...] | None) -> str:
+def policy_name(precision: str | Precision, fp32_ops: str | list[str] | tuple[str, ...] | None) -> str | Precision:
     """The precision name for ``precision`` with ``fp32_ops`` kept in fp32 (the ``fp32_ops=`` argument of
     the Accelerator, TrainingArguments and ``mixprec train``): ``("bf16", ["attention"])`` ->
     "bf16:fp32_ops=attention"; ``precision`` unchanged when ``fp32_ops`` is empty. Raises a ValueError naming
@@ -114,6 +160,11 @@ def policy_name(precision: str, fp32_ops: str | list[str] | tuple[str, ...] | No
     kinds = check_op_kinds(fp32_ops or ())
     if not kinds:
         return precision
+    if isinstance(precision, Precision):  # a strategy already made: its kinds are part of its name
+        raise ValueError(
+            f"fp32_ops={sorted(kinds)} with a precision strategy ({precision.name!r}): name the kinds in it, "
+            f"make_precision('{precision.name}:fp32_ops={','.join(sorted(kinds))}'), and drop fp32_ops"
+        )
     base = canonical_name(precision)
     if ":" in base:
         base = OpPolicy.parse(base).base
@@ -137,8 +188,7 @@ def _parse_policy(key: str) -> OpPolicy:
 
 
 def _make_policy(key: str, device: torch.device) -> Precision:
-    policy = _parse_policy(key)
-    return POLICY_BASES[policy.base](policy.fp32_ops, device)
+    return make_policy(_parse_policy(key).spec, device)
 
 
 def _device(device: torch.device | str | None) -> torch.device:

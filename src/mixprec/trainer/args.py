@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from mixprec.accelerator.config import parse_state_dict_type
-from mixprec.precision.registry import canonical_name, policy_name
+from mixprec.precision.base import Precision
+from mixprec.precision.registry import canonical_name, hf_flags, may_scale_loss, policy_name
 from mixprec.strategies.comm import make_comm
 from mixprec.trainer.configs import (
     DISTRIBUTED,
@@ -62,8 +63,9 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
     """Where checkpoints, metrics.jsonl, plots and the final model go."""
 
     # -- precision ------------------------------------------------------------------------------------
-    precision: str | None = None
-    """"no"/"fp32", "fp16", "bf16" or "auto". fp16=True and bf16=True are sugar for it; default fp32."""
+    precision: str | Precision | None = None
+    """"no"/"fp32", "fp16", "bf16" or "auto" (or a strategy: ``make_precision("bf16")``, handed to the
+    Accelerator as it is). fp16=True and bf16=True are sugar for it; default fp32."""
     fp16: bool = False
     """Train with fp16 autocast and loss scaling (really fp16, on CPU too)."""
     bf16: bool = False
@@ -219,7 +221,7 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
         if self.step_in_backward:
             from mixprec.accelerator.step_in_backward import REFUSALS
 
-            if self.precision.partition(":")[0] in ("fp16", "auto"):  # "auto" may choose fp16; a policy is its base
+            if may_scale_loss(self.precision):  # "auto" may choose fp16
                 fail("step_in_backward", True, f"with precision={self.precision!r}: {REFUSALS['fp16']}")
             if self.max_grad_norm is not None:
                 fail("step_in_backward", True, f"with max_grad_norm={self.max_grad_norm}: {REFUSALS['clip']}")
@@ -275,22 +277,24 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
         flag = "fp16" if self.fp16 else "bf16" if self.bf16 else None
         if self.precision is None:
             self.precision = flag or "fp32"
-        try:
-            name = canonical_name(self.precision)  # the one place precision names are parsed
+        try:  # a strategy already made (parsed at the edge: mixprec train) is kept and handed down as it is
+            name = self.precision.name if isinstance(self.precision, Precision) else canonical_name(self.precision)
         except (TypeError, ValueError) as err:
             raise ValueError(f"TrainingArguments(precision={self.precision!r}): {err}") from None
         if self.fp32_ops:
             try:
-                name = canonical_name(policy_name(name, self.fp32_ops))
+                spec = name if isinstance(self.precision, str) else self.precision  # a strategy is refused here
+                name = canonical_name(policy_name(spec, self.fp32_ops))
             except ValueError as err:
                 raise ValueError(f"TrainingArguments(fp32_ops={self.fp32_ops!r}): {err}") from None
             self.fp32_ops = None  # folded into the name: one source of truth from here on
-        if flag is not None and name.partition(":")[0] != flag:
+        flags = hf_flags(self.precision if isinstance(self.precision, Precision) else name)
+        if flag is not None and flags != (self.fp16, self.bf16):
             fail("precision", self.precision, f"conflicts with {flag}=True; set one of them")
-        self.precision = name
+        if not isinstance(self.precision, Precision):
+            self.precision = name
         # Keep the HF flags truthful, so code that reads args.fp16 sees what will run.
-        self.fp16 = name.partition(":")[0] == "fp16"  # a policy ("bf16:fp32_ops=...") is its base mode
-        self.bf16 = name.partition(":")[0] == "bf16"
+        self.fp16, self.bf16 = flags  # a policy ("bf16:fp32_ops=...") is its base mode
 
     def _apply_hf_implied(self) -> None:
         """HF's derived settings, so scripts that rely on them behave the same."""
@@ -437,4 +441,6 @@ def _not_a_multiple(save_steps: float, eval_steps: float) -> bool:
 def _plain_value(value: Any) -> Any:
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
+    if isinstance(value, Precision):  # a strategy passed as precision= is saved by its name
+        return value.name
     return value

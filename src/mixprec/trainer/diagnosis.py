@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from mixprec.precision.registry import autocast_format
 from mixprec.trainer.data import make_loader
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def diagnose_at_start(
         ) from err
     acc = accelerator
     loader = make_loader(dataset, args.per_device_train_batch_size, collator, shuffle=False, seed=0)
-    target = acc.mixed_precision if acc.mixed_precision in ("fp16", "bf16") else "fp16"
+    target = autocast_format(acc.mixed_precision) or "fp16"  # "auto", a policy, pure, fp8: fp16's range
     optimizer = "sgd" if args.optim == "sgd" else "adam"
     report = diagnose(model, loader, precision_target=target, lr=args.learning_rate, optimizer=optimizer)
     scale = float(acc.reduce(float(report.recommended_init_scale), reduction="max").item())

@@ -2,19 +2,18 @@
 fp16 and bf16 ranges.
 
 matplotlib is imported inside the function, with the Agg backend, so ``import mixprec.diagnostics`` stays
-light and plotting works on machines without a display.
+light and plotting works on machines without a display. The figure is drawn from the histograms and the
+title alone: :meth:`~mixprec.diagnostics.report.Report.plot` says what they are, so this module does not
+know the Report (which calls down here).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 from mixprec.diagnostics.formats import BF16, FP16
 from mixprec.diagnostics.histogram import E_MIN, LogHistogram
-
-if TYPE_CHECKING:
-    from mixprec.diagnostics.report import Report
 
 _PANELS = (
     ("act_grad", "activation gradients"),
@@ -33,20 +32,22 @@ def _xrange(hists: list[LogHistogram], shift: int) -> tuple[int, int]:
     return lo, hi
 
 
-def plot_report(report: Report, path: str, *, dpi: int = 110) -> str:
-    """Write a PNG with one panel per kind of value: the model-wide log2-magnitude histogram (fraction of
-    nonzero values per binary exponent), for gradients also the same histogram at the recommended initial loss
-    scale, with fp16's normal and subnormal ranges shaded and bf16's range as a band along the top.
-    Returns ``path``."""
+def plot_magnitudes(
+    totals: Mapping[str, LogHistogram], path: str, *, init_scale: float, title: str, dpi: int = 110
+) -> str:
+    """Write a PNG with one panel per kind of value in ``totals`` ("act_grad", "weight_grad", "act"): the
+    model-wide log2-magnitude histogram (fraction of nonzero values per binary exponent), for gradients also
+    the same histogram at ``init_scale`` (the recommended initial loss scale), with fp16's normal and
+    subnormal ranges shaded and bf16's range as a band along the top; ``title`` above them. Returns ``path``."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)  # no display needed; leaves a backend the user already chose
     import matplotlib.pyplot as plt
 
-    k = int(math.log2(report.recommended_init_scale))
+    k = int(math.log2(init_scale))
     fig, axes = plt.subplots(len(_PANELS), 1, figsize=(10, 2.9 * len(_PANELS)), layout="constrained")
     for ax, (kind, title) in zip(axes, _PANELS):
-        h = report.totals.get(kind) or LogHistogram()
+        h = totals.get(kind) or LogHistogram()
         shift = k if kind != "act" else 0
         lo, hi = _xrange([h], shift)
         _shade(ax, lo, hi)
@@ -73,12 +74,7 @@ def plot_report(report: Report, path: str, *, dpi: int = 110) -> str:
     # one legend for all panels, below them: inside a panel it would cover the data of some model
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8)
-    batches = f"{report.batches} batch{'es' if report.batches != 1 else ''}"
-    fig.suptitle(
-        f"recommended: {report.recommended_precision}, initial loss scale 2^{k} "
-        f"(target {report.precision_target}, {batches} on {report.device})",
-        fontsize=11,
-    )
+    fig.suptitle(title, fontsize=11)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path

@@ -11,6 +11,9 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
+from mixprec.precision.full import FullPrecision
+from mixprec.precision.registry import needs_loss_scaling
+
 __all__ = ["auto_rows", "format_duration", "format_table", "last_value", "perplexity", "printable", "summary_rows"]
 
 
@@ -83,7 +86,7 @@ def summary_rows(
     epochs = f" ({epochs_done:.3g} epochs)" if epochs_done is not None else ""
     rows.append(("steps", f"{steps}{epochs}, {summary.get('skipped_steps', 0)} skipped"))
     scale = summary.get("final_loss_scale")
-    if scale is None or summary.get("precision") != "fp16":
+    if scale is None or not needs_loss_scaling(summary.get("precision") or FullPrecision.name):
         rows.append(("loss scale", f"none ({summary.get('precision')} trains without loss scaling)"))
     else:
         rows.append(("loss scale", f"{scale:g} at the end"))
@@ -124,7 +127,7 @@ def auto_rows(auto: dict[str, Any] | None) -> list[tuple[str, str]]:
     if not auto or not auto.get("step_seconds"):
         return []
     medians, best = auto["step_seconds"], auto.get("best_seconds", {})
-    base = medians.get("fp32") or next(iter(medians.values()))
+    base = medians.get(FullPrecision.name) or next(iter(medians.values()))
     rows = []
     rank = {n: i for i, n in enumerate(auto.get("candidates", []))}
     ordered = sorted(medians, key=lambda n: rank.get(n, len(rank)))  # safest first, as raced
