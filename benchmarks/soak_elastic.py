@@ -2,8 +2,8 @@
 
     PYTHONPATH=src:. python benchmarks/soak_elastic.py [--trials 20] [--seed 0] [--rdzv static|c10d]
 
-One uninterrupted 2-process run (tests/elastic_worker.py: DDP over gloo, fp16, dropout, 12 steps, a checkpoint
-every 3), then TRIALS runs under ``torchrun --max-restarts=3`` in which a random rank SIGKILLs itself once at
+One uninterrupted 2-process run (tests/strategies/elastic_worker.py: DDP over gloo, fp16, dropout, 12 steps, a
+checkpoint every 3), then TRIALS runs under ``torchrun --max-restarts=3`` in which a random rank SIGKILLs itself once at
 a random step (1..11). A trial passes when the launcher exits 0, the worker group was restarted, and both
 ranks' final parameters are bit-identical to the uninterrupted run's. Loopback only (127.0.0.1).
 Prints one line per trial and a summary; exits 1 if any trial failed.
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "tests" / "elastic_worker.py"
+WORKER = ROOT / "tests" / "strategies" / "elastic_worker.py"
 STEPS = 12
 
 

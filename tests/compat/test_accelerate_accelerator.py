@@ -1,4 +1,4 @@
-"""HF Accelerate's Accelerator contract (its ``tests/test_accelerator.py``, the tests that run on a CPU),
+"""HF Accelerate's Accelerator contract (its ``tests/accelerator/test_accelerator.py``, the tests that run on a CPU),
 checked against mixprec's Accelerator or accelerate's own, chosen by one environment variable:
 
     PYTHONPATH=src:. pytest -q tests/compat/test_accelerate_accelerator.py                            # mixprec

@@ -13,7 +13,7 @@ of the logits falls to one chunk's.
 Numerics follow autocast's: the matmuls in the autocast dtype (or the weight's, outside autocast), the
 log-sum-exp and the softmax in fp32, the gradient of the logits cast to the compute dtype for its two
 matmuls. The head's weight gradient is accumulated over chunks in fp32 (the plain path rounds it once to
-the compute dtype), so the two agree to the compute dtype's rounding: tests/test_chunked_loss.py states the
+the compute dtype), so the two agree to the compute dtype's rounding: tests/models/test_chunked_loss.py states the
 tolerances.
 """
 

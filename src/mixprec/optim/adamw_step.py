@@ -54,7 +54,7 @@ class AdamWStep(torch.optim.Optimizer):
     Cost: per bucket of elements (across parameters) about 20 kernel launches and no host sync; the buffers are
     kept between steps, so no step allocates (fresh multi-megabyte buffers cost page faults on every CPU step).
     The arithmetic is torch's fused Adam(W) kernel where the device has one (not for Kahan, which needs the
-    update on its own); the result does not depend on the bucket size (tests/test_bf16_adamw_buckets.py).
+    update on its own); the result does not depend on the bucket size (tests/optim/test_bf16_adamw_buckets.py).
     """
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], bucket_elements: int | None = None) -> None:

@@ -13,7 +13,7 @@ fp32 gradients whatever the precision, and FSDP2 reduce-scatters them in fp32. `
 Safe with loss scaling: an fp16 bucket whose scaled gradients exceed fp16's range (65504) becomes inf on the
 wire, the inf is all-reduced to every process, and the loss scaler (or, in the unscaled modes, the non-finite
 guard) finds it in the averaged gradients: the step is skipped on every process and fp16's scale backs off,
-exactly as for an overflow in the backward itself. Never a silent inf (tests/test_comm.py plants one). bf16
+exactly as for an overflow in the backward itself. Never a silent inf (tests/strategies/test_comm.py plants one). bf16
 has fp32's range, so it cannot overflow on the wire where fp32 would not. fp16 on the wire without loss
 scaling (an fp32 or bf16 run) flushes gradients below 6e-8 to zero: prefer bf16 there.
 
