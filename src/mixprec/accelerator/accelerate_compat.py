@@ -277,6 +277,12 @@ class SharedState:
     def __init__(self, gradients: Any = None) -> None:
         self._gradients = gradients  # accelerate's GradientState, or None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A pickled Accelerator (accelerate's scripts pickle theirs) carries no process-wide state: accelerate's
+        # GradientState holds weak references to its own loaders. Unpickled, it mirrors into this process's
+        # GradientState if accelerate has one, else it is the null object.
+        return (_reattach, ())
+
     @classmethod
     def start(cls, *, device: torch.device, accumulation: Mapping[str, Any], timeout: float | None) -> SharedState:
         if not _installed("accelerate"):
@@ -323,3 +329,11 @@ def profile(
     os.makedirs(trace_dir, exist_ok=True)
     profiler.export_chrome_trace(os.path.join(trace_dir, f"trace_{process_index}.json"))
     wait_for_everyone()
+
+
+def _reattach() -> SharedState:
+    if not _installed("accelerate"):
+        return SharedState()
+    from accelerate.state import GradientState
+
+    return SharedState(GradientState() if GradientState._shared_state else None)
