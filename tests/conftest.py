@@ -21,6 +21,9 @@ for _var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR
 os.environ["MIXPREC_AUTO_CACHE"] = "0"
 # ...and races the uniform modes only: the per-op-kind policy candidate is tested on its own (test_precision_auto)
 os.environ["MIXPREC_AUTO_OP_POLICY"] = "0"
+# ...and every candidate is raced, not left out by the CPU probe first: planted speeds are the tests' subject
+# (the probe's filter is tested on its own, test_precision_auto)
+os.environ["MIXPREC_AUTO_PREFILTER"] = "0"
 
 from dataclasses import dataclass  # noqa: E402
 

@@ -480,3 +480,40 @@ def test_per_op_timing_that_finds_nothing_to_keep_in_fp32_races_the_uniform_mode
     _train(accelerator, steps=1)
     assert accelerator.mixed_precision == "bf16"
     assert set(accelerator.auto_decision.step_seconds) == {"fp32", "bf16"}
+
+
+def test_a_mode_whose_matmuls_are_emulated_on_this_cpu_is_left_out_before_its_first_trial(monkeypatch):
+    # GPT-2 124M on a CPU without native fp16: one fp16 trial sat a minute inside one kernel (issue 23). A
+    # layer-sized GEMM probe (a fraction of a second, once per process) shows it first; the race never runs it.
+    from mixprec.precision import probe
+
+    monkeypatch.setattr(probe, "_gemm_cache", {torch.float32: 1.0, torch.bfloat16: 0.4, torch.float16: 20.0})
+    monkeypatch.setenv("MIXPREC_AUTO_PREFILTER", "1")
+    trials: list[str] = []
+
+    class CountedFp16(Fp16MixedPrecision):
+        def autocast(self):
+            trials.append(self.name)
+            return super().autocast()
+
+    _auto_with(monkeypatch, SleepyFp32, Bf16MixedPrecision, CountedFp16)
+    accelerator = Accelerator(mixed_precision="auto", verbose=False)
+    _train(accelerator, steps=1)
+    decision = accelerator.auto_decision
+    assert trials == []  # not one fp16 trial
+    assert "float16 matmuls ran 20.0x slower than fp32's" in decision.excluded["fp16"]
+    assert accelerator.mixed_precision == "bf16" and "fp16" not in decision.step_seconds
+
+
+def test_the_matmul_probe_keeps_native_dtypes_and_finds_this_machines_emulated_ones(monkeypatch):
+    from mixprec.precision import probe
+    from mixprec.precision.probe import PREFILTER_RATIO, emulated_candidates, gemm_ratio
+
+    monkeypatch.setattr(probe, "_gemm_cache", {torch.float32: 1.0, torch.bfloat16: 1.3, torch.float16: 4.0})
+    cpu = torch.device("cpu")
+    candidates = [FullPrecision(cpu), Bf16MixedPrecision(cpu), Fp16MixedPrecision(cpu)]
+    assert emulated_candidates(candidates) == {}  # slower, but not by emulation's margin: the race decides
+    monkeypatch.setattr(probe, "_gemm_cache", {})
+    measured = gemm_ratio(torch.float16)  # real: the ratio this machine's kernels give
+    assert measured > 0 and set(probe._gemm_cache) == {torch.float32, torch.float16}
+    assert ("fp16" in emulated_candidates(candidates)) == (measured >= PREFILTER_RATIO)

@@ -27,6 +27,7 @@ from mixprec.precision.base import Precision
 from mixprec.precision.master_weights import master_names
 from mixprec.precision.op_timing import measure_op_kinds, policy_candidate
 from mixprec.precision.policy import make_policy
+from mixprec.precision.probe import emulated_candidates
 from mixprec.precision.race import ROUNDS, Agree, AutoDecision, Clock, Unfinished, decide, recheck
 from mixprec.precision.trial import no_trace, race_clock, run_trial
 
@@ -62,6 +63,9 @@ class AutoPrecision(Precision):
         if op_policy is None:
             op_policy = os.environ.get("MIXPREC_AUTO_OP_POLICY", "1") != "0"
         self.op_policy = op_policy and any(p.name == _POLICY_BASE for p in self.candidates)
+        # on a CPU, a mode the one-block probe shows emulated is left out before its first trial (probe.py;
+        # MIXPREC_AUTO_PREFILTER=0 races every candidate, as the tests with planted speeds need)
+        self.prefilter = os.environ.get("MIXPREC_AUTO_PREFILTER", "1") != "0"
 
     def bind(self, device: torch.device, processes: int = 1) -> None:
         """As the base, for every candidate too; the race learns how many processes run it in lockstep."""
@@ -273,7 +277,15 @@ class AutoPrecision(Precision):
                     return self.decision
                 stale = f"the cached race of {reused.measured_at or 'an earlier run'} did not hold ({note})"
 
-            if op_policy and len(names) == len(by_name) and not any(":" in n for n in names):
+            excluded = dict(excluded or {})
+            if self.prefilter and alone:
+                excluded.update({k: v for k, v in emulated_candidates(self.candidates).items() if k not in excluded})
+            if (
+                op_policy
+                and _POLICY_BASE not in excluded
+                and len(names) == len(by_name)
+                and not any(":" in n for n in names)
+            ):
                 self._trying = by_name[_POLICY_BASE]  # its forward is not the step that settles (pending)
                 try:
                     report = measure_op_kinds(loss_fn, self.device, _POLICY_BASE, budget_s=OP_TIMING_BUDGET_S)
@@ -295,7 +307,7 @@ class AutoPrecision(Precision):
                 clock=clock,
                 clock_name=clock_name,
                 agree=self._agree,
-                excluded=dict(excluded or {}),
+                excluded=excluded,
                 run_steps=run_steps,
             )
         if stale:

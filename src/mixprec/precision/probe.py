@@ -24,11 +24,16 @@ import contextlib
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from mixprec.precision import race
+
+if TYPE_CHECKING:
+    from mixprec.precision.base import Precision
 
 # Probe shape: big enough that GEMMs dominate as in a real step, small enough to stay well under a second.
 _BATCH, _SEQ, _WIDTH, _HIDDEN, _HEADS, _VOCAB = 2, 32, 128, 512, 4, 256
@@ -37,6 +42,15 @@ _ROUNDS = 5
 # cheap on CPUs where low precision is emulated and an order of magnitude slower).
 _DROP_RATIO = 1.5
 MARGIN = race.MARGIN  # a low-precision mode must beat fp32 by this much: ties go to the safer mode
+
+# Before a race on a CPU: a dtype whose GEMMs run this much slower than fp32's is emulated here (fp16 without
+# AVX512-FP16: 14-23x on the Zen 4 box; native bf16 there: 0.4x at this shape, 1.1x at a tiny one), and one
+# trial of it on a large model can sit a minute inside a single kernel that no deadline interrupts (issue 23:
+# GPT-2 124M). The shape is a transformer layer's GEMM at a few hundred tokens: at the one-block probe's tiny
+# shape native bf16 measured 5.5x fp32 (fixed costs), so that probe cannot tell emulation from overhead.
+PREFILTER_RATIO = 5.0
+_GEMM = (256, 512, 512)
+_gemm_cache: dict[torch.dtype, float] = {}
 
 _cache: dict[tuple[str, int], ProbeResult] = {}  # (device type, threads)
 _lock = threading.Lock()
@@ -155,3 +169,50 @@ def cpu_probe() -> ProbeResult:
         if key not in _cache:
             _cache[key] = measure_cpu()
         return _cache[key]
+
+
+def gemm_ratio(dtype: torch.dtype) -> float:
+    """Best time of a layer's three GEMMs (forward and the two of backward, ``_GEMM``-shaped, one thread) in
+    ``dtype`` over fp32's; cached per process. Costs about 0.3 s where ``dtype`` is emulated, ~20 ms where not."""
+    with _lock:
+        for d in (torch.float32, dtype):
+            if d not in _gemm_cache:
+                _gemm_cache[d] = _gemm_seconds(d)
+        return _gemm_cache[dtype] / _gemm_cache[torch.float32]
+
+
+def _gemm_seconds(dtype: torch.dtype, reps: int = 2) -> float:
+    m, k, n = _GEMM
+    g = torch.Generator().manual_seed(0)
+    a, b, out = (torch.randn(*shape, generator=g).to(dtype) for shape in ((m, k), (k, n), (m, n)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # per-core speed, as the one-block probe (see the module docstring)
+    try:
+        times = []
+        for _ in range(reps + 1):  # the first pays for packing and allocation
+            t0 = time.perf_counter()
+            a @ b, a.t() @ out, out @ b.t()
+            times.append(time.perf_counter() - t0)
+        return min(times[1:])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def emulated_candidates(candidates: Sequence[Precision]) -> dict[str, str]:
+    """On a CPU, the candidates after the safest whose compute dtype's GEMMs run ``PREFILTER_RATIO`` x fp32's
+    time or slower (:func:`gemm_ratio`): name -> why, for the race to leave out before their first trial.
+    Nothing on other devices."""
+    if not candidates or candidates[0].device.type != "cpu":
+        return {}
+    out = {}
+    for candidate in candidates[1:]:
+        dtype = candidate.compute_dtype
+        if dtype not in (torch.bfloat16, torch.float16):
+            continue
+        ratio = gemm_ratio(dtype)
+        if ratio >= PREFILTER_RATIO:
+            name = str(dtype).removeprefix("torch.")
+            out[candidate.name] = (
+                f"its {name} matmuls ran {ratio:.1f}x slower than fp32's (emulated on this CPU), so it was not raced"
+            )
+    return out
