@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "DataLoaderConfiguration": "mixprec.loaders.data_config",
     "skip_first_batches": "mixprec.loaders.data",
     "AcceleratorState": "mixprec.strategies.process_state",
+    "DistributedType": "mixprec.strategies.distributed_type",
     # high level
     "Trainer": "mixprec.trainer.trainer",
     "TrainingArguments": "mixprec.trainer.args",

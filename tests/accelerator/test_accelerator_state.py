@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 import mixprec.accelerator.state as state_module
 from conftest import TinyLM
-from mixprec import Accelerator
+from mixprec import Accelerator, DistributedType
 from mixprec.checkpoint import UnsafeCheckpointError, write_manifest
 from resumable_loop import DropoutLM, data, run, setup
 
@@ -136,7 +136,10 @@ def test_one_process_ddp_and_fsdp2_train_and_round_trip(distributed: str, tmp_pa
     torch.manual_seed(0)
     acc = Accelerator(mixed_precision="fp16", distributed=distributed, verbose=False)
     try:
-        assert acc.distributed_type == distributed and acc.num_processes == 1
+        assert (
+            acc.distributed_type == {"ddp": DistributedType.MULTI_CPU, "fsdp": DistributedType.FSDP}[distributed]
+            and acc.num_processes == 1
+        )
         m = DropoutLM()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
         m, opt, dl = acc.prepare(m, opt, DataLoader(data(), batch_size=4, shuffle=True))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from mixprec import Accelerator, GradientAccumulationPlugin
+from mixprec import Accelerator, DistributedType, GradientAccumulationPlugin
 
 
 def test_state_describes_this_process_and_follows_the_precision() -> None:
@@ -19,7 +19,7 @@ def test_state_describes_this_process_and_follows_the_precision() -> None:
     state = acc.state
     assert (state.num_processes, state.process_index, state.local_process_index) == (1, 0, 0)
     assert state.is_main_process and state.is_local_main_process and not state.use_distributed
-    assert state.device == torch.device("cpu") and state.distributed_type == "single"
+    assert state.device == torch.device("cpu") and state.distributed_type == DistributedType.NO
     assert state.mixed_precision == "bf16"
     with pytest.raises(AttributeError, match="'AcceleratorState' object has no attribute 'nope'"):
         state.nope  # noqa: B018

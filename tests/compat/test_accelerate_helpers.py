@@ -111,3 +111,34 @@ def test_handlers_that_contradict_arguments_or_are_unknown_are_refused():
         Accelerator(kwargs_handlers=[{"init_scale": 8.0}])
     with pytest.raises(TypeError, match=r"project_config=...\): expected a ProjectConfiguration"):
         Accelerator(project_config={"project_dir": "x"})
+
+
+def test_distributed_type_is_accelerates_vocabulary():
+    # scripts compare accelerator.distributed_type with accelerate's enum; every kind mixprec reports has
+    # accelerate's name and value
+    from mixprec import DistributedType
+
+    for kind in DistributedType:
+        assert kind == utils.DistributedType(kind.value) == kind.value
+    acc = Accelerator(verbose=False)
+    assert acc.distributed_type == utils.DistributedType.NO and acc.distributed_type is DistributedType.NO
+    assert acc.state.distributed_type == "NO" and acc.distributed_type != utils.DistributedType.MULTI_GPU
+
+
+def test_accelerates_local_sgd_runs_disabled_in_one_process():
+    # it refused mixprec's Accelerator ("single" was none of its kinds); with one process it trains unchanged
+    from accelerate.local_sgd import LocalSGD
+
+    acc = Accelerator(verbose=False)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    start = model.weight.detach().clone()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with LocalSGD(accelerator=acc, model=model, local_sgd_steps=2) as local_sgd:
+        assert not local_sgd.enabled
+        for _ in range(3):
+            acc.backward(model(torch.ones(2, 4)).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+            local_sgd.step()
+    assert not torch.equal(model.weight, start)

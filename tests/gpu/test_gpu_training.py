@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import make_batches, make_tiny_lm
-from mixprec import Accelerator, Trainer, TrainingArguments
+from mixprec import Accelerator, DistributedType, Trainer, TrainingArguments
 from mixprec.watch import PrecisionWatch
 from trainer_utils import make_examples, make_model
 
@@ -123,7 +123,7 @@ def test_fsdp2_on_one_gpu_trains_in_bf16():
             opt.step()
             opt.zero_grad()
             losses.append(out.loss.item())
-        assert acc.distributed_type == "fsdp" and acc.num_processes == 1
+        assert acc.distributed_type == DistributedType.FSDP and acc.num_processes == 1
         assert type(next(model.parameters())).__name__ == "DTensor"  # fully_shard took the parameters
         assert sum(losses[-5:]) < 0.8 * sum(losses[:5]), losses
     finally:

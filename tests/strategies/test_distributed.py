@@ -52,8 +52,25 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_accelerator_joins_the_torchrun_group_itself(ranks: list[dict]) -> None:
     # The worker never calls init_process_group: the Accelerator read RANK/WORLD_SIZE/MASTER_* itself.
     assert ranks[0]["world"] == {"num_processes": 2, "backend": "gloo"}
-    assert ranks[0]["ddp-fp32"]["kind"] == "ddp"  # DDP by default with WORLD_SIZE > 1
-    assert ranks[0]["fsdp-fp32"]["kind"] == "fsdp"
+    assert ranks[0]["ddp-fp32"]["kind"] == "MULTI_CPU"  # DDP by default with WORLD_SIZE > 1; accelerate's name
+    assert ranks[0]["fsdp-fp32"]["kind"] == "FSDP"
+
+
+def test_a_prepared_scheduler_advances_once_per_process_as_accelerates_unless_counted_in_optimizer_steps(
+    ranks: list[dict],
+) -> None:
+    # accelerate's scripts size the schedule from the unsharded DataLoader; mixprec's Trainer in optimizer steps
+    assert ranks[0]["scheduler_lrs"] == {"accelerate": pytest.approx(0.8), "optimizer_steps": pytest.approx(0.9)}
+
+
+def test_accelerates_local_sgd_trains_locally_then_averages_the_ranks(ranks: list[dict]) -> None:
+    # accelerate's LocalSGD accepts mixprec's distributed_type and enters the prepared model's no_sync()
+    run = ranks[0]["local_sgd"]
+    assert run["distributed_type"] == "MULTI_CPU" and run["enabled"]
+    before, after = torch.tensor(run["before"]), torch.tensor(run["after"])
+    assert not torch.equal(before[0], before[1])  # gradients stayed local: each rank stepped on its own data
+    torch.testing.assert_close(after[0], after[1], rtol=0, atol=0)  # then every rank holds the same weights
+    torch.testing.assert_close(after[0], before.mean(0), rtol=1e-6, atol=1e-7)  # their mean
 
 
 @pytest.mark.parametrize("kind", ["ddp-fp32", "ddp-fp16"])

@@ -111,6 +111,43 @@ def no_sync_grads() -> dict:
     return out
 
 
+def local_sgd() -> dict:
+    """accelerate's own LocalSGD over mixprec's Accelerator: two steps under ``model.no_sync()`` (each rank's
+    weights drift on its own data), then the parameters averaged over the ranks (``local_sgd_steps=2``)."""
+    from accelerate.local_sgd import LocalSGD
+
+    accelerator = Accelerator(verbose=False)
+    model, optimizer, loader, _ = build(accelerator)
+    out = {"distributed_type": accelerator.distributed_type}
+    with LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=2) as sgd:
+        out["enabled"] = sgd.enabled
+        for _, batch in zip(range(2), loader):
+            accelerator.backward(model(batch["input_ids"], labels=batch["labels"]).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            out["before"] = accelerator.gather(model.head.weight.detach()[None]).tolist()
+            sgd.step()
+        out["after"] = accelerator.gather(model.head.weight.detach()[None]).tolist()
+    return out
+
+
+def scheduler_lrs() -> dict[str, float]:
+    """The LR after one optimizer step of LambdaLR(1 - n/10), as accelerate's rule (num_processes advances per
+    step) and as mixprec's Trainer sizes its schedule (in optimizer steps: one)."""
+    out = {}
+    for name, counts_optimizer_steps in (("accelerate", False), ("optimizer_steps", True)):
+        accelerator = Accelerator(verbose=False, scheduler_counts_optimizer_steps=counts_optimizer_steps)
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 1 - n / 10)
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+        accelerator.backward(model(torch.ones(1, 2)).sum())
+        optimizer.step()
+        scheduler.step()
+        out[name] = scheduler.get_last_lr()[0]
+    return out
+
+
 def accumulated(distributed: str | None) -> dict[str, list[float]] | None:
     """Two optimizer steps of two micro-batches each (no_sync on the first of each pair)."""
     accelerator = Accelerator(gradient_accumulation_steps=2, distributed=distributed, verbose=False)
@@ -148,7 +185,7 @@ def run_kind(distributed: str | None, precision: str, out: Path) -> dict:
     result["local_params"] = (
         {k: v.flatten().tolist() for k, v in objects[0].state_dict().items()} if distributed is None else None
     )
-    result["kind"] = accelerator.distributed_type
+    result["kind"] = accelerator.distributed_type  # a str enum: "MULTI_CPU", "FSDP" in the JSON
     result["state_keys"] = sorted(objects[0].state_dict().keys())
     if precision == "fp16":
         result["inf"] = inject_inf_on_rank1(accelerator, *objects)
@@ -233,6 +270,8 @@ def main() -> None:
     results["trigger"] = [quiet, first.check_trigger(), first.check_trigger()]
     results["dispatched"] = dispatched()
     results["no_sync"] = no_sync_grads()
+    results["local_sgd"] = local_sgd()
+    results["scheduler_lrs"] = scheduler_lrs()
     results["accumulated"] = {"ddp": accumulated(None), "fsdp": accumulated("fsdp")}
     # "auto" races on the first DDP training step, every process in lockstep (a backward is a collective);
     # each would time it differently on a loaded machine: all take rank 0's measurement

@@ -55,8 +55,25 @@ def test_a_ddp_model_trains_through_the_wrapper_and_stays_the_users_module() -> 
         with torch.no_grad():
             model(torch.ones(4, 3))  # evaluation does not
         assert calls == [1] and model.weight.grad is not None
+        with model.no_sync():  # as accelerate's DDP-wrapped model has it (its LocalSGD enters it)
+            assert not wrapper.require_backward_grad_sync
+        assert wrapper.require_backward_grad_sync
     finally:
         acc.end_training()
+
+
+def test_a_group_the_script_joined_without_rank_is_read_from_torch_distributed() -> None:
+    # accelerate's debug_launcher joins through a file rendezvous and sets WORLD_SIZE but no RANK
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        env = LaunchEnv.from_environ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"})
+        assert (env.rank, env.world_size, env.local_rank) == (0, 1, 0)
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(RuntimeError, match="RANK, LOCAL_RANK, MASTER_PORT is not"):  # no group: the launcher's job
+        LaunchEnv.from_environ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"})
 
 
 def test_fsdp2_refuses_a_save_inside_an_accumulation_window_and_writes_nothing(tmp_path: Path) -> None:

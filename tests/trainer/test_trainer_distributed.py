@@ -120,7 +120,7 @@ def test_save_model_under_fsdp2_writes_the_full_weights_of_the_one_process_run(f
     from mixprec.checkpoint import load_tensors
 
     ranks = [json.loads((fsdp_runs / "fsdp" / f"rank{i}.json").read_text()) for i in range(2)]
-    assert [r["distributed"] for r in ranks] == ["fsdp", "fsdp"]
+    assert [r["distributed"] for r in ranks] == ["FSDP", "FSDP"]
     assert [r["local_rows"] for r in ranks] == [8, 8]  # each process held half of the 16-row embedding
     sharded = load_tensors(fsdp_runs / "fsdp" / "saved" / "model.safetensors")
     alone = load_tensors(fsdp_runs / "single" / "saved" / "model.safetensors")

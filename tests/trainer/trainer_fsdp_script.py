@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mixprec import Trainer, TrainingArguments  # noqa: E402
+from mixprec import DistributedType, Trainer, TrainingArguments  # noqa: E402
 from trainer_utils import leave, make_examples, make_model  # noqa: E402
 
 SCORES = [1.0, 3.0, 2.0]  # evaluation after steps 1, 2, 3: step 2 is the best
@@ -75,7 +75,7 @@ def main() -> None:
         "best_model_checkpoint": trainer.state.best_model_checkpoint,
         # what this process holds of one parameter: a shard under FSDP2, so a plain state_dict() is not the model
         "local_rows": int(next(iter(trainer.model.state_dict().values())).to_local().shape[0])
-        if acc.distributed_type == "fsdp"
+        if acc.distributed_type == DistributedType.FSDP
         else None,
     }
     (out / f"rank{acc.process_index}.json").write_text(json.dumps(report))

@@ -34,7 +34,7 @@ from mixprec import wiring
 from mixprec.accelerator import accelerate_compat
 from mixprec.accelerator.accelerate_compat import SharedState, adopt, autocast_for, read_handlers
 from mixprec.accelerator.checkpoints import StateCheckpoints
-from mixprec.accelerator.config import AcceleratorConfig
+from mixprec.accelerator.config import AcceleratorConfig, scheduler_rule
 from mixprec.accelerator.gradients import GradientAccumulationPlugin, GradientState
 from mixprec.accelerator.lifecycle import check_preparable, object_kind
 from mixprec.accelerator.outputs import OutputMethods
@@ -111,6 +111,9 @@ class Accelerator(ProcessMethods, OutputMethods):
         kwargs_handlers: list[Any] | None = None,
         comm_dtype: Any = None,
         fp32_ops: Sequence[str] | str | None = None,
+        step_scheduler_with_optimizer: bool = True,
+        split_batches: bool = False,
+        scheduler_counts_optimizer_steps: bool = False,
     ) -> None:
         # accelerate's own helper objects, from a script that swapped only its Accelerator (accelerate_compat).
         project_config = adopt(project_config, ProjectConfiguration, "project_config")
@@ -133,7 +136,8 @@ class Accelerator(ProcessMethods, OutputMethods):
         self.config = AcceleratorConfig(
             mixed_precision, gradient_accumulation_steps, distributed, device, cpu, handled.scaler_kwargs or None,
             handled.ddp_kwargs or None, fsdp_shard, non_blocking, verbose, handled.timeout, fsdp_state_dict_type,
-            step_in_backward, handled.comm_dtype, fp32_ops,
+            step_in_backward, handled.comm_dtype, fp32_ops, step_scheduler_with_optimizer, split_batches,
+            scheduler_counts_optimizer_steps,
         )  # fmt: skip
         env = LaunchEnv.from_environ()
         dev = select_device(self.config.device, self.config.cpu, env)
@@ -151,6 +155,7 @@ class Accelerator(ProcessMethods, OutputMethods):
             timeout=self.config.timeout,
             comm=self.config.comm_dtype,
         )
+        self._scheduler_rule = scheduler_rule(self.config, self._strategy.num_processes)
         if self.config.step_in_backward:
             if self._precision.pending or self._precision.needs_loss_scaling:
                 raise ValueError(
@@ -344,7 +349,7 @@ class Accelerator(ProcessMethods, OutputMethods):
             return scheduler
         target = getattr(scheduler, "optimizer", None)
         owners = [o for o in self._registry.optimizers if target in (o, o.optimizer, o.source)]
-        prepared = PreparedScheduler(scheduler, owners, self._gradients)
+        prepared = PreparedScheduler(scheduler, owners, self._gradients, **self._scheduler_rule)
         self._registry.schedulers.append(prepared)
         return prepared
 
@@ -426,7 +431,7 @@ class Accelerator(ProcessMethods, OutputMethods):
     def __repr__(self) -> str:
         return (
             f"Accelerator(mixed_precision={self.mixed_precision!r}, device={str(self.device)!r}, "
-            f"distributed={self.distributed_type!r}, num_processes={self.num_processes})"
+            f"distributed={self._strategy.name!r}, num_processes={self.num_processes})"
         )
 
 

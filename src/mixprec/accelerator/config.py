@@ -79,6 +79,20 @@ class AcceleratorConfig:
     linear, attention, norm, softmax, embedding, activation), e.g. ["attention"]; folded into the name
     ("bf16:fp32_ops=attention")."""
 
+    step_scheduler_with_optimizer: bool = True
+    """accelerate's: a prepared scheduler advances only when its optimizer really stepped (not while accumulating,
+    not after a skipped fp16 step), ``num_processes`` times (see ``split_batches``). False: the script steps it
+    when it chooses (each epoch, on a metric) and every ``scheduler.step()`` advances it once."""
+
+    split_batches: bool = False
+    """accelerate's: the DataLoader's batch is the global batch, split over the processes, so a prepared scheduler
+    advances once per optimizer step. mixprec's DataLoaders do not split batches: accepted with one process
+    (where splitting changes nothing), refused with several."""
+
+    scheduler_counts_optimizer_steps: bool = False
+    """mixprec's: the schedule's length is in optimizer steps (sized after ``prepare``, as mixprec's Trainer
+    does), so a prepared scheduler advances once per optimizer step whatever the number of processes."""
+
     def __post_init__(self) -> None:
         # Arguments left at their defaults take what `accelerate launch` set, as HF's Accelerator does.
         if self.mixed_precision is None:
@@ -139,3 +153,18 @@ def parse_state_dict_type(value: object, distributed: str | None, where: str) ->
     if found == "sharded" and distributed != "fsdp":
         raise ValueError(f"{where}(fsdp_state_dict_type='sharded'): sharded checkpoints need distributed='fsdp'")
     return found
+
+
+def scheduler_rule(config: AcceleratorConfig, num_processes: int) -> dict[str, Any]:
+    """How a prepared scheduler advances (``PreparedScheduler``'s keywords): with its optimizer or not, and how
+    many times per optimizer step: ``num_processes`` (accelerate's rule: a script sizes its schedule from its
+    DataLoader's length before ``prepare``, and each process then sees 1/N of those batches), or 1 with
+    ``split_batches`` or ``scheduler_counts_optimizer_steps``."""
+    if config.split_batches and num_processes > 1:
+        raise ValueError(
+            f"Accelerator(split_batches=True) with {num_processes} processes: mixprec's DataLoaders do not split "
+            "batches; give the DataLoader the per-process batch size (global batch / processes) and drop "
+            "split_batches"
+        )
+    one = config.split_batches or config.scheduler_counts_optimizer_steps
+    return {"with_optimizer": config.step_scheduler_with_optimizer, "per_step": 1 if one else num_processes}

@@ -9,6 +9,7 @@ and ``unwrap_model`` all see the user's module, as they would without mixprec.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import types
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,13 @@ class _Prepared:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_Prepared, (self.precision,))
+
+
+def _prepared_no_sync(self: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """``model.no_sync()``: DDP's, on the module ``prepare`` returned under DDP, where accelerate's prepared model
+    (the DDP wrapper itself) has it and helpers call it (accelerate's ``LocalSGD``). On a copy: nothing to skip."""
+    ddp = self.__dict__["_mixprec"].ddp
+    return ddp.no_sync() if ddp is not None else contextlib.nullcontext()
 
 
 def _settle_auto(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -106,6 +114,8 @@ def patch_forward(module: torch.nn.Module, precision: Precision, ddp: torch.nn.M
     module.__dict__["_mixprec"] = _Prepared(precision, ddp)
     module.__dict__[PREPARED_FLAG] = True
     module.__dict__["forward"] = types.MethodType(_prepared_forward, module)
+    if ddp is not None:
+        module.__dict__["no_sync"] = types.MethodType(_prepared_no_sync, module)
     if precision.pending:
         handle = module.register_forward_pre_hook(_settle_auto, prepend=True, with_kwargs=True)
         module.__dict__["_mixprec_hook"] = handle
@@ -132,7 +142,7 @@ def release(module: torch.nn.Module) -> None:
     hook = module.__dict__.pop("_mixprec_hook", None)
     if hook is not None:
         hook.remove()
-    for key in ("forward", "_mixprec_forward", "_mixprec", PREPARED_FLAG):
+    for key in ("forward", "_mixprec_forward", "_mixprec", PREPARED_FLAG, "no_sync"):
         module.__dict__.pop(key, None)
 
 
@@ -172,6 +182,15 @@ class PreparedOptimizer(WrappedOptimizer):
         self._gradients = gradients
         self.stepper = stepper  # step_in_backward: the hooks that already stepped each parameter
         self.step_was_skipped = False
+
+    @property
+    def _is_overflow(self) -> bool:
+        """accelerate's name for ``step_was_skipped``, which its tests and some scripts read or set."""
+        return self.step_was_skipped
+
+    @_is_overflow.setter
+    def _is_overflow(self, value: bool) -> None:
+        self.step_was_skipped = bool(value)
 
     def step(self, closure: Any = None) -> Any:
         gradients = self._gradients
@@ -234,25 +253,48 @@ class PreparedOptimizer(WrappedOptimizer):
 
 
 class PreparedScheduler:
-    """The user's LR scheduler, advanced only when its optimizer really stepped.
+    """The user's LR scheduler, advanced as HF Accelerate's ``AcceleratedScheduler`` is.
 
-    ``step()`` does nothing on a micro-batch that only accumulates, nor after a step the scaler skipped
-    (inf/NaN gradients; right for fused optimizers too, which skip on the device: the decision is read from
-    the scaler's record, which costs no host sync). One ``step()`` per optimizer step, whatever the number
-    of processes (unlike HF Accelerate, which steps it once per process).
+    With ``with_optimizer`` (``Accelerator(step_scheduler_with_optimizer=True)``, the default), ``step()`` does
+    nothing on a micro-batch that only accumulates, nor after a step the scaler skipped (inf/NaN gradients;
+    right for fused optimizers too, which skip on the device: the decision is read from the scaler's record,
+    which costs no host sync); otherwise it advances ``per_step`` times. ``per_step`` is the number of processes
+    (accelerate's rule: a script sizes its schedule from its DataLoader's length before ``prepare``, and each
+    process then sees 1/N of those batches), or 1 with ``split_batches`` or for a schedule counted in optimizer
+    steps (mixprec's Trainer). Without ``with_optimizer`` (a schedule stepped per epoch, on a metric...),
+    ``step()`` always advances the scheduler, once.
     """
 
     _is_accelerate_prepared = True
 
-    def __init__(self, scheduler: Any, optimizers: list[PreparedOptimizer], gradients: GradientState) -> None:
+    def __init__(
+        self,
+        scheduler: Any,
+        optimizers: list[PreparedOptimizer],
+        gradients: GradientState,
+        *,
+        with_optimizer: bool = True,
+        per_step: int = 1,
+    ) -> None:
         self.scheduler = scheduler
         self._optimizers = optimizers
         self._gradients = gradients
+        self.with_optimizer = with_optimizer
+        self.per_step = per_step
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
         if not self._gradients.sync_gradients or self._step_was_skipped():
             return
-        self.scheduler.step(*args, **kwargs)
+        total = getattr(self.scheduler, "total_steps", None)
+        for _ in range(self.per_step):
+            # OneCycleLR raises one step past total_steps, which N steps per optimizer step reach on the last
+            # batch of a DataLoader without drop_last: stop there, as accelerate does
+            if total is not None and self.scheduler._step_count > total:
+                return
+            self.scheduler.step(*args, **kwargs)
 
     def _step_was_skipped(self) -> bool:
         if self._optimizers:

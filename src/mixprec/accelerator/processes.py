@@ -23,6 +23,7 @@ from mixprec import tree as pytree
 if TYPE_CHECKING:
     from mixprec.accelerator.config import AcceleratorConfig
     from mixprec.precision.base import Precision
+    from mixprec.strategies.distributed_type import DistributedType
     from mixprec.strategies.process_state import AcceleratorState
     from mixprec.strategies.strategy import DistributedStrategy
 
@@ -41,8 +42,9 @@ class ProcessMethods:
     _trigger: bool
 
     @property
-    def distributed_type(self) -> str:
-        """ "single", "ddp" or "fsdp"."""
+    def distributed_type(self) -> DistributedType:
+        """``DistributedType.NO`` (one process), ``MULTI_CPU`` / ``MULTI_GPU`` (DDP) or ``FSDP``: accelerate's
+        names and values, so ``acc.distributed_type == accelerate.DistributedType.MULTI_GPU`` holds."""
         return self.state.distributed_type
 
     @property

@@ -17,6 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from mixprec.strategies.comm import CommPrecision
+from mixprec.strategies.distributed_type import DistributedType
 from mixprec.strategies.process_group import ProcessGroupStrategy
 
 if TYPE_CHECKING:
@@ -57,6 +58,10 @@ class DDPStrategy(ProcessGroupStrategy):
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self.comm = comm if comm is not None else CommPrecision()
         self._wrappers: dict[int, DistributedDataParallel] = {}
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return DistributedType.data_parallel(self.device)
 
     def wrap_model(self, model: torch.nn.Module, precision: Precision) -> torch.nn.Module:
         model = precision.convert_module(model.to(self.device))

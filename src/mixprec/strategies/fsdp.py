@@ -34,6 +34,7 @@ from mixprec.checkpoint import CheckpointError
 from mixprec.precision.master_weights import needs_master
 from mixprec.strategies import dcp_state
 from mixprec.strategies.comm import CommPrecision
+from mixprec.strategies.distributed_type import DistributedType
 from mixprec.strategies.process_group import ProcessGroupStrategy
 from mixprec.strategies.strategy import Owned, owned_pairs
 
@@ -68,6 +69,10 @@ class FSDP2Strategy(ProcessGroupStrategy):
         self.sharded_state = sharded_state
         self.reshard_after_forward = reshard_after_forward
         self._replaced: dict[int, torch.nn.Parameter] = {}
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return DistributedType.FSDP
 
     def wrap_model(self, model: torch.nn.Module, precision: Precision) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh

@@ -34,6 +34,12 @@ class LaunchEnv:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> LaunchEnv:
         world = int(environ.get("WORLD_SIZE", "1"))
+        if "RANK" not in environ and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # The script joined a group itself without RANK (accelerate's debug_launcher: a file rendezvous
+            # that sets only WORLD_SIZE): the group is the truth; one machine unless LOCAL_RANK says otherwise.
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+            local = int(environ.get("LOCAL_RANK", str(rank)))
+            return cls(rank, world, local, int(environ.get("LOCAL_WORLD_SIZE", str(world))))
         if world > 1:
             missing = [name for name in _REQUIRED if name not in environ]
             if missing:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from mixprec.strategies.distributed_type import DistributedType
 from mixprec.strategies.launch_env import LaunchEnv, select_device
 from mixprec.strategies.registry import make_strategy
 
@@ -57,9 +58,11 @@ class PartialState:
     # -- topology ------------------------------------------------------------------------------------
 
     @property
-    def distributed_type(self) -> str:
-        """ "single", "ddp" or "fsdp"."""
-        return self._strategy.name
+    def distributed_type(self) -> DistributedType:
+        """The kind of run in accelerate's vocabulary (``DistributedType.NO``, ``MULTI_CPU``, ``MULTI_GPU``,
+        ``FSDP``, ...): equal to accelerate's own ``DistributedType`` members, so scripts and accelerate's helpers
+        that compare with them work."""
+        return self._strategy.distributed_type
 
     @property
     def num_processes(self) -> int:
@@ -163,8 +166,8 @@ class PartialState:
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(distributed_type={self.distributed_type!r}, num_processes={self.num_processes}, "
-            f"process_index={self.process_index}, device={str(self.device)!r})"
+            f"{type(self).__name__}(distributed_type={self.distributed_type.value!r}, "
+            f"num_processes={self.num_processes}, process_index={self.process_index}, device={str(self.device)!r})"
         )
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec.strategies import dcp_state
+from mixprec.strategies.distributed_type import DistributedType
 
 if TYPE_CHECKING:
     from mixprec.precision.base import Precision
@@ -67,6 +68,11 @@ class DistributedStrategy:
     @property
     def is_local_main_process(self) -> bool:
         return self.local_process_index == 0
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """The kind in accelerate's vocabulary (``accelerator.distributed_type``); mixprec's own is ``name``."""
+        return DistributedType.NO
 
     def describe(self) -> str:
         return "1 process"

@@ -238,4 +238,5 @@ def accelerator_kwargs(args: Any) -> dict[str, Any]:
         "comm_dtype": args.comm_dtype,
         "step_in_backward": args.step_in_backward,
         "dataloader_config": args.dataloader_configuration(),
+        "scheduler_counts_optimizer_steps": True,  # the Trainer sizes its schedule in optimizer steps
     }
