@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import torch
@@ -76,7 +77,10 @@ def main() -> None:
     train_dataloader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
     # the last batch of an epoch always steps (accumulate() knows it is the last): round up
     steps = args.epochs * math.ceil(len(train_dataloader) / args.accumulation)
-    steps = min(steps, args.max_steps or steps)
+    # accelerate's convention: a prepared scheduler ticks once per process per optimizer step, so a schedule
+    # sized from the whole loader (above) spans the run; --max-steps counts optimizer steps of each process
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    steps = min(steps, args.max_steps * world if args.max_steps else steps)
     lr_scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=max(steps, 1))
 
     # --- the seed's snippet ---------------------------------------------------------------------------
