@@ -4,6 +4,7 @@ folder is written; the folder is the state at the save, complete or absent; fail
 from __future__ import annotations
 
 import gc
+import pickle
 import shutil
 import subprocess
 import sys
@@ -214,3 +215,15 @@ def test_one_writer_thread_serves_every_save_and_ends_with_its_accelerator(tmp_p
     gc.collect()  # a dropped Accelerator's writer (and its copy of the state) is freed, its thread ends
     mine.join(timeout=10)
     assert not mine.is_alive()
+
+
+def test_an_accelerator_that_saved_asynchronously_still_pickles_and_its_copy_saves(tmp_path):
+    acc = Accelerator(verbose=False, cpu=True)
+    acc.register_for_checkpointing(torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.zeros(1)]), 1))
+    acc.save_state(tmp_path / "a", async_save=True)
+    acc.wait_for_checkpoint()
+    copy = pickle.loads(pickle.dumps(acc))  # accelerate's scripts copy the Accelerator; the writer's thread stays
+    copy.save_state(tmp_path / "b", async_save=True)
+    copy.wait_for_checkpoint()
+    verify_manifest(tmp_path / "b")
+    acc.end_training()

@@ -34,6 +34,11 @@ class BackgroundWriter:
         self.staging = HostStaging()
         """The host buffers a job reads; the next save copies into them (its job has finished by then)."""
 
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        # an Accelerator pickles (accelerate's scripts copy it); a lock and a thread do not: the copy gets an
+        # idle writer of its own, with no buffers yet
+        return (BackgroundWriter, ())
+
     @property
     def busy(self) -> bool:
         """Whether a job is still running (no wait)."""
