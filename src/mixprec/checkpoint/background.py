@@ -127,6 +127,7 @@ class _Worker:
                 job()
             except BaseException as err:  # kept for the caller: a background thread has no one to raise to
                 error = err
+            job = None  # what it wrote (small states, the copy's containers) is not kept while idle
             with self._cond:
                 self._job, self._error = None, error
                 self._cond.notify_all()
