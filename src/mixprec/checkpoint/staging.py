@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mixprec.tree import TreeSpec, tree_flatten, tree_unflatten
+from mixprec.tree import tree_flatten, tree_unflatten
 
 
 class HostStaging:
@@ -28,9 +28,9 @@ class HostStaging:
     the previous copy is no longer read (its writer has finished)."""
 
     def __init__(self) -> None:
-        self._spec: TreeSpec | None = None
-        self._keys: list[tuple[Any, ...]] = []  # per tensor leaf: what makes the plan fit
-        self._tensor_at: list[int] = []  # leaf positions of the tensors, in order
+        # the plan is a function of the tensors' keys alone (not of the containers around them): the i-th
+        # tensor leaf goes into buffer _slot[i], which fits it as long as its key is the one planned for
+        self._keys: list[tuple[Any, ...]] = []  # per tensor leaf, in order: address, shape, strides, dtype
         self._slot: list[int] = []  # per tensor leaf: its buffer (tied tensors share one)
         self._buffers: list[torch.Tensor] = []
 
@@ -44,8 +44,8 @@ class HostStaging:
         tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         tensors = [leaves[i] for i in tensor_at]
         keys = [_key(t, i) for i, t in enumerate(tensors)]
-        if keys != self._keys or tensor_at != self._tensor_at or spec != self._spec:
-            self._plan(spec, tensor_at, tensors, keys)
+        if keys != self._keys:
+            self._plan(tensors, keys)
         sources: list[torch.Tensor | None] = [None] * len(self._buffers)
         for slot, tensor in zip(self._slot, tensors):
             sources[slot] = tensor
@@ -56,7 +56,7 @@ class HostStaging:
             leaves[i] = self._buffers[slot]
         return functools.partial(tree_unflatten, leaves, spec)
 
-    def _plan(self, spec: TreeSpec, tensor_at: list[int], tensors: list[torch.Tensor], keys: list[tuple[Any, ...]]):
+    def _plan(self, tensors: list[torch.Tensor], keys: list[tuple[Any, ...]]) -> None:
         # buffers of the old plan are kept where one fits (same shape and dtype): a state that changed shape
         # in one place (a new parameter group) does not reallocate the rest
         spare: dict[tuple[Any, ...], list[torch.Tensor]] = {}
@@ -73,7 +73,7 @@ class HostStaging:
                 fits = spare.get((layout.shape, layout.stride(), layout.dtype, pinned))
                 buffers.append(fits.pop() if fits else torch.empty_like(tensor, device="cpu", pin_memory=pinned))
             slots.append(first[key])
-        self._spec, self._keys, self._tensor_at, self._slot, self._buffers = spec, keys, tensor_at, slots, buffers
+        self._keys, self._slot, self._buffers = keys, slots, buffers
 
 
 def _key(tensor: torch.Tensor, position: int) -> tuple[Any, ...]:
