@@ -3,6 +3,8 @@ folder is written; the folder is the state at the save, complete or absent; fail
 
 from __future__ import annotations
 
+import gc
+import pickle
 import shutil
 import subprocess
 import sys
@@ -163,5 +165,65 @@ def test_a_sync_save_after_an_async_one_lets_it_land_first(tmp_path, held_writer
     threading.Timer(0.2, held_writer.set).start()
     acc.save_state(tmp_path / "b")  # waits for "a", then saves synchronously
     verify_manifest(tmp_path / "a")
+    verify_manifest(tmp_path / "b")
+    acc.end_training()
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_an_async_folder_is_byte_identical_to_a_sync_one_and_holds_the_values_at_the_call(tmp_path):
+    # Planted: every weight and optimizer moment is changed in place the moment save_state returns, before
+    # the writer has written anything; the reused host buffers must still hold (and write) the values at the
+    # call, byte for byte what a synchronous save of the same state writes. Twice: the second save copies
+    # into the first one's buffers; a third after load_state (new optimizer tensors: a new copy plan).
+    acc, model, optimizer, loader = prepared()
+    batches = iter(loader)
+    for i in range(3):
+        step(acc, model, optimizer, next(batches))
+        if i == 2:
+            acc.load_state(tmp_path / "async-0")  # the optimizer's moments are new tensors now
+            step(acc, model, optimizer, next(batches))
+        acc.save_state(tmp_path / f"sync-{i}")
+        acc.save_state(tmp_path / f"async-{i}", async_save=True)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+            for moments in optimizer.optimizer.state.values():
+                moments["exp_avg"].zero_()
+        acc.wait_for_checkpoint()
+        assert _files(tmp_path / f"async-{i}") == _files(tmp_path / f"sync-{i}")
+        acc.load_state(tmp_path / f"sync-{i}")  # undo the planted change before the next step
+    acc.end_training()
+
+
+def test_one_writer_thread_serves_every_save_and_ends_with_its_accelerator(tmp_path):
+    def writers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "mixprec-save"}
+
+    before = writers()
+    acc, model, optimizer, loader = prepared()
+    for i in range(3):
+        acc.save_state(tmp_path / f"ckpt-{i}", async_save=True)
+    acc.wait_for_checkpoint()
+    (mine,) = writers() - before  # one thread for the three saves
+    for i in range(3):
+        verify_manifest(tmp_path / f"ckpt-{i}")
+    acc.end_training()
+    del acc, model, optimizer, loader
+    gc.collect()  # a dropped Accelerator's writer (and its copy of the state) is freed, its thread ends
+    mine.join(timeout=10)
+    assert not mine.is_alive()
+
+
+def test_an_accelerator_that_saved_asynchronously_still_pickles_and_its_copy_saves(tmp_path):
+    acc = Accelerator(verbose=False, cpu=True)
+    acc.register_for_checkpointing(torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.zeros(1)]), 1))
+    acc.save_state(tmp_path / "a", async_save=True)
+    acc.wait_for_checkpoint()
+    copy = pickle.loads(pickle.dumps(acc))  # accelerate's scripts copy the Accelerator; the writer's thread stays
+    copy.save_state(tmp_path / "b", async_save=True)
+    copy.wait_for_checkpoint()
     verify_manifest(tmp_path / "b")
     acc.end_training()

@@ -75,7 +75,7 @@ from mixprec.checkpoint import (
 )
 from mixprec.checkpoint.background import BackgroundWriter
 from mixprec.checkpoint.manifest import BackgroundHasher, write_manifest
-from mixprec.tree import tree_flatten, tree_unflatten
+from mixprec.checkpoint.rng import rng_snapshot
 
 if TYPE_CHECKING:
     from mixprec.strategies.strategy import DistributedStrategy, Owned
@@ -99,10 +99,13 @@ def save_state(
     the files it adds are part of the atomic folder and of its manifest (``register_save_state_pre_hook``).
 
     ``writer``: save asynchronously through it (:mod:`mixprec.checkpoint.background`). The main process then
-    copies the model and optimizer tensors to host memory (the stall: one copy of the state, plus the small
-    files and three tiny collectives), and the writer writes the big files, the manifest and the commit while
-    training goes on; the folder appears, complete, when that is done. The previous asynchronous save is
-    waited for first, and its failure raised on every process. Not with sharded (DCP) state."""
+    copies the model and optimizer tensors into reused host buffers (:mod:`mixprec.checkpoint.staging`) and
+    captures the small states and the random generators (the stall: one copy of the state, plus three tiny
+    collectives), and the writer writes every file, the manifest and the commit while training goes on; the
+    folder appears, complete, when that is done. A lone process with no pre-hook and no partial gradients
+    leaves even the unfinished folder's creation to the writer (an error there is raised by the next save or
+    wait, like any write error). The previous asynchronous save is waited for first, and its failure raised
+    on every process. Not with sharded (DCP) state."""
     target, reg, strategy = Path(output_dir), run.registry, run.strategy
     main = strategy.is_main_process
     for key in extra_json or {}:
@@ -120,15 +123,20 @@ def save_state(
     # a peft model's frozen base is not state: its adapters are (model_part.py)
     models = [] if sharded else [saved_part(m, strategy.model_state_dict(m)) for m in reg.models]
     optimizers = [] if sharded else [strategy.optimizer_state_dict(reg.owner(o), o.optimizer) for o in reg.optimizers]
+    states = _const((models, optimizers))
     if writer is not None:  # the live tensors change at the next step: the writer gets a copy of them
-        models, optimizers = _staged((models, optimizers), writer.staging)
-        writer.staging = (models, optimizers)
+        states = writer.staging.stage((models, optimizers))  # its previous job has finished
+        if pre_hook is not None:  # the hook sees (and may change) the very dicts the writer writes
+            states = _const(states())
+            models, optimizers = states()
     # inside an accumulation window the gradient sums are state too (the strategy refuses where it holds none)
     partial = strategy.partial_gradients(list(reg.models), run.gradients.micro_step, run.gradients.accumulation_steps)
+    # nothing but the writer needs the unfinished folder: it creates it too (a mkdir and a scan, off the stall)
+    deferred = writer is not None and strategy.num_processes == 1 and pre_hook is None and not partial
     tag = _save_tag(strategy)
     tmp = temp_path(target, tag)
     error: BaseException | None = previous
-    if main and error is None:
+    if main and error is None and not deferred:
         try:
             tmp = begin(target, tag=tag)
         except Exception as err:
@@ -140,19 +148,19 @@ def save_state(
     hasher = BackgroundHasher() if main and writer is None else None
     try:
         strategy.save_shards(list(reg.models), _owned(run), tmp)  # FSDP2's sharded state; else nothing
-        rng = rng_state()
+        rng = rng_snapshot()  # the generators now; converted into tensors where the file is written
         rng_file = tmp / f"rng_state_{strategy.process_index}.pt"
         if main:
             if pre_hook is not None:
                 pre_hook(tmp, models)
             small = _small_files(run, tmp, extra_json or {})
-            small.append(lambda: save_torch(rng, rng_file))
+            small.append(lambda: save_torch(rng(), rng_file))
             if writer is None:
                 _write_big(tmp, models, optimizers, hasher, safe_serialization)
                 for write in small:
                     write()
         else:  # before the main process seals the folder (the collective below)
-            save_torch(rng, rng_file)
+            save_torch(rng(), rng_file)
         for i, grads in enumerate(partial):  # local (unsynced) sums: one file per process
             save_tensors(grads, tmp / grads_name(i, strategy.process_index))
     except Exception as err:  # reported to the other processes, then re-raised
@@ -165,7 +173,8 @@ def save_state(
         raise
     if writer is not None:  # every process's files are in: the main one's writer finishes and seals the folder
         if main:
-            writer.submit(lambda: _finish(tmp, target, models, optimizers, small, safe_serialization))
+            made = tag if deferred else None
+            writer.submit(lambda: _finish(tmp, target, made, states, small, safe_serialization))
         return target
     error = None
     if main:
@@ -178,52 +187,22 @@ def save_state(
     return target
 
 
-def _staged(states: Any, reuse: Any) -> Any:
-    """A host copy of every tensor in ``states`` (containers rebuilt, other leaves shared): what an
-    asynchronous save writes while the originals keep training. ``reuse``: the previous save's copy (its
-    writer has finished); when it has the same structure, shapes and dtypes, the tensors are copied into
-    it, so a save after the first allocates (and page-faults) nothing: half the stall, measured on GPT-2."""
-    leaves, spec = tree_flatten(states)
-    old, old_spec = tree_flatten(reuse) if reuse is not None else ([], None)
-    fits = old_spec == spec and all(
-        not isinstance(a, torch.Tensor)
-        or (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and b.device.type == "cpu")
-        for a, b in zip(leaves, old)
-    )
-    # tied tensors (one storage, two names) stay one tensor; all copies in one foreach call
-    slot: dict[tuple[Any, ...], int] = {}
-    sources: list[torch.Tensor] = []
-    targets: list[torch.Tensor] = []
-    picks: list[int | None] = []
-    for a, b in zip(leaves, old if fits else leaves):
-        if not isinstance(a, torch.Tensor):
-            picks.append(None)
-            continue
-        key = (
-            (a.untyped_storage().data_ptr(), a.storage_offset(), a.shape, a.stride(), a.dtype)
-            if a.numel()
-            else (id(a),)
-        )
-        if key not in slot:
-            slot[key] = len(sources)
-            sources.append(a.detach())
-            targets.append(b if fits else torch.empty_like(a, device="cpu"))
-        picks.append(slot[key])
-    if sources:
-        with torch.no_grad():
-            torch._foreach_copy_(targets, sources)
-    copied = [a if i is None else targets[i] for a, i in zip(leaves, picks)]
-    return tree_unflatten(copied, spec)
-
-
 def _finish(
-    tmp: Path, target: Path, models: list[Any], optimizers: list[Any], small: list[Callable[[], Path]], safe: bool
+    tmp: Path,
+    target: Path,
+    tag: str | None,
+    states: Callable[[], tuple[list[Any], list[Any]]],
+    small: list[Callable[[], Path]],
+    safe: bool,
 ) -> None:
-    """The writer's part of an asynchronous save: the main process's files, then the manifest and the commit."""
+    """The writer's part of an asynchronous save: the unfinished folder if ``tag`` says it is not made yet,
+    the main process's files, then the staged models and optimizers (``states()``), the manifest, the commit."""
     try:
+        if tag is not None:
+            begin(target, tag=tag)
         for write in small:
             write()
-        _write_big(tmp, models, optimizers, None, safe)
+        _write_big(tmp, *states(), None, safe)
     except BaseException:
         abort(tmp)
         raise
@@ -246,6 +225,8 @@ def _seal(tmp: Path, target: Path, hasher: BackgroundHasher | None) -> None:
 def _save_tag(strategy: DistributedStrategy) -> str:
     """``<main pid>-<random>``: unique to this save, the same on every process (one tiny broadcast when
     there are several), and recognisable as stale once the main process is gone."""
+    if strategy.num_processes == 1:  # nothing to agree on (a tensor and a broadcast: 0.1 ms of an async stall)
+        return f"{os.getpid()}-{secrets.randbits(31):08x}"
     mine = torch.tensor([os.getpid(), secrets.randbits(31)], dtype=torch.int64, device=strategy.device)
     pid, token = (int(x) for x in strategy.broadcast(mine, src=0).tolist())
     return f"{pid}-{token:08x}"

@@ -6,7 +6,9 @@ writes it and ``torch.load(weights_only=True)`` reads it back (numpy's key array
 
 from __future__ import annotations
 
+import functools
 import random
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,8 +17,23 @@ import torch
 
 def rng_state() -> dict[str, Any]:
     """The python, numpy, torch (CPU) and, where CUDA is in use, every CUDA device's generator state."""
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return rng_snapshot()()
+
+
+def rng_snapshot() -> Callable[[], dict[str, Any]]:
+    """The generators' states taken now, as a function that returns :func:`rng_state`'s dict when called: an
+    asynchronous save converts them on its writer thread (the conversion is most of the capture's cost)."""
+    python = random.getstate()
+    numpy_state = np.random.get_state(legacy=True)
+    cpu = torch.get_rng_state()
+    # Only when CUDA was initialised: asking earlier would initialise it (seconds, and memory on every GPU).
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return functools.partial(_as_saved, python, numpy_state, cpu, cuda)
+
+
+def _as_saved(python: tuple[Any, ...], numpy_state: tuple[Any, ...], cpu: torch.Tensor, cuda: Any) -> dict[str, Any]:
+    version, internal, gauss = python
+    kind, keys, pos, has_gauss, cached = numpy_state
     state: dict[str, Any] = {
         "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
         "numpy": {
@@ -26,11 +43,10 @@ def rng_state() -> dict[str, Any]:
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
         },
-        "torch": torch.get_rng_state(),
+        "torch": cpu,
     }
-    # Only when CUDA was initialised: asking earlier would initialise it (seconds, and memory on every GPU).
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if cuda is not None:
+        state["cuda"] = cuda
     return state
 
 
