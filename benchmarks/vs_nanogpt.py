@@ -10,7 +10,8 @@ scratch folder holding what it reads relative to the working directory: ``data/m
 link to its ``configurator.py``. Nothing of nanoGPT is copied or downloaded.
 
 The same for both: the built-in GPT preset's shape (``--model``, bias on, no dropout), batch x seq-len, steps,
-peak lr with 5% linear warm-up and cosine decay to 0, AdamW(0.9, 0.99) with decay 0.1, clip 1.0, and the
+peak lr with 5% linear warm-up and cosine decay to 0 (the same formula, nanoGPT's get_lr, which mixprec train
+uses as its "nanogpt_cosine" schedule), AdamW(0.9, 0.99) with decay 0.1, clip 1.0, and the
 threads (``--threads``, OMP_NUM_THREADS for both processes). nanoGPT's ``train.py`` runs fp32 on a CPU
 whatever its ``dtype`` (its autocast context is only for CUDA): that is its best setting here. Differences
 kept as they are: nanoGPT draws random windows and estimates the validation loss on ``eval_iters`` random

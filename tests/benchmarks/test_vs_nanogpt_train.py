@@ -1,6 +1,6 @@
 """benchmarks/vs_nanogpt.py: nanoGPT reads mixprec's own split, both get the same recipe, and the two logs are
-read the same way (mean step time without the evaluations, last validation loss). The end-to-end run needs a nanoGPT checkout and
-is a benchmark, not a test."""
+read the same way (mean step time without the evaluations, last validation loss). The end-to-end run needs a
+nanoGPT checkout and is a benchmark, not a test."""
 
 from __future__ import annotations
 
