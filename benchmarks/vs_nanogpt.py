@@ -10,7 +10,8 @@ scratch folder holding what it reads relative to the working directory: ``data/m
 link to its ``configurator.py``. Nothing of nanoGPT is copied or downloaded.
 
 The same for both: the built-in GPT preset's shape (``--model``, bias on, no dropout), batch x seq-len, steps,
-peak lr with 5% linear warm-up and cosine decay to 0, AdamW(0.9, 0.99) with decay 0.1, clip 1.0, and the
+peak lr with 5% linear warm-up and cosine decay to 0 (the same formula, nanoGPT's get_lr, which mixprec train
+uses as its "nanogpt_cosine" schedule), AdamW(0.9, 0.99) with decay 0.1, clip 1.0, and the
 threads (``--threads``, OMP_NUM_THREADS for both processes). nanoGPT's ``train.py`` runs fp32 on a CPU
 whatever its ``dtype`` (its autocast context is only for CUDA): that is its best setting here. Differences
 kept as they are: nanoGPT draws random windows and estimates the validation loss on ``eval_iters`` random
@@ -20,7 +21,7 @@ from that evaluation, mixprec's last checkpoint) is also scored on the same wind
 first 64 Ki tokens, every position, fp32): the "same-windows val" column, the one to compare.
 
 Per round (the order alternates each round), each tool's whole process: wall time (start-up, evaluations
-and saving included), training time (its median step time x steps: evaluations and the first step's warm-up
+and saving included), training time (its mean step time x steps: evaluations and the first step's warm-up
 left out on both sides), training tokens/s and the final validation loss; medians over rounds, then ratios.
 """
 
@@ -136,11 +137,11 @@ def run_nanogpt(a: argparse.Namespace, work: Path, env: dict[str, str]) -> Run:
 
 
 def parse_nanogpt(stdout: str, steps: int, tokens_per_step: int, wall: float) -> Run:
-    """Its last "step N: ... val loss X" and the median of its "iter k: ..., time T ms" lines, iterations
-    0 and N left out (they hold the evaluations)."""
+    """Its last "step N: ... val loss X" and the mean of its "iter k: ..., time T ms" lines, iterations 0 and N
+    left out (they hold the evaluations and the first step's warm-up)."""
     val = float(re.findall(r"^step \d+: train loss [\d.]+, val loss ([\d.]+)", stdout, re.M)[-1])
     iters = [(int(k), float(ms)) for k, ms in re.findall(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", stdout, re.M)]
-    step_s = statistics.median(ms for k, ms in iters if 0 < k < steps) / 1e3
+    step_s = statistics.fmean(ms for k, ms in iters if 0 < k < steps) / 1e3
     return Run("nanogpt", wall, step_s * steps, tokens_per_step / step_s, val)
 
 
@@ -154,15 +155,19 @@ def run_mixprec(a: argparse.Namespace, out: Path, env: dict[str, str]) -> Run:
 
 
 def parse_mixprec(metrics: Path, steps: int, tokens_per_step: int, wall: float) -> Run:
-    """Its last eval_loss and its median step time: between consecutive training-loss rows (every 10
-    steps), as nanoGPT's is a median, so neither side counts its first step's warm-up; a run with fewer
-    than two such rows falls back to train_runtime less the evaluations, per step."""
+    """Its last eval_loss and its mean step time from its first training-loss row (step 1) to its last, the
+    evaluations in between left out: the same statistic as :func:`parse_nanogpt`'s, so neither side counts
+    its first step's warm-up. (A median of nanoGPT's single steps against a median of mixprec's 10-step means
+    favoured nanoGPT on a loaded machine: the median of single steps drops the slow tail a 10-step mean keeps.)
+    A run with fewer than two such rows falls back to train_runtime less the evaluations, per step."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     evals = [r for r in rows if "eval_loss" in r]
     logged = [(r["step"], r["time"]) for r in rows if "loss" in r]
-    gaps = [(t2 - t1) / (s2 - s1) for (s1, t1), (s2, t2) in zip(logged, logged[1:]) if s2 > s1]
-    if gaps:
-        step_s = statistics.median(gaps)
+    if len(logged) >= 2 and logged[-1][0] > logged[0][0]:
+        (s1, t1), (s2, t2) = logged[0], logged[-1]
+        # an evaluation runs after its step's loss row: those of steps s1 .. s2 - 1 fall inside the span
+        inside = sum(r.get("eval_runtime", 0.0) for r in evals if s1 <= r["step"] < s2)
+        step_s = (t2 - t1 - inside) / (s2 - s1)
     else:
         runtime = next(r["train_runtime"] for r in reversed(rows) if "train_runtime" in r)
         step_s = (runtime - sum(r.get("eval_runtime", 0.0) for r in evals)) / steps

@@ -204,3 +204,32 @@ def test_low_bit_states_quantise_large_tensors_and_keep_small_ones_fp32(tmp_path
     assert isinstance(state["hidden.weight"]["exp_avg"], OptimState4bit)  # 128 x 128
     for small in ("hidden.bias", "head.weight", "embed.weight"):  # 128, 16 x 128 = 2048, 16 x 128
         assert type(state[small]["exp_avg"]) is torch.Tensor and state[small]["exp_avg"].dtype == torch.float32
+
+
+# -- schedules --------------------------------------------------------------------------------------------
+
+
+def test_nanogpt_cosine_trains_from_the_first_step_and_then_follows_hf_cosine(tmp_path):
+    # nanoGPT's get_lr (min_lr 0): its first step trains at lr / (warmup + 1), where HF's cosine spends step 0
+    # at lr 0; after the warm-up both are the same cosine down to 0 (mixprec train's default, issue 23)
+    from mixprec.trainer.optimizers import build_scheduler
+
+    def lrs(kind: str) -> list[float]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
+        sched = build_scheduler(opt, args(tmp_path, lr_scheduler_type=kind, warmup_steps=4).schedule, 20)
+        out = []
+        for _ in range(21):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    nano, hf = lrs("nanogpt_cosine"), lrs("cosine")
+    assert nano[:4] == pytest.approx([3e-3 * (k + 1) / 5 for k in range(4)])
+    assert hf[0] == 0.0
+    assert nano[4:] == pytest.approx(hf[4:]) and nano[4] == pytest.approx(3e-3) and nano[20] == 0.0
+
+
+def test_an_unknown_schedule_is_refused_listing_nanogpt_cosine(tmp_path):
+    with pytest.raises(ValueError, match="lr_scheduler_type.*nanogpt_cosine"):
+        args(tmp_path, lr_scheduler_type="cosine_nano")

@@ -120,7 +120,8 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
     max_steps: int = -1
     """Optimizer steps to run; overrides num_train_epochs when > 0 (-1: use num_train_epochs)."""
     lr_scheduler_type: str = "linear"
-    """"linear", "cosine", "constant" or "constant_with_warmup" (after warmup)."""
+    """"linear", "cosine", "constant" or "constant_with_warmup" (after warmup); or "nanogpt_cosine", nanoGPT's
+    schedule: "cosine" whose warm-up starts at lr / (warmup + 1) instead of 0."""
     warmup_steps: float = 0
     """Warmup in optimizer steps; a float below 1 is a ratio of the total steps (HF 5)."""
     warmup_ratio: float = 0.0

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = (*STRATEGIES, "best")
-SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "nanogpt_cosine")
 REPORTERS = ("tensorboard", "mlflow", "wandb")  # JSONL is always written; these are the extras
 DISTRIBUTED = (None, "ddp", "fsdp")
 
