@@ -26,28 +26,17 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from benchmarks.upstream_hf_trainer import print_failures
+from benchmarks.upstream_hf_trainer import print_failures, run_pytest
 
 COUNTED = ("test_accelerator.py", "test_state_checkpointing.py", "test_logging.py", "test_optimizer.py")
 BESIDE = ("test_kwargs_handlers.py", "test_scheduler.py")  # run and reported, outside the issue's 45
 FILES = COUNTED + BESIDE
 SWAPPED = {"accelerate", "accelerate.accelerator"}
-OFFLINE = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "CUDA_VISIBLE_DEVICES": "",
-    "WANDB_MODE": "disabled",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 
 
 def _exists(module: str, name: str) -> bool:
@@ -92,18 +81,12 @@ def stage(source: Path, into: Path, swap: bool) -> None:
 
 def run(into: Path, timeout: int) -> dict[str, str]:
     """Run the staged files; ``{file::class::test: "pass" | "fail" | "skip"}``."""
-    report = into / "report.xml"
-    files = [f"tests/{n}" for n in FILES]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, f"--junitxml={report}"]
-    env = {**os.environ, **OFFLINE}
-    subprocess.run(cmd, cwd=into, env=env, timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    results = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
+
+    def prefix(case: ET.Element) -> str:
         parts = case.get("classname", "").split(".")
-        name = f"{parts[1] if len(parts) > 1 else parts[0]}::{parts[-1]}::{case.get('name')}"
-        tags = {child.tag for child in case}
-        results[name] = "fail" if tags & {"failure", "error"} else "skip" if "skipped" in tags else "pass"
-    return results
+        return f"{parts[1] if len(parts) > 1 else parts[0]}::{parts[-1]}"
+
+    return run_pytest(into, [f"tests/{n}" for n in FILES], timeout, prefix)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 FILES = ("test_trainer.py", "test_trainer_callback.py", "trainer_test_utils.py")
@@ -84,14 +84,20 @@ def stage(source: Path, into: Path, swap: bool) -> None:
 
 def run(into: Path, timeout: int) -> dict[str, str]:
     """Run the staged tests; ``{class::test: "pass" | "fail" | "skip"}``."""
+    return run_pytest(into, ["tests/trainer"], timeout, lambda case: case.get("classname", "").split(".")[-1])
+
+
+def run_pytest(into: Path, paths: list[str], timeout: int, prefix: Callable[[ET.Element], str]) -> dict[str, str]:
+    """Run pytest on ``paths`` (relative to ``into``) offline, read its JUnit report: ``{prefix(case)::test:
+    "pass" | "fail" | "skip"}`` (both upstream-test harnesses)."""
     report = into / "report.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/trainer", f"--junitxml={report}"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, f"--junitxml={report}"]
     env = {**os.environ, **OFFLINE}
     subprocess.run(cmd, cwd=into, env=env, timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     results = {}
     for case in ET.parse(report).getroot().iter("testcase"):
-        name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
         tags = {child.tag for child in case}
+        name = f"{prefix(case)}::{case.get('name')}"
         results[name] = "fail" if tags & {"failure", "error"} else "skip" if "skipped" in tags else "pass"
     return results
 
