@@ -53,7 +53,7 @@ from mixprec.accelerator.step_in_backward import REFUSALS, BackwardStepper
 from mixprec.loaders.data import PreparedDataLoader, prepare_dataloader, skip_first_batches
 from mixprec.loaders.data_config import DataLoaderConfiguration
 from mixprec.precision.base import Precision
-from mixprec.precision.race import AutoDecision
+from mixprec.precision.decision import AutoDecision
 from mixprec.precision.registry import precision_for
 from mixprec.scaling.scaler import GradScaler
 from mixprec.strategies.launch_env import LaunchEnv, select_device

@@ -92,7 +92,7 @@ def format_table(result: BenchResult) -> str:
         )
     race = data.get("auto_race")
     if race:
-        from mixprec.precision.race import AutoDecision
+        from mixprec.precision.decision import AutoDecision
 
         out.append("auto's race on the first batch's training step (forward+backward), before the bench:")
         out.extend(f"  {line}" for line in AutoDecision.from_dict(race).table().splitlines())

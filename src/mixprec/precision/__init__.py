@@ -1,9 +1,9 @@
 """Precision strategies and the registry that parses their names."""
 
 from mixprec.precision.base import Precision, PrecisionNotSupportedError
+from mixprec.precision.decision import AutoDecision
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.mixed import AutocastMixedPrecision, Bf16MixedPrecision, Fp16MixedPrecision
-from mixprec.precision.race import AutoDecision
 from mixprec.precision.registry import (
     auto_candidates,
     available_precisions,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mixprec.precision.race import AutoDecision
+from mixprec.precision.decision import AutoDecision
 
 _OFF = {"0", "off", "false", "no", "none", ""}
 
