@@ -37,6 +37,9 @@ class AutoDecision:
     measured_at: str = ""  # when the race ran (UTC, ISO 8601): a cached decision says how old it is
     checked: str = ""  # a cached decision's re-check in this run: what was measured, and the verdict
     op_timing: str = ""  # the per-op-kind timing behind a policy candidate (op_timing.OpTimingReport.explain)
+    # the race's trials were the run's first training steps (this many), not trials aside from it: its cost is
+    # then their time over the chosen mode's
+    in_run_steps: int = 0
 
     def _ordered(self, names: Any) -> list[str]:
         """``names`` safest first (the cache's JSON keeps its keys sorted by name)."""
@@ -102,6 +105,11 @@ class AutoDecision:
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
         when = f", {self.measured_at}" if self.measured_at else ""
         cost = f"; the race took {self.cost_seconds:.1f}s" if self.source == "measured" else ""
+        if self.in_run_steps and self.source == "measured":
+            cost = (
+                f"; the race ran as the first {self.in_run_steps} training steps, {self.cost_seconds:.2f}s slower "
+                "in all than the chosen mode's"
+            )
         checked = f"; {self.checked}" if self.checked else ""
         return (
             f"auto on {self.device} {how} the candidates on {self.measured} ({threads}, {self.clock}, "

@@ -39,9 +39,10 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 from mixprec.precision.decision import ABORT_RATIO, AutoDecision
 
@@ -73,35 +74,73 @@ class Unfinished:
 Run = Callable[[str, "float | None"], "bool | Unfinished"]
 
 
-def race(
+Trial = tuple[str, "float | None"]
+"""What a race asks for next: one trial of a mode, and how long it may take (``None``: no limit)."""
+Outcome = tuple["bool | Unfinished", float]
+"""How that trial ended (finite, or stopped unfinished) and how long it took on the race's clock."""
+Steps = Generator[Trial, Outcome, Any]
+"""A race written as steps: it yields the trials it wants and is sent each one's outcome. :func:`drive` runs
+them back to back (a race aside from training); ``inrun.InRunRace`` makes each one a real training step."""
+
+
+def drive(steps: Steps, run: Run, clock: Clock) -> Any:
+    """Run ``steps``' trials one after another, each ``run(name, deadline)`` timed on ``clock``; return what
+    ``steps`` returns."""
+    try:
+        name, limit = next(steps)
+        while True:
+            t0 = clock()
+            outcome = run(name, None if limit is None else t0 + limit)
+            name, limit = steps.send((outcome, clock() - t0))
+    except StopIteration as stop:
+        return stop.value
+
+
+@dataclass
+class Spent:
+    """What a race's trials have cost so far: their clock time and how many ran."""
+
+    seconds: float = 0.0
+    trials: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.trials += 1
+
+    def cost(self, fastest: float, in_run: bool) -> float:
+        """Aside from training every trial is extra; as training steps only the time over the fastest mode's."""
+        return self.seconds - (self.trials * fastest if in_run else 0.0)
+
+
+def race_steps(
     candidates: Sequence[str],
-    run: Run,
     *,
     rounds: int = MAX_ROUNDS,
-    clock: Clock = time.perf_counter,
     agree: Agree | None = None,
     excluded: dict[str, str] | None = None,
     run_steps: int | None = None,
-) -> tuple[dict[str, list[float]], dict[str, str], dict[str, int]]:
-    """Run the trials; return each mode's timed samples (one per round, paired by index), the excluded modes
-    with why, and the dropped ones (mode -> timed rounds it ran).
+    in_run: bool = False,
+    spent: Spent | None = None,
+) -> Generator[Trial, Outcome, tuple[dict[str, list[float]], dict[str, str], dict[str, int]]]:
+    """The race as steps (see :data:`Steps`); returns each mode's timed samples (one per round, paired by
+    index), the excluded modes with why, and the dropped ones (mode -> timed rounds it ran).
 
-    ``candidates`` are in order of numerical safety (safest first). ``run(name, deadline)`` performs one
-    trial and returns whether it was finite, or :class:`Unfinished` if it stopped at ``deadline`` (a
-    ``clock()`` value); it must leave the device idle when it returns (the clock is read around it).
-    ``rounds`` caps the paired rounds; ``run_steps`` (the run's length in steps, if known) caps the race's
-    cost at ``BUDGET_SHARE`` of it. ``agree`` (several processes) returns the main process's list for all.
+    ``candidates`` are in order of numerical safety (safest first). ``rounds`` caps the paired rounds;
+    ``run_steps`` (the run's length in steps, if known) caps the race's cost at ``BUDGET_SHARE`` of it: every
+    trial's time aside from training, only the time over the fastest mode's when the trials are the run's own
+    steps (``in_run``). ``agree`` (several processes) returns the main process's list for all. Once every
+    other mode racing wins against the safest one, the safest stops running (its samples stand).
     """
     same: Agree = agree or (lambda names: names)
+    spent = spent if spent is not None else Spent()
     out: dict[str, str] = dict(excluded or {})
     racing = same([c for c in candidates if c not in out])
     samples: dict[str, list[float]] = {c: [] for c in racing}
     dropped: dict[str, int] = {}
-    start = clock()
     limit: float | None = None  # a candidate's trial may take this long: ABORT_RATIO x the safest's settled trial
     finite: dict[str, bool] = {}
     for name in racing:
-        warm = warm_up(name, run, clock, limit, same)
+        warm = yield from warm_up_steps(name, limit, same, spent)
         if warm is None:
             dropped[name] = 0
             continue
@@ -115,30 +154,51 @@ def race(
                 out[name] = f"its trial's loss or gradients were inf/NaN while {reference}'s were finite"
     racing = same([c for c in racing if c not in out and c not in dropped])
     for r in range(rounds):
-        order = racing[r % len(racing) :] + racing[: r % len(racing)] if racing else []
-        for name in order:
-            t0 = clock()
-            run(name, None)
-            samples[name].append(clock() - t0)
-        if r + 1 < MIN_ROUNDS or len(racing) < 2:
-            if len(racing) < 2:
-                break
+        for name in racing[r % len(racing) :] + racing[: r % len(racing)]:
+            _, elapsed = yield (name, None)
+            samples[name].append(elapsed)
+            spent.add(elapsed)
+        if len(racing) < 2:
+            break
+        if r + 1 < MIN_ROUNDS:
             continue
         # a mode not faster than the safest one cannot be chosen: stop timing it
         keep = [c for c in racing if c == racing[0] or verdict(samples[c], samples[racing[0]]) != NOT_FASTER]
         for c in racing:
             if c not in keep:
                 dropped[c] = r + 1
+        # every other mode beats the safest: timing it further decides nothing
+        if len(keep) > 2 and all(verdict(samples[c], samples[keep[0]]) == WINS for c in keep[1:]):
+            keep = keep[1:]
         racing = same(keep)
         fastest = min(statistics.median(samples[c]) for c in racing)
-        over_budget = run_steps is not None and clock() - start > BUDGET_SHARE * run_steps * fastest
+        over_budget = run_steps is not None and spent.cost(fastest, in_run) > BUDGET_SHARE * run_steps * fastest
         settled = all(verdict(samples[c], samples[s]) != UNDECIDED for i, c in enumerate(racing) for s in racing[:i])
-        if same(["stop"] if settled or over_budget else []):
+        if same(["stop"] if settled or over_budget or len(racing) < 2 else []):
             break
     return {c: s for c, s in samples.items() if s}, out, dropped
 
 
-def warm_up(name: str, run: Run, clock: Clock, limit: float | None, same: Agree) -> tuple[bool, float] | None:
+def race(
+    candidates: Sequence[str],
+    run: Run,
+    *,
+    rounds: int = MAX_ROUNDS,
+    clock: Clock = time.perf_counter,
+    agree: Agree | None = None,
+    excluded: dict[str, str] | None = None,
+    run_steps: int | None = None,
+) -> tuple[dict[str, list[float]], dict[str, str], dict[str, int]]:
+    """:func:`race_steps` run aside from training: ``run(name, deadline)`` performs one trial and returns
+    whether it was finite, or :class:`Unfinished` if it stopped at ``deadline`` (a ``clock()`` value); it
+    must leave the device idle when it returns (the clock is read around it)."""
+    steps = race_steps(candidates, rounds=rounds, agree=agree, excluded=excluded, run_steps=run_steps)
+    return drive(steps, run, clock)
+
+
+def warm_up_steps(
+    name: str, limit: float | None, same: Agree, spent: Spent | None = None
+) -> Generator[Trial, Outcome, tuple[bool, float] | None]:
     """Untimed trials of ``name`` until its trial time settles (at most ``MAX_WARMUP`` whole trials): whether
     it was finite and its last trial's time. None when it is dropped: ``MAX_STALLS`` trials in a row stopped
     at their deadline no further (by ``PROGRESS_STEP``) than the furthest one before (slow, not setting
@@ -149,9 +209,9 @@ def warm_up(name: str, run: Run, clock: Clock, limit: float | None, same: Agree)
     furthest, stalls, stopped = -1, 0, 0
     finite = True
     while len(times) < MAX_WARMUP:
-        t0 = clock()
-        outcome = run(name, None if limit is None else t0 + limit)
-        elapsed = clock() - t0
+        outcome, elapsed = yield (name, limit)
+        if spent is not None:
+            spent.add(elapsed)
         if isinstance(outcome, Unfinished):
             stopped += 1
             if outcome.progress >= furthest + max(1, furthest * PROGRESS_STEP):
@@ -169,11 +229,16 @@ def warm_up(name: str, run: Run, clock: Clock, limit: float | None, same: Agree)
     return finite, times[-1]
 
 
+def warm_up(name: str, run: Run, clock: Clock, limit: float | None, same: Agree) -> tuple[bool, float] | None:
+    """:func:`warm_up_steps` run back to back."""
+    return drive(warm_up_steps(name, limit, same), run, clock)
+
+
 CHECK_TRIALS = 5  # timed trials of the chosen mode when a cached decision is re-checked
 CHECK_RATIO = 1.3  # a cached decision whose chosen mode now times this far off (either way) is raced again
 
 
-def recheck(decision: AutoDecision, run: Run, clock: Clock, clock_name: str) -> tuple[bool, str]:
+def recheck_steps(decision: AutoDecision, clock_name: str) -> Generator[Trial, Outcome, tuple[bool, str]]:
     """Time a cached decision's chosen mode now (warmed up, then ``CHECK_TRIALS`` trials) and compare with
     what the race measured. Returns whether the cache still holds and a sentence saying what was compared
     (issue 29: a race taken under load, 6x off the quiet machine's step, was reused as fact). It holds when
@@ -182,12 +247,11 @@ def recheck(decision: AutoDecision, run: Run, clock: Clock, clock_name: str) -> 
     best, median = decision.best_seconds.get(decision.chosen), decision.step_seconds.get(decision.chosen)
     if best is None or median is None or decision.clock != clock_name:
         return False, f"the cached race has no {decision.chosen} time on this clock ({clock_name}) to check against"
-    warm_up(decision.chosen, run, clock, None, lambda xs: xs)
+    yield from warm_up_steps(decision.chosen, None, lambda xs: xs)
     times = []
     for _ in range(CHECK_TRIALS):
-        t0 = clock()
-        run(decision.chosen, None)
-        times.append(clock() - t0)
+        _, elapsed = yield (decision.chosen, None)
+        times.append(elapsed)
     now = min(times)
     holds = best / CHECK_RATIO <= now <= median * CHECK_RATIO
     outcome = "within the noise" if holds else f"off by over {CHECK_RATIO:g}x, so raced again"
@@ -195,6 +259,11 @@ def recheck(decision: AutoDecision, run: Run, clock: Clock, clock_name: str) -> 
         f"checked now: {decision.chosen}'s best trial {now * 1e3:.1f} ms against {best * 1e3:.1f}-"
         f"{median * 1e3:.1f} ms cached (best-median): {outcome}"
     )
+
+
+def recheck(decision: AutoDecision, run: Run, clock: Clock, clock_name: str) -> tuple[bool, str]:
+    """:func:`recheck_steps` run back to back."""
+    return drive(recheck_steps(decision, clock_name), run, clock)
 
 
 def _sign_rank(n: int) -> int:
@@ -267,24 +336,25 @@ def choose(order: Sequence[str], medians: dict[str, float], minima: dict[str, fl
     return best
 
 
-def decide(
+def decide_steps(
     candidates: Sequence[str],
-    run: Run,
     *,
     device: str,
     threads: int,
     rounds: int = ROUNDS,
-    clock: Clock = time.perf_counter,
     clock_name: str = "wall clock",
     agree: Agree | None = None,
     excluded: dict[str, str] | None = None,
     measured: str | None = None,
     run_steps: int | None = None,
-) -> AutoDecision:
-    """Race ``candidates`` (safest first) and return the decision, its table and its cost (wall seconds)."""
+    in_run: bool = False,
+) -> Generator[Trial, Outcome, AutoDecision]:
+    """The race as steps (:func:`race_steps`), returning the decision, its table and its cost: the wall
+    seconds it took aside from training; the race clock's seconds over the chosen mode's when ``in_run``."""
     start = time.perf_counter()
-    samples, out, dropped = race(
-        candidates, run, rounds=rounds, clock=clock, agree=agree, excluded=excluded, run_steps=run_steps
+    spent = Spent()
+    samples, out, dropped = yield from race_steps(
+        candidates, rounds=rounds, agree=agree, excluded=excluded, run_steps=run_steps, in_run=in_run, spent=spent
     )
     ran = max((len(ts) for ts in samples.values()), default=0)
     medians = {name: statistics.median(ts) for name, ts in samples.items()}
@@ -299,6 +369,7 @@ def decide(
             low, _, high = speedup_interval(ts, samples[reference])
             if 0 < low and high < math.inf:
                 intervals[name] = [round(low, 4), round(high, 4)]
+    cost = spent.cost(medians.get(chosen, 0.0), True) if in_run else time.perf_counter() - start
     return AutoDecision(
         chosen=chosen,
         step_seconds=medians,
@@ -307,11 +378,24 @@ def decide(
         dropped=dropped,
         rounds=ran,
         threads=threads,
-        cost_seconds=time.perf_counter() - start,
+        cost_seconds=max(cost, 0.0),
         device=device,
         candidates=list(candidates),
         speedup_interval=intervals,
         clock=clock_name,
         measured_at=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        in_run_steps=spent.trials if in_run else 0,
         **({"measured": measured} if measured else {}),
     )
+
+
+def decide(
+    candidates: Sequence[str],
+    run: Run,
+    *,
+    clock: Clock = time.perf_counter,
+    **kwargs: Any,
+) -> AutoDecision:
+    """Race ``candidates`` (safest first) aside from training, each trial ``run(name, deadline)`` timed on
+    ``clock`` (see :func:`race`); the keyword arguments are :func:`decide_steps`'."""
+    return drive(decide_steps(candidates, **kwargs), run, clock)
