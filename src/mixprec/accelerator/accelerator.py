@@ -214,6 +214,11 @@ class Accelerator(ProcessMethods, OutputMethods):
         return self._precision.pending
 
     @property
+    def precision_racing(self) -> bool:
+        """True while "auto" races as the run's own first training steps (``settle_precision(in_run=...)``)."""
+        return self._precision.racing
+
+    @property
     def auto_decision(self) -> AutoDecision | None:
         """What "auto" measured and chose (None for a named precision, or before the first training step)."""
         return getattr(self._precision, "decision", None)
@@ -236,16 +241,23 @@ class Accelerator(ProcessMethods, OutputMethods):
         *,
         excluded: Mapping[str, str] | None = None,
         run_steps: int | None = None,
+        in_run: bool | None = None,
     ) -> AutoDecision | None:
         """For precision="auto": race the candidate modes on ``loss_fn`` (the forward of one real training
         step through a prepared model, returning its loss) and keep the fastest safe one, now. Nothing of
         the race reaches training (gradients, buffers and RNG states are restored). The Trainer calls it
         before its first step; a hand-written loop need not (its first training forward does it). A no-op
         for a named precision, or once decided. Costs a few forward+backward passes, once per run: at most a
-        small share of it when ``run_steps`` (the run's length in steps) is given."""
+        small share of it when ``run_steps`` (the run's length in forward+backward passes) is given.
+
+        A run of 100 optimizer steps or more (or ``in_run=True``) races as its own first steps instead of
+        aside (returns None while racing; ``precision_racing`` says so, ``auto_decision`` holds the verdict
+        once made): each is a real step of one candidate, and the race costs only their time over the chosen
+        mode's, at the price of bit-identity with a run that named it (``MIXPREC_AUTO_RACE=aside``)."""
         return self._precision.settle(
-            loss_fn, self._registry.models, batch=batch, excluded=excluded, run_steps=run_steps
-        )
+            loss_fn, self._registry.models, batch=batch, excluded=excluded, run_steps=run_steps, in_run=in_run,
+            passes_per_step=self.gradient_accumulation_steps,
+        )  # fmt: skip
 
     @property
     def device(self) -> torch.device:

@@ -64,8 +64,11 @@ def _settle_auto(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     if prepared is None:  # released (handed to another Accelerator)
         return
     precision = prepared.precision
-    if precision.pending and module.training and torch.is_grad_enabled():
-        precision.settle(lambda: trial_loss(module(*args, **kwargs)), [module], batch=(args, kwargs))
+    if module.training and torch.is_grad_enabled():
+        if precision.pending:
+            precision.settle(lambda: trial_loss(module(*args, **kwargs)), [module], batch=(args, kwargs))
+        if precision.racing:  # the race runs as the training steps: this step's mode
+            precision.begin_step()
 
 
 def _prepared_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

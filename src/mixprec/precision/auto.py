@@ -24,11 +24,23 @@ import torch
 
 from mixprec.precision import auto_cache
 from mixprec.precision.base import Precision
+from mixprec.precision.decision import AutoDecision
+from mixprec.precision.inrun import InRunRace
 from mixprec.precision.master_weights import master_names
-from mixprec.precision.op_timing import measure_op_kinds, policy_candidate
+from mixprec.precision.op_timing import measure_op_kinds, op_timing_budget, policy_candidate
 from mixprec.precision.policy import make_policy
 from mixprec.precision.probe import emulated_candidates
-from mixprec.precision.race import ROUNDS, Agree, AutoDecision, Clock, Unfinished, decide, recheck
+from mixprec.precision.race import (
+    MAX_WARMUP,
+    MIN_ROUNDS,
+    ROUNDS,
+    Agree,
+    Clock,
+    Unfinished,
+    decide,
+    decide_steps,
+    recheck,
+)
 from mixprec.precision.trial import no_trace, race_clock, run_trial
 
 if TYPE_CHECKING:
@@ -38,7 +50,9 @@ _SCALE_BACKOFF = 2.0**-8  # an fp16 trial that overflows retries at 1/256 of the
 # Per-op-kind timing before the race (issue 23): bf16 attention's backward can cost 4x fp32's on a CPU whose
 # bf16 matmuls run 2x faster, so a policy that keeps only attention in fp32 can beat both uniform modes. Its
 # replays are bounded; the policy then races the uniform modes on the whole step like any candidate.
-OP_TIMING_BUDGET_S = 1.5
+# A run this long (forward+backward passes) or longer races as its own first steps (inrun.py), not aside: the
+# race's ~20-30 steps are then a small part of it, and it costs only their time over the chosen mode's.
+IN_RUN_MIN_STEPS = 100
 _POLICY_BASE = "bf16"
 
 
@@ -58,6 +72,9 @@ class AutoPrecision(Precision):
         self._is_main = True
         self._announce: Callable[[], None] | None = None
         self._param_names: list[tuple[str, torch.nn.Parameter]] = []
+        self._in_run: InRunRace | None = None
+        self._finish: Callable[[AutoDecision], None] | None = None
+        self._stepped: Precision | None = None  # the mode that ran the last optimizer step
         # a measured per-op policy joins the race where bf16 autocast is a candidate (op_timing.py)
         # (MIXPREC_AUTO_OP_POLICY=0 races the uniform modes only, as MIXPREC_AUTO_CACHE=0 turns the cache off)
         if op_policy is None:
@@ -84,7 +101,12 @@ class AutoPrecision(Precision):
     @property
     def pending(self) -> bool:  # type: ignore[override]
         # not during a trial: the trial's forward goes through the same prepared forward that settles
-        return self.decision is None and self._trying is None
+        return self.decision is None and self._trying is None and self._in_run is None
+
+    @property
+    def racing(self) -> bool:
+        """Whether the race runs as the training steps now (inrun.py): each step begins with :meth:`begin_step`."""
+        return self._in_run is not None
 
     @property
     def resolved(self) -> Precision:  # type: ignore[override]
@@ -185,11 +207,45 @@ class AutoPrecision(Precision):
         self.current.unscale(optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
-        return self.current.optimizer_step(optimizer, **kwargs)
+        self._stepped = self.current
+        result = self.current.optimizer_step(optimizer, **kwargs)
+        self._end_race_step()
+        return result
+
+    def parameter_step(self, optimizer: torch.optim.Optimizer) -> Any:
+        return self.current.parameter_step(optimizer)
+
+    def end_step(self) -> None:
+        self._stepped = self.current
+        self.current.end_step()
+        self._end_race_step()
 
     @property
     def step_was_skipped(self) -> bool:  # type: ignore[override]
-        return self.current.step_was_skipped
+        return (self._stepped or self.current).step_was_skipped
+
+    # -- the race as the run's own steps (inrun.py) --------------------------------------------------
+
+    def begin_step(self) -> None:
+        """A training step begins (its first training forward): under the in-run race, run it in the mode the
+        race names next. A no-op otherwise, or inside a step already begun."""
+        race = self._in_run
+        if race is not None and not race.in_step:
+            self._trying = {p.name: p for p in self.candidates}[race.begin()]
+
+    def _end_race_step(self) -> None:
+        race = self._in_run
+        if race is None or not race.in_step:
+            return
+        ran = self.current
+        # a scaled mode's skipped step is an overflow its scaler backs off from, non-finite only at scale 1
+        scaling = ran.needs_loss_scaling and ran.scaler.get_scale() > 1.0
+        self._trying = None
+        race.end(finite=not ran.step_was_skipped or scaling)
+        if race.done:
+            self._in_run = None
+            assert self._finish is not None
+            self._finish(race.result)
 
     def state_dict(self) -> dict[str, Any]:
         return self.current.state_dict()
@@ -219,6 +275,8 @@ class AutoPrecision(Precision):
         clock: Clock | None = None,
         use_cache: bool = True,
         run_steps: int | None = None,
+        in_run: bool | None = None,
+        passes_per_step: int = 1,
     ) -> AutoDecision | None:
         """Race the candidates on ``loss_fn`` (one forward of the real step, returning its loss) and adopt
         the winner; return the decision. A no-op once decided. ``excluded`` names candidates that may not
@@ -226,8 +284,15 @@ class AutoPrecision(Precision):
         the race at a share of it; ``clock`` defaults to :func:`~mixprec.precision.trial.race_clock`'s. A
         cached decision is re-checked by timing its chosen mode now, and raced again if it is off. Costs a
         few forward+backward passes and host syncs, once per run; the state of ``models`` and the RNG are
-        left exactly as found."""
-        if self.decision is not None:
+        left exactly as found.
+
+        ``in_run`` races as the run's own first steps instead (inrun.py; returns None: the decision comes at
+        the optimizer step that ends the race, and each step must begin with :meth:`begin_step`). By default
+        it does when the run has at least ``IN_RUN_MIN_STEPS`` optimizer steps (``run_steps`` passes, counted
+        as forward+backward passes, ``passes_per_step`` to a step) and every candidate keeps fp32 weights;
+        ``MIXPREC_AUTO_RACE=aside`` (or ``in-run``) chooses for every run. Its rounds are capped so that the
+        race takes at most a quarter of the run's steps."""
+        if self.decision is not None or self._in_run is not None:
             return self.decision
         clock_name = "given clock"
         if clock is None:
@@ -288,7 +353,8 @@ class AutoPrecision(Precision):
             ):
                 self._trying = by_name[_POLICY_BASE]  # its forward is not the step that settles (pending)
                 try:
-                    report = measure_op_kinds(loss_fn, self.device, _POLICY_BASE, budget_s=OP_TIMING_BUDGET_S)
+                    budget = op_timing_budget(loss_fn, self.device, run_steps)
+                    report = measure_op_kinds(loss_fn, self.device, _POLICY_BASE, budget_s=budget)
                 finally:
                     self._trying = None
                 op_report = report.explain()
@@ -298,27 +364,37 @@ class AutoPrecision(Precision):
                     names = [p.name for p in self.candidates]  # safest first: fp32, the policy, bf16, ...
                     by_name[policy.name] = policy
                     scales[policy.name] = 1.0
-            decision = decide(
-                names,
-                run,
-                device=self.device.type,
-                threads=torch.get_num_threads(),
-                rounds=rounds,
-                clock=clock,
-                clock_name=clock_name,
-                agree=self._agree,
-                excluded=excluded,
-                run_steps=run_steps,
-            )
-        if stale:
-            decision = AutoDecision(**{**decision.to_dict(), "checked": stale})
-        if op_report:
-            decision = AutoDecision(**{**decision.to_dict(), "op_timing": op_report})
-        if not self._is_main:
-            decision = decision.with_source("main process")
-        if use_cache and decision.source == "measured":
-            auto_cache.store(key, decision)
-        self.adopt(decision)
+            steps_left = None if run_steps is None else run_steps // max(1, passes_per_step)
+            if in_run is None:
+                choice = os.environ.get("MIXPREC_AUTO_RACE", "")
+                long_run = steps_left is not None and steps_left >= IN_RUN_MIN_STEPS
+                in_run = choice == "in-run" or (choice != "aside" and long_run)
+            in_run = in_run and all(p.param_dtype == torch.float32 for p in self.candidates)
+            if in_run and steps_left is not None:  # warm-ups (<= MAX_WARMUP + 3 each) and rounds in a quarter
+                rounds = min(rounds, max(MIN_ROUNDS, steps_left // 4 // len(names) - MAX_WARMUP - 3))
+            race = dict(
+                device=self.device.type, threads=torch.get_num_threads(), rounds=rounds, clock_name=clock_name,
+                agree=self._agree, excluded=excluded, run_steps=steps_left if in_run else run_steps,
+            )  # fmt: skip
+
+            def finish(decision: AutoDecision) -> None:
+                if stale:
+                    decision = AutoDecision(**{**decision.to_dict(), "checked": stale})
+                if op_report:
+                    decision = AutoDecision(**{**decision.to_dict(), "op_timing": op_report})
+                if not self._is_main:
+                    decision = decision.with_source("main process")
+                if use_cache and decision.source == "measured":
+                    auto_cache.store(key, decision)
+                self.adopt(decision)
+
+            if in_run:
+                measured = "the run's first training steps (forward, backward and optimizer step, each in one mode)"
+                steps = decide_steps(names, in_run=True, measured=measured, **race)
+                self._finish = finish
+                self._in_run = InRunRace(steps, clock, self.device)
+                return None
+            finish(decide(names, run, clock=clock, **race))
         return self.decision
 
     def adopt(self, decision: AutoDecision) -> None:

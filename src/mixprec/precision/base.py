@@ -151,6 +151,14 @@ class Precision:
         a named mode has nothing to decide. Returns the decision, or None."""
         return None
 
+    @property
+    def racing(self) -> bool:
+        """Whether "auto"'s race runs as the training steps now (each must begin with :meth:`begin_step`)."""
+        return False
+
+    def begin_step(self) -> None:
+        """A training step begins (its first training forward). Nothing to do but for "auto" racing in-run."""
+
     def decision_record(self) -> dict[str, Any] | None:
         """What "auto" measured and chose, for a checkpoint; None for a mode asked for by name."""
         return None

@@ -37,6 +37,10 @@ from mixprec.precision.policy import POLICY_BASES, make_policy
 MARGIN = 0.05
 MATERIAL = 0.02  # a kind moves to fp32 only if that saves at least this share of the step's op time
 _MAX_ROUNDS = 7
+# Per-op-kind timing before the race (issue 23): its replays get OP_TIMING_BUDGET_S at most, and at most
+# OP_TIMING_SHARE of the run when its length is known (auto.py)
+OP_TIMING_BUDGET_S = 1.5
+OP_TIMING_SHARE = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,3 +251,17 @@ def policy_candidate(report: OpTimingReport, device: torch.device | str) -> Prec
     candidate = make_policy(report.policy, device)
     candidate.reason = f"per-op-kind timing: {report.policy} ({report.elapsed_s:.2f} s)"
     return candidate
+
+
+def op_timing_budget(loss_fn: Callable[[], Any], device: torch.device, run_steps: int | None) -> float:
+    """How long the per-op-kind replays may take: ``OP_TIMING_BUDGET_S``, and at most ``OP_TIMING_SHARE`` of
+    the run when its length is known (a step estimated as three forwards of ``loss_fn``, timed once here)."""
+    if run_steps is None:
+        return OP_TIMING_BUDGET_S
+    with torch.no_grad():
+        _sync(device)
+        start = time.perf_counter()
+        loss_fn()
+        _sync(device)
+        step = 3 * (time.perf_counter() - start)
+    return min(OP_TIMING_BUDGET_S, OP_TIMING_SHARE * run_steps * step)

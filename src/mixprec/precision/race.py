@@ -23,9 +23,10 @@ while bf16's step was 1.68x faster), so the protocol is (STYLE.md habit 13, as `
 3. **confidence**: after ``MIN_ROUNDS`` rounds and after each further one, each less safe mode's paired
    time ratio against each safer mode gets a 95% interval for its median (the sign test's: a neighbour's
    bursts are outliers that only add time, not Gaussian noise). Entirely below ``1 - MARGIN``: it
-   *wins*; entirely above: it is *not faster* (a tie goes to the safer mode; a mode not faster than the
-   safest stops running). Rounds continue while a pair is undecided, up to ``MAX_ROUNDS`` or the budget
-   (``BUDGET_SHARE`` of the run, when the run's length is known); a pair still undecided then is a tie;
+   *wins*; entirely above: it is *not faster* (a tie goes to the safer mode; a mode not faster than a
+   safer one stops running, and the safest stops once every other mode beats it). Rounds continue while a
+   pair is undecided, up to ``MAX_ROUNDS`` or the budget (``BUDGET_SHARE`` of the run, when the run's
+   length is known); a pair still undecided then is a tie;
 4. a lower-precision mode is chosen only if it wins against every safer mode still racing; a candidate
    whose trial is non-finite while the safest one's is finite is excluded, with the reason.
 
@@ -162,8 +163,10 @@ def race_steps(
             break
         if r + 1 < MIN_ROUNDS:
             continue
-        # a mode not faster than the safest one cannot be chosen: stop timing it
-        keep = [c for c in racing if c == racing[0] or verdict(samples[c], samples[racing[0]]) != NOT_FASTER]
+        # a mode not faster than a safer one still racing cannot be chosen (choose_paired): stop timing it
+        keep = [
+            c for i, c in enumerate(racing) if all(verdict(samples[c], samples[s]) != NOT_FASTER for s in racing[:i])
+        ]
         for c in racing:
             if c not in keep:
                 dropped[c] = r + 1

@@ -166,6 +166,7 @@ class TrainingLoop:
         self._grad_norm: torch.Tensor | None = None
         self._scaling = False
         self._last_scale: float | None = None
+        self._racing = False  # "auto" races as the first steps (its decision is logged at the step that ends it)
         model = run.accelerator.unwrap_model(run.model)
         self._main_input = getattr(model, "main_input_name", "input_ids")  # HF's, for the token count
 
@@ -269,6 +270,12 @@ class TrainingLoop:
         decision = acc.settle_precision(
             lambda: ctx.compute_loss(ctx.model, batch), batch, excluded=excluded, run_steps=passes
         )
+        self._racing = decision is None and acc.precision_racing
+        if not self._racing:
+            self._precision_decided()
+
+    def _precision_decided(self) -> None:
+        ctx, decision = self.run_ctx, self.run_ctx.accelerator.auto_decision
         if decision is not None:
             ctx.events.record("auto_precision", ctx.state.global_step, **decision.to_dict())
             logger.info("%s", decision.explain())
@@ -299,6 +306,9 @@ class TrainingLoop:
         events.fire("on_optimizer_step", skipped=skipped)
         ctx.lr_scheduler.step()  # the prepared scheduler holds still after a skipped step
         ctx.optimizer.zero_grad()
+        if self._racing and not acc.precision_racing:  # "auto"'s in-run race decided at this step
+            self._racing = False
+            self._precision_decided()
         if self._scaling:
             scale = acc.scaler.get_scale()  # a host mirror: no sync
             if scale != self._last_scale:

@@ -1,0 +1,75 @@
+"""auto's race run as the training run's own first steps, not as trials aside from it (issue 23).
+
+A race aside from training costs every trial it runs: on the main job ~25 forward+backward passes of the first
+batch (2-3 s of a 27 s run), on GPT-2 124M on a CPU over a minute. Run as the run's first steps instead, each
+trial is a real step of one candidate (forward, backward and optimizer update, in that mode: all candidates
+keep fp32 weights and differ only in autocast, so any of them may take any step), and the race costs only
+those steps' time over the chosen mode's. The protocol is the same generator (race.py's ``decide_steps``):
+``begin`` tells which mode the step starting now runs in and starts the clock; ``end`` stops it when the
+optimizer step is done, and sends the outcome. The price: the first steps mix the candidates, so the run is
+no longer bit-identical to one that named the chosen mode (``MIXPREC_AUTO_RACE=aside`` races aside instead).
+
+A step cannot be stopped half-way, so a warm-up step over the race's time limit counts as stopped with no
+progress: a mode that many times slower than the safest is dropped after ``MAX_STALLS + 1`` such steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mixprec.precision.race import Outcome, Steps, Trial, Unfinished
+from mixprec.precision.trial import synchronize
+
+
+class InRunRace:
+    """Drives a race's steps (race.py's :data:`~mixprec.precision.race.Steps`) one training step at a time."""
+
+    def __init__(self, steps: Steps, clock: Callable[[], float], device: torch.device) -> None:
+        self._steps = steps
+        self._clock = clock
+        self._device = device
+        self._started: float | None = None
+        self._next: Trial | None = None
+        self.result: Any = None
+        self.steps = 0
+        self._send(None)
+
+    def _send(self, outcome: Outcome | None) -> None:
+        try:
+            self._next = next(self._steps) if outcome is None else self._steps.send(outcome)
+        except StopIteration as stop:
+            self._next, self.result = None, stop.value
+
+    @property
+    def done(self) -> bool:
+        """Whether the race has decided (``result`` holds what the steps returned)."""
+        return self._next is None
+
+    @property
+    def in_step(self) -> bool:
+        """Whether a step has begun and not ended (its forwards and backwards run in :meth:`begin`'s mode)."""
+        return self._started is not None
+
+    def begin(self) -> str:
+        """The mode the training step starting now runs in; its clock starts (after a device sync)."""
+        if self._next is None:
+            raise RuntimeError("InRunRace.begin(): the race has already decided")
+        synchronize(self._device)
+        self._started = self._clock()
+        return self._next[0]
+
+    def end(self, finite: bool) -> None:
+        """The step's optimizer update is done: stop its clock and hand the race the outcome (``finite``:
+        whether its loss and gradients were, i.e. the step was not skipped for a non-finite gradient)."""
+        if self._started is None:
+            return
+        synchronize(self._device)
+        elapsed = self._clock() - self._started
+        self._started = None
+        self.steps += 1
+        assert self._next is not None
+        limit = self._next[1]
+        self._send((Unfinished(0) if limit is not None and elapsed > limit else finite, elapsed))
