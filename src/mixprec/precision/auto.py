@@ -75,6 +75,7 @@ class AutoPrecision(Precision):
         self._in_run: InRunRace | None = None
         self._finish: Callable[[AutoDecision], None] | None = None
         self._stepped: Precision | None = None  # the mode that ran the last optimizer step
+        self._backoffs = 0  # in-run race steps an fp16 candidate skipped at a scale it then backed off from
         # a measured per-op policy joins the race where bf16 autocast is a candidate (op_timing.py)
         # (MIXPREC_AUTO_OP_POLICY=0 races the uniform modes only, as MIXPREC_AUTO_CACHE=0 turns the cache off)
         if op_policy is None:
@@ -237,11 +238,16 @@ class AutoPrecision(Precision):
         race = self._in_run
         if race is None or not race.in_step:
             return
-        ran = self.current
-        # a scaled mode's skipped step is an overflow its scaler backs off from, non-finite only at scale 1
-        scaling = ran.needs_loss_scaling and ran.scaler.get_scale() > 1.0
-        self._trying = None
-        race.end(finite=not ran.step_was_skipped or scaling)
+        ran, self._trying = self.current, None
+        outcome: bool | Unfinished = not ran.step_was_skipped
+        scale = ran.scaler.get_scale() if ran.needs_loss_scaling else 1.0
+        if not outcome and scale > 1.0:
+            # an fp16 overflow at a large scale: back off as the aside race does, and let the step not count
+            # (progress: each one gets further), so a mode non-finite even unscaled is excluded within 3 steps
+            ran.scaler.update(new_scale=max(scale * _SCALE_BACKOFF, 1.0))
+            self._backoffs += 1
+            outcome = Unfinished(self._backoffs)
+        race.end(outcome)
         if race.done:
             self._in_run = None
             assert self._finish is not None
@@ -409,6 +415,7 @@ class AutoPrecision(Precision):
         self._chosen = by_name[decision.chosen]
         self._chosen.reason = decision.explain()
         self.decision = decision
+        self._in_run = self._trying = None  # a resume's decision ends a race running as the steps
         if self._announce is not None:
             self._announce()
 
@@ -416,6 +423,8 @@ class AutoPrecision(Precision):
         """At resume: keep the decision the checkpoint recorded (no measuring), or the precision it ran."""
         if self.decision is not None:
             return super().adopt_recorded(saved_name, record)
+        if not record and saved_name == self.name:  # saved while its race ran as the steps: race again here
+            return
         if record:
             self.adopt(AutoDecision.from_dict(dict(record)).with_source("checkpoint"))
         else:

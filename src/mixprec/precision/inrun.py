@@ -61,9 +61,10 @@ class InRunRace:
         self._started = self._clock()
         return self._next[0]
 
-    def end(self, finite: bool) -> None:
-        """The step's optimizer update is done: stop its clock and hand the race the outcome (``finite``:
-        whether its loss and gradients were, i.e. the step was not skipped for a non-finite gradient)."""
+    def end(self, outcome: bool | Unfinished) -> None:
+        """The step's optimizer update is done: stop its clock and hand the race the outcome: whether its loss
+        and gradients were finite, or :class:`Unfinished` for a step that does not count as a trial (a loss
+        scale backing off). A step over the race's time limit is handed as stopped, with no progress."""
         if self._started is None:
             return
         synchronize(self._device)
@@ -72,4 +73,6 @@ class InRunRace:
         self.steps += 1
         assert self._next is not None
         limit = self._next[1]
-        self._send((Unfinished(0) if limit is not None and elapsed > limit else finite, elapsed))
+        if limit is not None and elapsed > limit and not isinstance(outcome, Unfinished):
+            outcome = Unfinished(0)
+        self._send((outcome, elapsed))

@@ -274,10 +274,12 @@ class TrainingLoop:
         if not self._racing:
             self._precision_decided()
 
-    def _precision_decided(self) -> None:
+    def _precision_decided(self, steps_done: int = 0) -> None:
+        """Log auto's decision (made now, ``steps_done`` steps into this step: 1 when the race ran as the
+        training steps and this step ended it) and read the chosen mode's scaler."""
         ctx, decision = self.run_ctx, self.run_ctx.accelerator.auto_decision
         if decision is not None:
-            ctx.events.record("auto_precision", ctx.state.global_step, **decision.to_dict())
+            ctx.events.record("auto_precision", ctx.state.global_step + steps_done, **decision.to_dict())
             logger.info("%s", decision.explain())
         self._start_scaling()
 
@@ -308,7 +310,7 @@ class TrainingLoop:
         ctx.optimizer.zero_grad()
         if self._racing and not acc.precision_racing:  # "auto"'s in-run race decided at this step
             self._racing = False
-            self._precision_decided()
+            self._precision_decided(steps_done=1)
         if self._scaling:
             scale = acc.scaler.get_scale()  # a host mirror: no sync
             if scale != self._last_scale:

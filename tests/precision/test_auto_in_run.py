@@ -1,0 +1,166 @@
+"""precision="auto" racing as the run's own first steps (mixprec.precision.inrun, issue 23).
+
+Each race step is a real training step of one candidate: its forward runs in that mode, its optimizer
+update lands, and once the race decides every step runs the winner. Speeds are planted (a mode made slow
+on purpose burns CPU time, the race's clock here), so the tests say what the race does with a measurement.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import make_batches, make_tiny_lm
+from mixprec import Accelerator, Trainer, TrainingArguments
+from mixprec.precision import registry
+from mixprec.precision.full import FullPrecision
+from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
+from planted_precisions import SleepyFp32
+from trainer_utils import make_examples, make_model
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _candidates(monkeypatch: pytest.MonkeyPatch, *classes: type) -> None:
+    monkeypatch.setattr(registry, "auto_candidates", lambda device: [cls(device) for cls in classes])
+
+
+class ModeSpy(torch.nn.Module):
+    """The tiny LM, noting the autocast dtype each training forward ran under (None: no autocast)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = make_tiny_lm(0)
+        self.modes: list[torch.dtype | None] = []
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        if self.training:
+            on = torch.is_autocast_enabled("cpu")
+            self.modes.append(torch.get_autocast_dtype("cpu") if on else None)
+        return {"loss": self.lm(input_ids, labels=labels).loss}
+
+
+def _loop(accelerator: Accelerator, model: torch.nn.Module, steps: int) -> dict[str, Any]:
+    """A hand-written loop; per step: whether auto was still racing, whether the weights moved."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    batch = make_batches(1)[0]
+    racing, moved = [], []
+    for _ in range(steps):
+        before = [p.detach().clone() for p in model.parameters()]
+        accelerator.backward(model(batch["input_ids"], labels=batch["labels"])["loss"])
+        optimizer.step()
+        optimizer.zero_grad()
+        moved.append(any(not torch.equal(a, p) for a, p in zip(before, model.parameters())))
+        racing.append(accelerator.precision_racing)
+    return {"racing": racing, "moved": moved, "optimizer": optimizer, "model": model}
+
+
+def test_the_race_steps_are_real_steps_of_each_candidate_and_the_winner_runs_after(monkeypatch):
+    monkeypatch.setenv("MIXPREC_AUTO_RACE", "in-run")
+    _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)  # fp32's forward burns 30 ms: bf16 wins
+    accelerator = Accelerator(mixed_precision="auto", verbose=False)
+    spy = ModeSpy()
+    out = _loop(accelerator, spy, steps=24)
+    decision = accelerator.auto_decision
+    k = decision.in_run_steps
+    assert decision.chosen == "bf16" and accelerator.mixed_precision == "bf16"
+    # the race ran as steps 1..k: racing until the optimizer step of step k, decided from then on
+    assert 0 < k < 24 and out["racing"] == [True] * (k - 1) + [False] * (24 - k + 1)
+    raced = spy.modes[:k]
+    assert raced.count(None) >= 2 and raced.count(torch.bfloat16) >= 2  # both candidates took real steps
+    assert spy.modes[k:] == [torch.bfloat16] * (24 - k)  # then only the winner
+    # every step, the race's too, updated the weights and counts as an optimizer step
+    assert all(out["moved"]) and not out["optimizer"].step_was_skipped
+    assert all(int(s["step"]) == 24 for s in out["optimizer"].optimizer.state.values())
+    assert decision.step_seconds["fp32"] > decision.step_seconds["bf16"]
+    assert f"the first {k} training steps" in decision.explain()
+
+
+def test_fp16_that_overflows_even_unscaled_is_excluded_and_its_steps_never_reach_the_weights(monkeypatch):
+    class Overflowing(torch.nn.Module):
+        """Activations past fp16's 65504: inf under fp16 autocast at any loss scale, finite in fp32."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, ids: torch.Tensor, labels: Any = None) -> dict[str, torch.Tensor]:
+            x = ids[:, :8].float()
+            return {"loss": self.lin(x * 1e5).float().pow(2).mean() * 1e-10}
+
+    monkeypatch.setenv("MIXPREC_AUTO_RACE", "in-run")
+    _candidates(monkeypatch, SleepyFp32, Fp16MixedPrecision)  # fp16 would win on speed
+    accelerator = Accelerator(mixed_precision="auto", verbose=False)
+    torch.manual_seed(0)
+    out = _loop(accelerator, Overflowing(), steps=20)
+    decision = accelerator.auto_decision
+    assert decision is not None and decision.chosen == "fp32"
+    assert "inf/NaN" in decision.excluded["fp16"]
+    assert all(torch.isfinite(p).all() for p in out["model"].parameters())
+
+
+def test_a_mode_that_keeps_weights_in_low_precision_races_aside(monkeypatch):
+    class PureBf16(Bf16MixedPrecision):
+        """A candidate whose weights are bf16: a step cannot switch into it and out again."""
+
+        @property
+        def param_dtype(self) -> torch.dtype:  # type: ignore[override]
+            return torch.bfloat16
+
+    monkeypatch.setenv("MIXPREC_AUTO_RACE", "in-run")
+    _candidates(monkeypatch, FullPrecision, PureBf16)
+    accelerator = Accelerator(mixed_precision="auto", verbose=False)
+    out = _loop(accelerator, ModeSpy(), steps=1)
+    assert accelerator.auto_decision.in_run_steps == 0 and out["racing"] == [False]
+
+
+@pytest.mark.parametrize("max_steps, env, in_run", [(120, None, True), (5, None, False), (120, "aside", False)])
+def test_the_trainer_races_a_long_run_as_its_steps_and_a_short_one_aside(
+    monkeypatch, tmp_path, max_steps, env, in_run
+):
+    if env:
+        monkeypatch.setenv("MIXPREC_AUTO_RACE", env)
+    _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), disable_tqdm=True, save_plots=False, save_strategy="no", precision="auto",
+        max_steps=max_steps, per_device_train_batch_size=4, logging_steps=1000,
+    )  # fmt: skip
+    trainer = Trainer(make_model(), args, train_dataset=make_examples(64))
+    trainer.train()
+    decision = trainer.accelerator.auto_decision
+    assert decision.chosen == "bf16" and trainer.accelerator.mixed_precision == "bf16"
+    assert (decision.in_run_steps > 0) is in_run
+    assert trainer.state.global_step == max_steps
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (event,) = [e for e in records if e.get("event") == "auto_precision"]
+    assert event["chosen"] == "bf16" and event["step"] == (decision.in_run_steps if in_run else 0)
+
+
+def test_a_checkpoint_saved_while_the_race_runs_resumes_and_races_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("MIXPREC_AUTO_RACE", "in-run")
+    _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+    first = Accelerator(mixed_precision="auto", verbose=False)
+    out = _loop(first, ModeSpy(), steps=3)
+    assert out["racing"] == [True] * 3
+    first.save_state(tmp_path / "state")
+    again = Accelerator(mixed_precision="auto", verbose=False)
+    optimizer = torch.optim.AdamW((model := ModeSpy()).parameters(), lr=1e-2)
+    model, optimizer = again.prepare(model, optimizer)
+    again.load_state(tmp_path / "state")
+    assert again.auto_decision is None  # nothing decided to keep: this run's own steps race
+    batch = make_batches(1)[0]
+    for _ in range(24):
+        again.backward(model(batch["input_ids"], labels=batch["labels"])["loss"])
+        optimizer.step()
+        optimizer.zero_grad()
+    assert again.auto_decision.chosen == "bf16" and again.auto_decision.in_run_steps > 0
