@@ -125,9 +125,7 @@ def test_a_mode_that_keeps_weights_in_low_precision_races_aside(monkeypatch):
 
 
 @pytest.mark.parametrize("max_steps, env, in_run", [(120, None, True), (5, None, False), (120, "aside", False)])
-def test_the_trainer_races_a_long_run_as_its_steps_and_a_short_one_aside(
-    monkeypatch, tmp_path, max_steps, env, in_run
-):
+def test_the_trainer_races_a_long_run_as_its_steps_and_a_short_one_aside(monkeypatch, tmp_path, max_steps, env, in_run):
     if env:
         monkeypatch.setenv("MIXPREC_AUTO_RACE", env)
     _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
