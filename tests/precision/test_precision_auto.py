@@ -119,7 +119,11 @@ def test_a_race_beside_a_busy_neighbour_gives_the_same_verdict_whatever_the_burs
         ([1.00, 0.99, 1.01, 1.00, 0.98, 1.00], race.NOT_FASTER),  # level: a tie, the safer mode's
         ([1.30, 1.20, 1.25, 1.3, 1.2, 1.25], race.NOT_FASTER),  # slower
         ([0.60, 1.40, 0.90, 0.6, 1.4, 0.9], race.UNDECIDED),  # too noisy to tell: more rounds
-        ([0.5, 0.5, 0.5], race.UNDECIDED),  # fewer than MIN_ROUNDS pairs: no verdict yet
+        ([0.5, 0.5], race.UNDECIDED),  # fewer than EARLY_ROUNDS pairs: no verdict yet
+        ([0.64, 0.66, 0.65], race.WINS),  # a clear, steady gap decides on EARLY_ROUNDS pairs (t-interval)
+        ([0.64, 1.90, 0.65], race.UNDECIDED),  # ... a burst among so few widens it: more rounds
+        ([1.00, 0.995, 1.005], race.NOT_FASTER),  # a steady tie too
+        ([0.90, 0.96, 0.93], race.UNDECIDED),  # near the margin: more rounds
     ],
 )
 def test_the_verdict_on_paired_samples_separates_or_declares_a_tie(ratios, expected):
@@ -153,6 +157,17 @@ def test_the_race_stays_within_its_budget_share_of_the_run():
     clock = FakeClock({"fp32": 1.0, "bf16": 0.95}, noise=lambda name: 1.0 + 0.1 * rng.random())
     bounded = decide(["fp32", "bf16"], clock.run, device="cpu", threads=1, clock=clock, run_steps=100)
     assert free.rounds > bounded.rounds == race.MIN_ROUNDS and bounded.chosen == "fp32"
+
+
+def test_a_clear_gap_is_decided_in_early_rounds_and_the_beaten_safest_mode_stops_running():
+    # fp32 1.0, bf16 0.6, fp16 0.75 (between), 3% noise: both beat fp32 within EARLY_ROUNDS rounds, so fp32
+    # stops running; fp16 is not faster than bf16 and stops too: the race ends before MIN_ROUNDS rounds.
+    rng = __import__("random").Random(1)
+    clock = FakeClock({"fp32": 1.0, "bf16": 0.6, "fp16": 0.75}, noise=lambda name: 1.0 + 0.03 * rng.random())
+    decision = decide(["fp32", "bf16", "fp16"], clock.run, device="cpu", threads=1, clock=clock)
+    assert decision.chosen == "bf16" and decision.rounds < race.MIN_ROUNDS
+    timed = clock.runs[-decision.rounds * 3 :]
+    assert timed.count("fp32") <= race.EARLY_ROUNDS
 
 
 def test_a_fast_mode_whose_trial_is_not_finite_is_excluded_with_the_reason():
@@ -416,13 +431,13 @@ def test_a_diagnosis_that_saw_fp16_overflow_excludes_fp16_from_the_race(monkeypa
 
 def test_the_race_stops_as_soon_as_every_pair_is_separated_and_runs_on_while_one_is_not():
     clear = FakeClock({"fp32": 1.0, "bf16": 0.5})
-    assert decide(["fp32", "bf16"], clear.run, device="cpu", threads=1, clock=clear).rounds == race.MIN_ROUNDS
+    assert decide(["fp32", "bf16"], clear.run, device="cpu", threads=1, clock=clear).rounds == race.EARLY_ROUNDS
     rng = __import__("random").Random(1)
-    close = FakeClock({"fp32": 1.0, "bf16": 0.9}, noise=lambda name: 1.0 + 0.2 * rng.random())
+    close = FakeClock({"fp32": 1.0, "bf16": 0.95}, noise=lambda name: 1.0 + 0.2 * rng.random())  # at the margin
     decision = decide(["fp32", "bf16"], close.run, device="cpu", threads=1, clock=close)
     assert decision.rounds > race.MIN_ROUNDS
     low, high = decision.speedup_interval["bf16"]
-    assert low <= 1 / 0.9 <= high or decision.chosen == "bf16"
+    assert low <= 1 / 0.95 <= high
 
 
 class AttentionLM(torch.nn.Module):

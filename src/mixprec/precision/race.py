@@ -22,11 +22,12 @@ while bf16's step was 1.68x faster), so the protocol is (STYLE.md habit 13, as `
    and the wall clock after a device sync on a GPU (its work does not show in host CPU time);
 3. **confidence**: after ``MIN_ROUNDS`` rounds and after each further one, each less safe mode's paired
    time ratio against each safer mode gets a 95% interval for its median (the sign test's: a neighbour's
-   bursts are outliers that only add time, not Gaussian noise). Entirely below ``1 - MARGIN``: it
+   bursts are outliers that only add time, not Gaussian noise); from ``EARLY_ROUNDS`` to 5 rounds a 99%
+   t-interval of the log ratios, which only a clear and steady gap clears (a burst widens it). Entirely below ``1 - MARGIN``: it
    *wins*; entirely above: it is *not faster* (a tie goes to the safer mode; a mode not faster than a
    safer one stops running, and the safest stops once every other mode beats it). Rounds continue while a
    pair is undecided, up to ``MAX_ROUNDS`` or the budget (``BUDGET_SHARE`` of the run, when the run's
-   length is known); a pair still undecided then is a tie;
+   length is known, and only from ``MIN_ROUNDS``); a pair still undecided then is a tie;
 4. a lower-precision mode is chosen only if it wins against every safer mode still racing; a candidate
    whose trial is non-finite while the safest one's is finite is excluded, with the reason.
 
@@ -53,7 +54,13 @@ MAX_WARMUP = 5  # whole untimed trials per candidate at most
 MAX_STOPPED = 20  # warm-up trials stopped at their deadline, per candidate, at most
 MAX_STALLS = 2  # stopped trials in a row that got no further: the candidate is this slow, dropped
 PROGRESS_STEP = 0.1  # a stopped trial is still setting up if it got 10% further (one checkpoint at least)
-MIN_ROUNDS = 6  # paired rounds before any verdict: the sign test's 95% interval needs 6 pairs
+MIN_ROUNDS = 6  # paired rounds before a tie is called: the sign test's 95% interval needs 6 pairs
+# A gap this clear needs fewer: from EARLY_ROUNDS pairs, a 99% t-interval of the log time ratios may already
+# decide (a burst widens it, so noise delays a verdict rather than making one). What it saves matters most in a
+# race run as the training steps, where every round costs the gap itself (issue 23: GPT-2 124M on a CPU, fp32's
+# steps 1.5 s slower than bf16's).
+EARLY_ROUNDS = 3
+_T99 = {2: 9.925, 3: 5.841, 4: 4.604}  # Student's t, two-sided 99%, by degrees of freedom
 MAX_ROUNDS = 20
 ROUNDS = MAX_ROUNDS
 BUDGET_SHARE = 0.03  # the timed rounds stop once the race has cost this share of the run (issue 28: <= 3%)
@@ -161,7 +168,7 @@ def race_steps(
             spent.add(elapsed)
         if len(racing) < 2:
             break
-        if r + 1 < MIN_ROUNDS:
+        if r + 1 < EARLY_ROUNDS:
             continue
         # a mode not faster than a safer one still racing cannot be chosen (choose_paired): stop timing it
         keep = [
@@ -176,6 +183,7 @@ def race_steps(
         racing = same(keep)
         fastest = min(statistics.median(samples[c]) for c in racing)
         over_budget = run_steps is not None and spent.cost(fastest, in_run) > BUDGET_SHARE * run_steps * fastest
+        over_budget = over_budget and r + 1 >= MIN_ROUNDS  # a tie is called on MIN_ROUNDS pairs at least
         settled = all(verdict(samples[c], samples[s]) != UNDECIDED for i, c in enumerate(racing) for s in racing[:i])
         if same(["stop"] if settled or over_budget or len(racing) < 2 else []):
             break
@@ -285,12 +293,18 @@ def speedup_interval(mode: Sequence[float], safer: Sequence[float]) -> tuple[flo
     """``safer``'s time over ``mode``'s from paired samples (round i of each): the median ratio and a 95%
     interval of it (low, median, high); above 1 means ``mode`` is faster. The interval is the sign test's
     (order statistics of the ratios), not a mean's: a neighbour's burst is an outlier that only ever adds
-    time, not Gaussian noise, and a few of them must not move the verdict. (0, median, inf) below 6 pairs."""
+    time, not Gaussian noise, and a few of them must not move the verdict. With 3-5 pairs, a 99% t-interval of
+    the log ratios (bursts widen it); (0, median, inf) below 3."""
     n = min(len(mode), len(safer))
     ratios = sorted(s / m for m, s in zip(mode[:n], safer[:n]) if m > 0 and s > 0)
     if not ratios:
         return (0.0, 1.0, math.inf)
     k = _sign_rank(len(ratios))
+    if k == 0 and len(ratios) - 1 in _T99:  # EARLY_ROUNDS..5 pairs: the t-interval of the log ratios
+        logs = [math.log(r) for r in ratios]
+        half = _T99[len(logs) - 1] * statistics.stdev(logs) / math.sqrt(len(logs))
+        mean = statistics.fmean(logs)
+        return (math.exp(mean - half), statistics.median(ratios), math.exp(mean + half))
     if k == 0:
         return (0.0, statistics.median(ratios), math.inf)
     return (ratios[k - 1], statistics.median(ratios), ratios[-k])
