@@ -23,11 +23,11 @@ while bf16's step was 1.68x faster), so the protocol is (STYLE.md habit 13, as `
 3. **confidence**: after ``MIN_ROUNDS`` rounds and after each further one, each less safe mode's paired
    time ratio against each safer mode gets a 95% interval for its median (the sign test's: a neighbour's
    bursts are outliers that only add time, not Gaussian noise); from ``EARLY_ROUNDS`` to 5 rounds a 99%
-   t-interval of the log ratios, which only a clear and steady gap clears (a burst widens it). Entirely below ``1 - MARGIN``: it
-   *wins*; entirely above: it is *not faster* (a tie goes to the safer mode; a mode not faster than a
-   safer one stops running, and the safest stops once every other mode beats it). Rounds continue while a
-   pair is undecided, up to ``MAX_ROUNDS`` or the budget (``BUDGET_SHARE`` of the run, when the run's
-   length is known, and only from ``MIN_ROUNDS``); a pair still undecided then is a tie;
+   t-interval of the log ratios, which only a clear and steady gap clears (a burst widens it). Entirely
+   below ``1 - MARGIN``: it *wins*; entirely above: it is *not faster* (a tie goes to the safer mode; a
+   mode not faster than a safer one stops running, and the safest stops once every other mode beats it).
+   Rounds continue while a pair is undecided, up to ``MAX_ROUNDS`` or the budget (``BUDGET_SHARE`` of the
+   run, when the run's length is known, and only from ``MIN_ROUNDS``); a pair still undecided then is a tie;
 4. a lower-precision mode is chosen only if it wins against every safer mode still racing; a candidate
    whose trial is non-finite while the safest one's is finite is excluded, with the reason.
 
