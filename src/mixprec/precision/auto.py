@@ -359,7 +359,7 @@ class AutoPrecision(Precision):
             ):
                 self._trying = by_name[_POLICY_BASE]  # its forward is not the step that settles (pending)
                 try:
-                    budget = op_timing_budget(loss_fn, self.device, run_steps)
+                    budget = op_timing_budget(run_steps)
                     report = measure_op_kinds(loss_fn, self.device, _POLICY_BASE, budget_s=budget)
                 finally:
                     self._trying = None

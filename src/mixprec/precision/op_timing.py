@@ -41,6 +41,7 @@ _MAX_ROUNDS = 7
 # OP_TIMING_SHARE of the run when its length is known (auto.py)
 OP_TIMING_BUDGET_S = 1.5
 OP_TIMING_SHARE = 0.01
+SETUP_NEGLIGIBLE_S = 0.05  # a replay this long counts even as its kernel's first call (setup is small beside it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +159,7 @@ def measure_op_kinds(
     device: torch.device | str,
     base: str = "bf16",
     *,
-    budget_s: float = 2.0,
+    budget_s: float | Callable[[float], float] = 2.0,
     margin: float = MARGIN,
     clock: Callable[[], float] = time.perf_counter,
 ) -> OpTimingReport:
@@ -167,7 +168,10 @@ def measure_op_kinds(
     ``forward`` runs the model's forward on a real batch (the race's ``loss_fn``); it is called once, under
     autocast, to record the calls. It may touch buffers or the RNG: call this where
     such state is restored (the race's ``no_trace``). ``budget_s`` bounds the replays (each call is timed
-    at least once per variant). Raises ValueError for a ``base`` without autocast ("bf16" or "fp16").
+    at least once per variant), or gives the bound from the recording forward's seconds (a callable). A
+    call's first replay warms its kernels up; one longer than ``SETUP_NEGLIGIBLE_S`` is a sample too (what
+    setup it paid is small beside it: GPT-2's 768 x 50257 output layer on a CPU). Raises ValueError for a
+    ``base`` without autocast ("bf16" or "fp16").
     """
     if base not in POLICY_BASES:
         raise ValueError(f"measure_op_kinds(base={base!r}): choose one of {', '.join(POLICY_BASES)}")
@@ -177,20 +181,25 @@ def measure_op_kinds(
     recorder = _Recorder()
     # with grad, so each argument's requires_grad says what the replays' backward differentiates (a norm's
     # running statistics must not); the recorded graph is dropped at once
+    _sync(dev)
     with torch.autocast(dev.type, dtype=low), recorder:
         forward()
+    _sync(dev)
     calls = list(recorder.calls.values())
     samples: dict[int, dict[str, list[float]]] = {i: {"low": [], "fp32": []} for i in range(len(calls))}
-    deadline = start + budget_s
-    for call in calls:  # warm-up: the first call of a kernel pays for its setup
+    deadline = start + (budget_s(clock() - start) if callable(budget_s) else budget_s)
+    for i, call in enumerate(calls):  # warm-up: the first call of a kernel pays for its setup
         for variant in ("low", "fp32"):
-            _replay(call, _inputs(call), variant, dev, low)
+            if (took := _timed(call, variant, dev, low, clock)) >= SETUP_NEGLIGIBLE_S:
+                samples[i][variant].append(took)
     for round_ in range(_MAX_ROUNDS):
-        if round_ > 0 and clock() > deadline:
-            break
         for i, call in enumerate(calls):
+            if clock() > deadline and samples[i]["low"] and samples[i]["fp32"]:
+                continue  # out of time: only calls without a sample yet
             for variant in ("low", "fp32") if round_ % 2 == 0 else ("fp32", "low"):  # rotate the order
                 samples[i][variant].append(_timed(call, variant, dev, low, clock))
+        if clock() > deadline:
+            break
     per_kind: dict[str, list[float]] = {}
     for i, call in enumerate(calls):
         acc = per_kind.setdefault(call.kind, [0, 0.0, 0.0])
@@ -253,15 +262,14 @@ def policy_candidate(report: OpTimingReport, device: torch.device | str) -> Prec
     return candidate
 
 
-def op_timing_budget(loss_fn: Callable[[], Any], device: torch.device, run_steps: int | None) -> float:
-    """How long the per-op-kind replays may take: ``OP_TIMING_BUDGET_S``, and at most ``OP_TIMING_SHARE`` of
-    the run when its length is known (a step estimated as three forwards of ``loss_fn``, timed once here)."""
-    if run_steps is None:
-        return OP_TIMING_BUDGET_S
-    with torch.no_grad():
-        _sync(device)
-        start = time.perf_counter()
-        loss_fn()
-        _sync(device)
-        step = 3 * (time.perf_counter() - start)
-    return min(OP_TIMING_BUDGET_S, OP_TIMING_SHARE * run_steps * step)
+def op_timing_budget(run_steps: int | None) -> Callable[[float], float]:
+    """How long the per-op-kind replays may take, from the recording forward's seconds: ``OP_TIMING_BUDGET_S``,
+    and at most ``OP_TIMING_SHARE`` of the run when its length (forward+backward passes) is known, a pass
+    estimated as three forwards."""
+
+    def budget(forward_s: float) -> float:
+        if run_steps is None:
+            return OP_TIMING_BUDGET_S
+        return min(OP_TIMING_BUDGET_S, OP_TIMING_SHARE * run_steps * 3 * forward_s)
+
+    return budget

@@ -148,7 +148,7 @@ def race_steps(
     limit: float | None = None  # a candidate's trial may take this long: ABORT_RATIO x the safest's settled trial
     finite: dict[str, bool] = {}
     for name in racing:
-        warm = yield from warm_up_steps(name, limit, same, spent)
+        warm = yield from warm_up_steps(name, limit, same, spent, once=in_run)
         if warm is None:
             dropped[name] = 0
             continue
@@ -208,14 +208,16 @@ def race(
 
 
 def warm_up_steps(
-    name: str, limit: float | None, same: Agree, spent: Spent | None = None
+    name: str, limit: float | None, same: Agree, spent: Spent | None = None, once: bool = False
 ) -> Generator[Trial, Outcome, tuple[bool, float] | None]:
     """Untimed trials of ``name`` until its trial time settles (at most ``MAX_WARMUP`` whole trials): whether
     it was finite and its last trial's time. None when it is dropped: ``MAX_STALLS`` trials in a row stopped
     at their deadline no further (by ``PROGRESS_STEP``) than the furthest one before (slow, not setting
     up: setup that repeats at one place, as a recompile on the second call, stalls once), or ``MAX_STOPPED``
     stopped trials. Several processes agree after each trial whether to go on (they run the same trials;
-    their trials are never stopped)."""
+    their trials are never stopped). ``once``: one finished trial is enough (a race run as the training
+    steps, after the per-op-kind replays ran every kernel on these shapes: a step takes its mode's
+    one-time setup, and any left shows as noise that the paired rounds' intervals absorb)."""
     times: list[float] = []
     furthest, stalls, stopped = -1, 0, 0
     finite = True
@@ -234,7 +236,7 @@ def warm_up_steps(
             continue
         finite = finite and bool(outcome)
         times.append(elapsed)
-        settled = not finite or (len(times) >= 2 and times[-1] >= SETTLED * times[-2])
+        settled = not finite or once or (len(times) >= 2 and times[-1] >= SETTLED * times[-2])
         if same(["settled"] if settled else []):  # every process asks, every time: same trials for all
             break
     return finite, times[-1]
