@@ -262,3 +262,23 @@ def test_an_accelerator_that_saved_asynchronously_still_pickles_and_its_copy_sav
     copy.wait_for_checkpoint()
     verify_manifest(tmp_path / "b")
     acc.end_training()
+
+
+def test_a_scheduler_step_right_after_an_async_save_waits_for_its_copy(tmp_path, late_copy):
+    # Planted: a learning rate held in a tensor, which torch's LR schedulers rewrite in place (fill_), stepped
+    # the moment save_state returns while the writer's copy is 0.3 s late: the optimizer file must hold the
+    # learning rate at the save, byte for byte what a synchronous save wrote.
+    acc = Accelerator(verbose=False, cpu=True)
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), foreach=False)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 0.5**n)
+    model, optimizer, scheduler, loader = acc.prepare(model, optimizer, scheduler, DataLoader(data(), batch_size=4))
+    step(acc, model, optimizer, next(iter(loader)))
+    acc.save_state(tmp_path / "sync")
+    acc.save_state(tmp_path / "async", async_save=True)
+    lr = optimizer.param_groups[0]["lr"].clone()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] != lr  # rewritten in place, after the copy
+    acc.wait_for_checkpoint()
+    assert _files(tmp_path / "async") == _files(tmp_path / "sync")
+    acc.end_training()
