@@ -17,9 +17,10 @@ import torch
 from torch.utils.data import DataLoader
 
 import mixprec.accelerator.state as state_module
-from conftest import SEQ, VOCAB, TinyLM
+from conftest import SEQ, VOCAB, TinyLM, TinyOutput
 from mixprec import Accelerator, Trainer, TrainingArguments
 from mixprec.checkpoint import load_tensors, verify_manifest
+from mixprec.checkpoint.staging import Staged
 
 
 def data(n: int = 24) -> list[dict[str, torch.Tensor]]:
@@ -173,12 +174,48 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
-def test_an_async_folder_is_byte_identical_to_a_sync_one_and_holds_the_values_at_the_call(tmp_path):
-    # Planted: every weight and optimizer moment is changed in place the moment save_state returns, before
-    # the writer has written anything; the reused host buffers must still hold (and write) the values at the
-    # call, byte for byte what a synchronous save of the same state writes. Twice: the second save copies
-    # into the first one's buffers; a third after load_state (new optimizer tensors: a new copy plan).
-    acc, model, optimizer, loader = prepared()
+class NormedLM(TinyLM):
+    """TinyLM with a BatchNorm: buffers that every training forward rewrites in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(32)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        hidden = self.norm(self.embed(input_ids).transpose(1, 2)).transpose(1, 2)
+        logits = self.head(torch.nn.functional.gelu(self.hidden(hidden)))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+        return TinyOutput(loss=loss, logits=logits)
+
+
+@pytest.fixture
+def late_copy(monkeypatch):
+    """The writer thread's host copy of the state starts 0.3 s late: long after the next step began."""
+    real = Staged.copy
+
+    def late(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.3)
+        real(self)
+
+    monkeypatch.setattr(Staged, "copy", late)
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "step_in_backward"])
+def test_an_async_folder_is_byte_identical_to_a_sync_one_though_the_next_step_runs_at_once(
+    tmp_path, late_copy, in_backward
+):
+    # Planted: the copy of the weights and moments is made on the writer thread, 0.3 s late, and a whole train
+    # step runs the moment save_state returns: its forward rewrites the BatchNorm's running statistics (which
+    # the save must have copied at the call), its optimizer step (or, with step_in_backward, its backward) the
+    # weights and moments (which must wait for the copy). The folder must be byte for byte what a synchronous
+    # save at the call writes. Three times: the second save copies into the first one's buffers; the third
+    # comes after load_state (new optimizer tensors: a new copy plan).
+    torch.manual_seed(0)
+    acc = Accelerator(verbose=False, cpu=True, step_in_backward=in_backward)
+    model = NormedLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer, loader = acc.prepare(model, optimizer, DataLoader(data(40), batch_size=4))
     batches = iter(loader)
     for i in range(3):
         step(acc, model, optimizer, next(batches))
@@ -187,14 +224,12 @@ def test_an_async_folder_is_byte_identical_to_a_sync_one_and_holds_the_values_at
             step(acc, model, optimizer, next(batches))
         acc.save_state(tmp_path / f"sync-{i}")
         acc.save_state(tmp_path / f"async-{i}", async_save=True)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
-            for moments in optimizer.optimizer.state.values():
-                moments["exp_avg"].zero_()
+        stats, weight = model.norm.running_mean.clone(), model.head.weight.detach().clone()
+        step(acc, model, optimizer, next(batches))  # at once: the copy has not started yet
+        assert not torch.equal(model.norm.running_mean, stats) and not torch.equal(model.head.weight, weight)
         acc.wait_for_checkpoint()
         assert _files(tmp_path / f"async-{i}") == _files(tmp_path / f"sync-{i}")
-        acc.load_state(tmp_path / f"sync-{i}")  # undo the planted change before the next step
+        acc.load_state(tmp_path / f"sync-{i}")  # back to the state at the save before the next round
     acc.end_training()
 
 
@@ -226,4 +261,24 @@ def test_an_accelerator_that_saved_asynchronously_still_pickles_and_its_copy_sav
     copy.save_state(tmp_path / "b", async_save=True)
     copy.wait_for_checkpoint()
     verify_manifest(tmp_path / "b")
+    acc.end_training()
+
+
+def test_a_scheduler_step_right_after_an_async_save_waits_for_its_copy(tmp_path, late_copy):
+    # Planted: a learning rate held in a tensor, which torch's LR schedulers rewrite in place (fill_), stepped
+    # the moment save_state returns while the writer's copy is 0.3 s late: the optimizer file must hold the
+    # learning rate at the save, byte for byte what a synchronous save wrote.
+    acc = Accelerator(verbose=False, cpu=True)
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), foreach=False)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 0.5**n)
+    model, optimizer, scheduler, loader = acc.prepare(model, optimizer, scheduler, DataLoader(data(), batch_size=4))
+    step(acc, model, optimizer, next(iter(loader)))
+    acc.save_state(tmp_path / "sync")
+    acc.save_state(tmp_path / "async", async_save=True)
+    lr = optimizer.param_groups[0]["lr"].clone()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] != lr  # rewritten in place, after the copy
+    acc.wait_for_checkpoint()
+    assert _files(tmp_path / "async") == _files(tmp_path / "sync")
     acc.end_training()

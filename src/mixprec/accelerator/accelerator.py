@@ -347,8 +347,9 @@ class Accelerator(ProcessMethods, OutputMethods):
             return optimizer
         self._strategy.follow_replaced_parameters(optimizer)  # FSDP2: the sharded parameters
         converted = self._precision.convert_optimizer(optimizer)
-        stepper = BackwardStepper(converted, self._precision) if self.config.step_in_backward else None
-        prepared = PreparedOptimizer(converted, self._gradients, source=optimizer, stepper=stepper)
+        fence = self._checkpoints.fence  # an asynchronous save's copy of the weights: steps wait for it
+        stepper = BackwardStepper(converted, self._precision, fence) if self.config.step_in_backward else None
+        prepared = PreparedOptimizer(converted, self._gradients, source=optimizer, stepper=stepper, fence=fence)
         if self.watch is not None:
             self.watch.watch_optimizer(converted)
         self._registry.optimizers.append(prepared)
@@ -361,7 +362,8 @@ class Accelerator(ProcessMethods, OutputMethods):
             return scheduler
         target = getattr(scheduler, "optimizer", None)
         owners = [o for o in self._registry.optimizers if target in (o, o.optimizer, o.source)]
-        prepared = PreparedScheduler(scheduler, owners, self._gradients, **self._scheduler_rule)
+        rule = self._scheduler_rule
+        prepared = PreparedScheduler(scheduler, owners, self._gradients, fence=self._checkpoints.fence, **rule)
         self._registry.schedulers.append(prepared)
         return prepared
 

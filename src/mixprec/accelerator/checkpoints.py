@@ -35,6 +35,9 @@ class StateCheckpoints:
         self._save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._writer = BackgroundWriter()  # save_state(async_save=True): one save in flight at a time
+        self.fence = self._writer.fence
+        """Blocks while an asynchronous save still copies the live weights and moments (the prepared
+        optimizer's and scheduler's steps call it first)."""
 
     def register_save_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         handle = RemovableHandle(self._save_hooks)

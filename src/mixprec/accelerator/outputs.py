@@ -103,8 +103,10 @@ class OutputMethods:
         :mod:`mixprec.accelerator.state`); with no ``output_dir``, to the project's next automatic checkpoint
         (:mod:`mixprec.accelerator.project`). ``safe_serialization=False`` writes the weights with torch.save.
         ``extra_json={"name": obj}`` adds ``name.json`` to the folder. Collective: call it on every process.
-        ``async_save=True``: returns once the state is copied to host memory; a background thread writes and
-        commits the folder (it appears when complete; ``wait_for_checkpoint()`` waits for it)."""
+        ``async_save=True``: returns once the state's tensors are taken; a background thread copies them to host
+        memory (the next optimizer step waits for that copy, not for the write), then writes and commits the
+        folder (it appears when complete; ``wait_for_checkpoint()`` waits for it). Weights changed outside the
+        prepared optimizer's step before that step would reach the checkpoint."""
         return self._checkpoints.save(
             self._run_state(), output_dir, safe_serialization=safe_serialization, extra_json=extra_json,
             async_save=async_save,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import types
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
 
 PREPARED_FLAG = "_is_accelerate_prepared"
 """accelerate's marker on what ``prepare`` returned (True), which scripts and libraries written for it read."""
+
+
+def _no_fence() -> None:
+    """No asynchronous save to wait for (an optimizer or scheduler wrapped outside an Accelerator)."""
 
 
 class _Prepared:
@@ -178,6 +183,7 @@ class PreparedOptimizer(WrappedOptimizer):
         gradients: GradientState,
         source: torch.optim.Optimizer | None = None,
         stepper: BackwardStepper | None = None,
+        fence: Callable[[], None] = _no_fence,
     ) -> None:
         # Optimizer.__init__ is deliberately not called: this object holds no parameters of its own.
         self.__dict__["optimizer"] = optimizer
@@ -185,6 +191,8 @@ class PreparedOptimizer(WrappedOptimizer):
         self._gradients = gradients
         self.stepper = stepper  # step_in_backward: the hooks that already stepped each parameter
         self.step_was_skipped = False
+        # an asynchronous save may still be copying the weights and moments: the step waits for it first
+        self._fence = fence
 
     @property
     def _is_overflow(self) -> bool:
@@ -208,6 +216,7 @@ class PreparedOptimizer(WrappedOptimizer):
                 "loss, use one optimizer with several param_groups)"
             )
         kwargs = {} if closure is None else {"closure": closure}
+        self._fence()
         if self.stepper is not None:  # every parameter was updated during backward: record the step
             if closure is not None:
                 raise ValueError("optimizer.step(closure) with step_in_backward=True: the step ran in backward")
@@ -232,6 +241,7 @@ class PreparedOptimizer(WrappedOptimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._fence()
         self.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -278,14 +288,17 @@ class PreparedScheduler:
         *,
         with_optimizer: bool = True,
         per_step: int = 1,
+        fence: Callable[[], None] = _no_fence,
     ) -> None:
         self.scheduler = scheduler
         self._optimizers = optimizers
         self._gradients = gradients
         self.with_optimizer = with_optimizer
         self.per_step = per_step
+        self._fence = fence  # a learning rate held in a tensor is rewritten in place (an async save's copy)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        self._fence()
         if not self.with_optimizer:
             self.scheduler.step(*args, **kwargs)
             return

@@ -99,13 +99,16 @@ def save_state(
     the files it adds are part of the atomic folder and of its manifest (``register_save_state_pre_hook``).
 
     ``writer``: save asynchronously through it (:mod:`mixprec.checkpoint.background`). The main process then
-    copies the model and optimizer tensors into reused host buffers (:mod:`mixprec.checkpoint.staging`) and
-    captures the small states and the random generators (the stall: one copy of the state, plus three tiny
-    collectives), and the writer writes every file, the manifest and the commit while training goes on; the
-    folder appears, complete, when that is done. A lone process with no pre-hook and no partial gradients
-    leaves even the unfinished folder's creation to the writer (an error there is raised by the next save or
-    wait, like any write error). The previous asynchronous save is waited for first, and its failure raised
-    on every process. Not with sharded (DCP) state."""
+    captures the model and optimizer tensors (:mod:`mixprec.checkpoint.staging`), the small states and the
+    random generators (the stall: a walk of the state and the small copies, plus three tiny collectives), and
+    the writer copies the tensors into reused host buffers (the next optimizer step waits for that copy:
+    ``writer.fence``; a forward only reads them), then writes every file, the manifest and the commit while
+    training goes on; the folder appears, complete, when that is done. What a forward rewrites (the models'
+    buffers), tensors off the CPU, a strategy whose state tensors a forward may free (FSDP2) and a pre-hook (it
+    sees the copy) make the copy happen before save_state returns. A lone process with no pre-hook and no
+    partial gradients leaves even the unfinished folder's creation to the writer (an error there is raised by
+    the next save or wait, like any write error). The previous asynchronous save is waited for first, and its
+    failure raised on every process. Not with sharded (DCP) state."""
     target, reg, strategy = Path(output_dir), run.registry, run.strategy
     main = strategy.is_main_process
     for key in extra_json or {}:
@@ -124,8 +127,13 @@ def save_state(
     models = [] if sharded else [saved_part(m, strategy.model_state_dict(m)) for m in reg.models]
     optimizers = [] if sharded else [strategy.optimizer_state_dict(reg.owner(o), o.optimizer) for o in reg.optimizers]
     states = _const((models, optimizers))
+    staged = None
     if writer is not None:  # the live tensors change at the next step: the writer gets a copy of them
-        states = writer.staging.stage((models, optimizers))  # its previous job has finished
+        # (its previous job has finished); copied on the writer unless a hook must see the copy now
+        defer = pre_hook is None and strategy.state_held_until_step
+        now = _rewritten_by_forward(reg.models) if defer else set()
+        staged = writer.staging.capture((models, optimizers), defer=defer, now=now)
+        states = staged.states
         if pre_hook is not None:  # the hook sees (and may change) the very dicts the writer writes
             states = _const(states())
             models, optimizers = states()
@@ -174,7 +182,11 @@ def save_state(
     if writer is not None:  # every process's files are in: the main one's writer finishes and seals the folder
         if main:
             made = tag if deferred else None
-            writer.submit(lambda: _finish(tmp, target, made, states, small, safe_serialization))
+            # the copy first: until it is made, the next optimizer step waits (writer.fence)
+            assert staged is not None
+            take = _then(staged.copy, writer.release)
+            job = functools.partial(_finish, tmp, target, made, take, states, small, safe_serialization)
+            writer.submit(job, reads_live=True)
         return target
     error = None
     if main:
@@ -191,13 +203,16 @@ def _finish(
     tmp: Path,
     target: Path,
     tag: str | None,
+    take: Callable[[], None],
     states: Callable[[], tuple[list[Any], list[Any]]],
     small: list[Callable[[], Path]],
     safe: bool,
 ) -> None:
-    """The writer's part of an asynchronous save: the unfinished folder if ``tag`` says it is not made yet,
-    the main process's files, then the staged models and optimizers (``states()``), the manifest, the commit."""
+    """The writer's part of an asynchronous save: the host copy of the live tensors (``take``, which lets the
+    training step go on), the unfinished folder if ``tag`` says it is not made yet, the main process's files,
+    then the staged models and optimizers (``states()``), the manifest, the commit."""
     try:
+        take()
         if tag is not None:
             begin(target, tag=tag)
         for write in small:
@@ -354,6 +369,20 @@ def _apply(run: RunState, loaded: Loaded) -> None:
         raise
     for model, grads in zip(reg.models, loaded.gradients):
         _restore_gradients(model, grads or {})
+
+
+def _rewritten_by_forward(models: list[torch.nn.Module]) -> set[int]:
+    """The addresses of the models' buffers (a BatchNorm's running statistics, a DDP's broadcast buffers): a
+    forward writes them, so an asynchronous save copies them at the call. The parameters only change in steps."""
+    return {b.data_ptr() for model in models for b in model.buffers() if b.numel()}
+
+
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both
 
 
 def _owned(run: RunState) -> list[Owned]:

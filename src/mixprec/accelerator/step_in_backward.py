@@ -22,6 +22,7 @@ every gradient is, and nothing is applied).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,7 +58,9 @@ REFUSALS = {
 class BackwardStepper:
     """Hooks that step ``optimizer`` for each of its parameters when that parameter's gradient is ready."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, precision: Precision, fence: Callable[[], None] | None = None
+    ) -> None:
         from mixprec.precision.master_weights import MasterWeightsOptimizer
 
         if isinstance(optimizer, MasterWeightsOptimizer):  # its masters' gradients are copied after backward
@@ -67,6 +70,7 @@ class BackwardStepper:
             )
         self.optimizer = optimizer
         self.precision = precision
+        self.fence = fence  # an asynchronous save still copying the weights: the first update waits for it
         self._group_of: dict[int, dict[str, Any]] = {}
         self._handles: list[Any] = []
         self.install()
@@ -87,6 +91,8 @@ class BackwardStepper:
         self._group_of.clear()
 
     def _step(self, param: torch.Tensor) -> None:
+        if self.fence is not None:
+            self.fence()
         groups = self.optimizer.param_groups
         self.optimizer.param_groups = [{**self._group_of[id(param)], "params": [param]}]
         try:

@@ -12,6 +12,12 @@ It is not a daemon, and it is told to stop when the interpreter begins to exit, 
 interpreter that exits with a save in flight finishes it first, so a script's last save is never silently
 dropped. A failed write is kept and raised by the next :meth:`wait` (the next save, a load, ``end_training``),
 never lost.
+
+A job may read live tensors after :meth:`submit` returns (the save's host copy, made on the writer so that it
+overlaps the next forward and backward, which only read the weights and moments): it is submitted with
+``reads_live=True`` and calls :meth:`release` once it is done with them. Until then :meth:`fence` blocks; every
+call that changes those tensors through mixprec (the prepared optimizer's step, the step in backward, the LR
+scheduler's step) calls it first.
 """
 
 from __future__ import annotations
@@ -44,16 +50,27 @@ class BackgroundWriter:
         """Whether a job is still running (no wait)."""
         return self._worker.busy
 
-    def submit(self, job: Callable[[], object], name: str = "mixprec-save") -> None:
+    def submit(self, job: Callable[[], object], name: str = "mixprec-save", *, reads_live: bool = False) -> None:
         """Run ``job()`` in the background, once the previous job has finished. Raises the previous job's
         error instead (the new job is then not started). Costs the caller a lock and a notify, no thread start
         after the first job. During the interpreter's exit (a save from an ``atexit`` handler) the job runs in
-        the caller: no new thread can be joined then."""
+        the caller: no new thread can be joined then. ``reads_live``: :meth:`fence` blocks until the job calls
+        :meth:`release` (or ends, whichever comes first)."""
         error = self.wait()
         if error is not None:
             raise error
-        if not self._worker.put(job, name):
+        if not self._worker.put(job, name, reads_live):
             job()
+
+    def fence(self) -> None:
+        """Block until the job in flight no longer reads live tensors (see the module doc). No lock and no
+        wait when it does not (the usual case: one attribute read)."""
+        if self._worker.reading:
+            self._worker.wait_released()
+
+    def release(self) -> None:
+        """Called by the job: it no longer reads live tensors; whoever waits in :meth:`fence` goes on."""
+        self._worker.release()
 
     def wait(self) -> BaseException | None:
         """Block until the running job (if any) has finished; return its error (once), or None."""
@@ -69,13 +86,16 @@ class _Worker:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False  # the writer is gone or the interpreter is exiting: end after the job
+        # the job in flight still reads live tensors (set by the caller's own put(), so the caller never misses
+        # it; cleared under the lock, so a caller that saw it set waits on the condition)
+        self.reading = False
 
     @property
     def busy(self) -> bool:
         with self._cond:
             return self._job is not None
 
-    def put(self, job: Callable[[], object], name: str) -> bool:
+    def put(self, job: Callable[[], object], name: str, reads_live: bool = False) -> bool:
         """Hand ``job`` to the thread (started if need be); False when no thread can run it (exiting)."""
         with self._cond:
             if self._thread is None and not self._stopping:
@@ -83,8 +103,19 @@ class _Worker:
             if self._thread is None:
                 return False
             self._job = job
+            self.reading = reads_live
             self._cond.notify_all()
             return True
+
+    def wait_released(self) -> None:
+        with self._cond:
+            while self.reading:
+                self._cond.wait()
+
+    def release(self) -> None:
+        with self._cond:
+            self.reading = False
+            self._cond.notify_all()
 
     def wait(self) -> BaseException | None:
         with self._cond:
@@ -129,7 +160,7 @@ class _Worker:
                 error = err
             job = None  # what it wrote (small states, the copy's containers) is not kept while idle
             with self._cond:
-                self._job, self._error = None, error
+                self._job, self._error, self.reading = None, error, False
                 self._cond.notify_all()
 
 

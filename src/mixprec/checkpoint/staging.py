@@ -1,12 +1,20 @@
 """Host copies of a state for an asynchronous save, in buffers reused from one save to the next.
 
 ``save_state(async_save=True)`` returns while a thread writes the state; the live tensors change at the next
-step, so the writer gets a copy, and making it is the save's stall. :class:`HostStaging` keeps that copy to
-one pass over the leaves and one ``torch._foreach_copy_`` (issue 24): the first save plans it (which leaves
-are tensors, which tensors are one tensor under two names, a host buffer for each), later saves whose tensors
-have the same addresses, shapes, strides and dtypes copy into the same buffers, so a save after the first
-allocates (and page-faults) nothing. Anything else rebuilds the plan, never copies into a buffer that does not
-fit (``copy_`` would broadcast a smaller source into it). Buffers for CUDA tensors are pinned host memory.
+optimizer step, so the writer gets a copy. :class:`HostStaging` keeps that copy to one pass over the leaves and
+one ``torch._foreach_copy_`` (issue 24): the first save plans it (which leaves are tensors, which tensors are
+one tensor under two names, a host buffer for each), later saves whose tensors have the same addresses, shapes,
+strides and dtypes copy into the same buffers, so a save after the first allocates (and page-faults) nothing.
+Anything else rebuilds the plan, never copies into a buffer that does not fit (``copy_`` would broadcast a
+smaller source into it). Buffers for CUDA tensors are pinned host memory.
+
+The copy need not stall the caller (issue 24's second round): the next forward and backward only read the
+weights and the optimizer's moments, so a save may :meth:`HostStaging.capture` the tensors (the walk, no copy)
+and leave the plan and the copy to its writer thread, provided everything that changes those tensors waits
+for the copy first (:meth:`mixprec.checkpoint.background.BackgroundWriter.fence`). What a forward itself
+rewrites (a BatchNorm's running statistics: the caller names their addresses in ``now``) is cloned at the
+capture. Tensors off the CPU are copied at the capture, all of them, as before: a copy from a CUDA device on
+another thread would need a stream of its own, ordered after the step's kernels (not built yet).
 
 Non-tensor leaves (a learning rate, a step kept as a number) are not copied: they are taken as they are at the
 call, in new containers, as ``copy.deepcopy`` would keep immutable values.
@@ -14,18 +22,17 @@ call, in new containers, as ``copy.deepcopy`` would keep immutable values.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+from collections.abc import Set
 from typing import Any
 
 import torch
 
-from mixprec.tree import tree_flatten, tree_unflatten
+from mixprec.tree import TreeSpec, tree_flatten, tree_unflatten
 
 
 class HostStaging:
-    """The plan and the host buffers of the last :meth:`stage`. Not thread-safe: the caller stages only when
-    the previous copy is no longer read (its writer has finished)."""
+    """The plan and the host buffers of the last copy. Not thread-safe: the caller stages only when the
+    previous copy is no longer read (its writer has finished)."""
 
     def __init__(self) -> None:
         # the plan is a function of the tensors' keys alone (not of the containers around them): the i-th
@@ -34,14 +41,29 @@ class HostStaging:
         self._slot: list[int] = []  # per tensor leaf: its buffer (tied tensors share one)
         self._buffers: list[torch.Tensor] = []
 
-    def stage(self, states: Any) -> Callable[[], Any]:
-        """Copy every tensor of ``states`` now; returns what builds ``states`` with each tensor replaced by its
-        host copy (tied tensors stay one tensor; containers new, other leaves shared), to call later (on the
-        writer thread: rebuilding the containers is no part of the stall) and before the next :meth:`stage`.
-        Blocks until the copy is complete (a device-to-host copy synchronises with the device). Cost after the
-        first call: one tree walk, one tuple per tensor, one foreach copy."""
+    def capture(self, states: Any, *, defer: bool = True, now: Set[int] = frozenset()) -> Staged:
+        """The tensors of ``states``, to be copied by :meth:`Staged.copy` (on the writer thread, before anything
+        changes them in place and before the next capture). Tensors whose ``data_ptr()`` is in ``now`` are
+        cloned here; with ``defer=False``, or any tensor off the CPU, everything is copied here (blocking until
+        the copy is complete: a device-to-host copy synchronises with the device). Cost: one tree walk (plus
+        the copy where it is not deferred)."""
         leaves, spec = tree_flatten(states)
         tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        staged = Staged(self, leaves, spec, tensor_at)
+        if not defer or not all(leaves[i].is_cpu for i in tensor_at):
+            staged.copy()
+        elif now:
+            clones: dict[tuple[Any, ...], torch.Tensor] = {}  # a buffer under two names stays one tensor
+            for position, i in enumerate(tensor_at):
+                if leaves[i].numel() and leaves[i].data_ptr() in now:
+                    key = _key(leaves[i], position)
+                    if key not in clones:
+                        clones[key] = leaves[i].clone()  # preserve_format: a sync save's strides
+                    leaves[i] = clones[key]
+        return staged
+
+    def _copy(self, leaves: list[Any], tensor_at: list[int]) -> None:
+        """Replace each tensor leaf by its host buffer, filled with its values."""
         tensors = [leaves[i] for i in tensor_at]
         keys = [_key(t, i) for i, t in enumerate(tensors)]
         if keys != self._keys:
@@ -54,7 +76,6 @@ class HostStaging:
                 torch._foreach_copy_(self._buffers, sources)  # type: ignore[arg-type]
         for i, slot in zip(tensor_at, self._slot):
             leaves[i] = self._buffers[slot]
-        return functools.partial(tree_unflatten, leaves, spec)
 
     def _plan(self, tensors: list[torch.Tensor], keys: list[tuple[Any, ...]]) -> None:
         # buffers of the old plan are kept where one fits (same shape and dtype): a state that changed shape
@@ -74,6 +95,28 @@ class HostStaging:
                 buffers.append(fits.pop() if fits else torch.empty_like(tensor, device="cpu", pin_memory=pinned))
             slots.append(first[key])
         self._keys, self._slot, self._buffers = keys, slots, buffers
+
+
+class Staged:
+    """One save's captured state: :meth:`copy` makes the host copy (once), :meth:`states` returns the state
+    with each tensor replaced by its host copy (tied tensors stay one tensor; containers new, other leaves
+    shared). Both belong to the writer thread, before the next capture."""
+
+    def __init__(self, staging: HostStaging, leaves: list[Any], spec: TreeSpec, tensor_at: list[int]) -> None:
+        self._staging, self._leaves, self._spec, self._tensor_at = staging, leaves, spec, tensor_at
+        self._copied = False
+
+    def copy(self) -> None:
+        """Copy the tensors into the staging's buffers, if not done yet. Costs the plan's keys (one tuple per
+        tensor) and one foreach copy."""
+        if not self._copied:
+            self._staging._copy(self._leaves, self._tensor_at)
+            self._copied = True
+
+    def states(self) -> Any:
+        """The state with host copies (copied first if need be); rebuilding the containers is a tree walk."""
+        self.copy()
+        return tree_unflatten(self._leaves, self._spec)
 
 
 def _key(tensor: torch.Tensor, position: int) -> tuple[Any, ...]:

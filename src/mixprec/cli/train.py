@@ -226,7 +226,7 @@ def _training_arguments(args: argparse.Namespace, precision: Precision, output_d
         eval_strategy="epoch",
         save_strategy="epoch",
         save_total_limit=2,
-        async_save=True,  # a checkpoint stalls the step only for a host copy (benchmarks/README.md)
+        async_save=True,  # a checkpoint stalls the step only for a walk of the state (benchmarks/README.md)
         logging_steps=10,
         logging_first_step=True,
         seed=args.seed,

@@ -52,6 +52,8 @@ class FSDP2Strategy(ProcessGroupStrategy):
     """
 
     name = "fsdp"
+    # a forward all-gathers into, and frees, memory a full state dict of one process may share: copy at the call
+    state_held_until_step = False
 
     def __init__(
         self,

@@ -42,6 +42,10 @@ class DistributedStrategy:
     name: ClassVar[str] = "single"
     sharded_state: bool = False
     """Whether ``save_state`` writes models and optimizers as per-process shards (FSDP2 only; dcp_state.py)."""
+    state_held_until_step: ClassVar[bool] = True
+    """Whether the tensors of :meth:`model_state_dict` / :meth:`optimizer_state_dict` keep their values (and
+    their memory) through a forward and backward, so that an asynchronous save may copy them after it returns,
+    before the next optimizer step (the model's buffers apart: the save copies those at once)."""
 
     def __init__(self, env: LaunchEnv, device: torch.device) -> None:
         self.env = env

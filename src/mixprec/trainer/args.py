@@ -155,7 +155,8 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
     """Checkpoint folders kept (the oldest pruned first, the best one never); None keeps them all."""
     async_save: bool = False
     """Write checkpoints on a background thread while training goes on (HF has no such field): a save stalls
-    the step only for a host copy of the state (Accelerator.save_state(async_save=True)). ``on_save`` then
+    the step only for a walk of the state; its host copy overlaps the next forward and backward
+    (Accelerator.save_state(async_save=True)). ``on_save`` then
     fires before the folder is complete, and save_total_limit may be exceeded by one while a save is written."""
 
     # -- logging --------------------------------------------------------------------------------------
