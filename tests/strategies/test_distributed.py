@@ -207,6 +207,13 @@ def test_auto_races_once_and_every_rank_trains_in_the_main_ones_choice(ranks: li
     assert a["params"] == b["params"]  # the same mode and the same updates after the race
 
 
+def test_auto_races_as_the_training_steps_in_lockstep_under_ddp(ranks: list[dict]) -> None:
+    a, b = ranks[0]["auto-in-run"], ranks[1]["auto-in-run"]
+    assert a["source"] == "measured" and b["source"] == "main process"
+    assert a["chosen"] == b["chosen"] and a["race_steps"] == b["race_steps"] == a["steps"] > 0
+    assert a["params"] == b["params"]  # every step, the race's too, the same mode and update on every rank
+
+
 def test_auto_races_in_lockstep_under_fsdp(ranks: list[dict]) -> None:
     a, b = ranks[0]["auto-fsdp"], ranks[1]["auto-fsdp"]
     assert a["chosen"] == b["chosen"] and (a["source"], b["source"]) == ("measured", "main process")

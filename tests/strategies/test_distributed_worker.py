@@ -8,6 +8,7 @@ inference script would), and every Accelerator finds it initialised and uses it.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -251,6 +252,31 @@ def auto_run(distributed: str | None = None) -> dict:
     return {"chosen": accelerator.mixed_precision, "source": decision.source, "params": params.tolist()}
 
 
+def auto_in_run(max_steps: int = 60) -> dict:
+    """The race of "auto" as the training steps under DDP: every process runs each step in the same mode."""
+    os.environ["MIXPREC_AUTO_RACE"] = "in-run"
+    try:
+        accelerator = Accelerator(mixed_precision="auto", verbose=False)
+        model, optimizer, loader, scheduler = build(accelerator)
+        steps = 0
+        while accelerator.auto_decision is None and steps < max_steps:
+            for batch in loader:
+                accelerator.backward(model(batch["input_ids"], labels=batch["labels"]).loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                steps += 1
+                if accelerator.auto_decision is not None or steps >= max_steps:
+                    break
+    finally:
+        del os.environ["MIXPREC_AUTO_RACE"]
+    decision = accelerator.auto_decision
+    params = torch.cat([_local(p).detach().flatten().float() for p in model.parameters()])
+    return {
+        "chosen": accelerator.mixed_precision, "source": decision and decision.source, "steps": steps,
+        "race_steps": decision and decision.in_run_steps, "params": params.tolist(),
+    }  # fmt: skip
+
+
 def main() -> None:
     start = time.perf_counter()
     out = Path(sys.argv[1])
@@ -277,6 +303,7 @@ def main() -> None:
     # each would time it differently on a loaded machine: all take rank 0's measurement
     results["auto"] = auto_run()
     results["auto-fsdp"] = auto_run("fsdp")  # sharded: the trials' all-gathers must run in lockstep too
+    results["auto-in-run"] = auto_in_run()  # the race as the training steps: each step one mode for all
     for distributed in (None, "fsdp"):
         for precision in ("fp32", "fp16"):
             t0 = time.perf_counter()

@@ -205,7 +205,7 @@ class Accelerator(ProcessMethods, OutputMethods):
 
     @property
     def mixed_precision(self) -> str:
-        """The precision name: "fp32", "fp16" or "bf16"; "auto" only until its first training step."""
+        """The precision name: "fp32", "fp16" or "bf16"; "auto" only until its race decides."""
         return self._precision.name
 
     @property
@@ -215,7 +215,7 @@ class Accelerator(ProcessMethods, OutputMethods):
 
     @property
     def precision_racing(self) -> bool:
-        """True while "auto" races as the run's own first training steps (``settle_precision(in_run=...)``)."""
+        """True while "auto" races as the run's own first training steps (see ``settle_precision``)."""
         return self._precision.racing
 
     @property
@@ -243,17 +243,9 @@ class Accelerator(ProcessMethods, OutputMethods):
         run_steps: int | None = None,
         in_run: bool | None = None,
     ) -> AutoDecision | None:
-        """For precision="auto": race the candidate modes on ``loss_fn`` (the forward of one real training
-        step through a prepared model, returning its loss) and keep the fastest safe one, now. Nothing of
-        the race reaches training (gradients, buffers and RNG states are restored). The Trainer calls it
-        before its first step; a hand-written loop need not (its first training forward does it). A no-op
-        for a named precision, or once decided. Costs a few forward+backward passes, once per run: at most a
-        small share of it when ``run_steps`` (the run's length in forward+backward passes) is given.
-
-        A run of 100 optimizer steps or more (or ``in_run=True``) races as its own first steps instead of
-        aside (returns None while racing; ``precision_racing`` says so, ``auto_decision`` holds the verdict
-        once made): each is a real step of one candidate, and the race costs only their time over the chosen
-        mode's, at the price of bit-identity with a run that named it (``MIXPREC_AUTO_RACE=aside``)."""
+        """precision="auto": race the modes on ``loss_fn`` (a real step's forward, returning its loss; the Trainer
+        calls it, a hand-written loop's first training forward does) and keep the fastest safe one. ``run_steps``:
+        the run's passes, if known (a budget; from 100 steps it races as the steps: ``AutoPrecision.settle``)."""
         return self._precision.settle(
             loss_fn, self._registry.models, batch=batch, excluded=excluded, run_steps=run_steps, in_run=in_run,
             passes_per_step=self.gradient_accumulation_steps,

@@ -398,7 +398,7 @@ class AutoPrecision(Precision):
                 measured = "the run's first training steps (forward, backward and optimizer step, each in one mode)"
                 steps = decide_steps(names, in_run=True, measured=measured, **race)
                 self._finish = finish
-                self._in_run = InRunRace(steps, clock, self.device)
+                self._in_run = InRunRace(steps, clock, self.device, alone=alone)
                 return None
             finish(decide(names, run, clock=clock, **race))
         return self.decision

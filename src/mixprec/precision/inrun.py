@@ -10,7 +10,9 @@ optimizer step is done, and sends the outcome. The price: the first steps mix th
 no longer bit-identical to one that named the chosen mode (``MIXPREC_AUTO_RACE=aside`` races aside instead).
 
 A step cannot be stopped half-way, so a warm-up step over the race's time limit counts as stopped with no
-progress: a mode that many times slower than the safest is dropped after ``MAX_STALLS + 1`` such steps.
+progress: a mode that many times slower than the safest is dropped after ``MAX_STALLS + 1`` such steps (in
+one process: under several, each process's clock would judge differently, and the trials that follow must
+be the same for all, as aside, where their trials are never stopped either).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from mixprec.precision.trial import synchronize
 class InRunRace:
     """Drives a race's steps (race.py's :data:`~mixprec.precision.race.Steps`) one training step at a time."""
 
-    def __init__(self, steps: Steps, clock: Callable[[], float], device: torch.device) -> None:
+    def __init__(self, steps: Steps, clock: Callable[[], float], device: torch.device, alone: bool = True) -> None:
         self._steps = steps
+        self._alone = alone  # several processes: no step is judged by its own clock alone (they must agree)
         self._clock = clock
         self._device = device
         self._started: float | None = None
@@ -73,6 +76,6 @@ class InRunRace:
         self.steps += 1
         assert self._next is not None
         limit = self._next[1]
-        if limit is not None and elapsed > limit and not isinstance(outcome, Unfinished):
+        if self._alone and limit is not None and elapsed > limit and not isinstance(outcome, Unfinished):
             outcome = Unfinished(0)
         self._send((outcome, elapsed))
