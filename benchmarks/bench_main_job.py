@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -45,7 +46,7 @@ def run_once(precision: str, folder: Path, extra: list[str], threads: int | None
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-2000:]}")
     record = json.loads((folder / "run.json").read_text())
     summary = record["summary"]
-    return {
+    out = {
         "precision": precision,
         "chosen": summary.get("precision"),
         "tokens_per_s": summary["train_tokens_per_second"],
@@ -53,6 +54,14 @@ def run_once(precision: str, folder: Path, extra: list[str], threads: int | None
         "eval_loss": record["eval_loss"],
         "wall_s": round(wall, 2),
     }
+    decision = summary.get("auto_precision") or {}
+    if decision:  # what auto's race cost: the op timing's replays + the race (aside: its trials; in-run: the excess)
+        found = re.search(r"\(([\d.]+) s;", decision.get("op_timing", ""))
+        cost = (float(found.group(1)) if found else 0.0) + decision.get("cost_seconds", 0.0)
+        out["race_cost_s"] = round(cost, 2)
+        out["race_share"] = round(cost / summary["train_runtime"], 4) if summary.get("train_runtime") else None
+        out["race_steps"] = decision.get("in_run_steps", 0)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +100,16 @@ def main(argv: list[str] | None = None) -> int:
         tps = statistics.median(a["tokens_per_s"] for a in arm)
         print(f"| {name} | {', '.join(chosen)} | {tps:,.0f} | {ratio:.2f}x | {loss:.4f} |")
         verdict[name] = {"ratio": ratio, "eval_loss": loss, "loss_vs_base": loss / base_loss - 1, "chosen": chosen}
+    if "auto" in names:
+        costs = [row[names.index("auto")] for row in runs]
+        shares = [a["race_share"] for a in costs if a.get("race_share") is not None]
+        if shares:
+            spent = ", ".join(f"{a['race_cost_s']:.2f} s" for a in costs)
+            print(
+                f"\nauto's race (op timing + race): {spent}; share of "
+                f"the run's training time {min(shares):.1%}-{max(shares):.1%} (goal <= 3%); "
+                f"race steps {[a.get('race_steps') for a in costs]}"
+            )
     if "auto" in names and base == "fp32":
         auto = verdict["auto"]
         ok = auto["ratio"] >= GOAL_SPEEDUP and abs(auto["loss_vs_base"]) <= GOAL_LOSS
