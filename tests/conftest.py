@@ -79,6 +79,17 @@ def make_batches(n: int = 20, batch: int = 8, seed: int = 0) -> list[dict[str, t
 
 
 @pytest.fixture
+def one_thread():
+    """One torch thread for the test (``pytestmark = pytest.mark.usefixtures("one_thread")`` in a file): its
+    models are tiny, and on 2 shared cores a second intra-op thread only waits for a core (several times
+    slower, and less deterministic)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def tiny_lm() -> TinyLM:
     return make_tiny_lm()
 

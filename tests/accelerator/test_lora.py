@@ -17,12 +17,7 @@ VOCAB, SEQ = 64, 16
 CASES = [("fp16", torch.float16), ("bf16", torch.bfloat16)]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 def lora_gpt2(dtype: torch.dtype, adapters_in_fp32: bool = True) -> torch.nn.Module:

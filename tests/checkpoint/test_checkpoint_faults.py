@@ -24,13 +24,7 @@ from mixprec.checkpoint import CheckpointError, begin, load_json, load_torch, sa
 from resumable_loop import run, setup
 from trainer_utils import assert_bit_identical, flat_params, make_examples, make_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 def _args(out: Path, **kwargs) -> TrainingArguments:

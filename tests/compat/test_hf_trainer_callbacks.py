@@ -47,12 +47,7 @@ else:
     )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 # -- a regression task: y = 2x + 3 + noise, model y = a x + b ---------------------------------------------------

@@ -25,12 +25,7 @@ else:
 STATE_FILE, WEIGHTS = "trainer_state.json", "model.safetensors"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 class RegressionDataset(torch.utils.data.Dataset):

@@ -23,12 +23,7 @@ else:
     from mixprec import Trainer, TrainingArguments
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 class RegressionDataset(torch.utils.data.Dataset):

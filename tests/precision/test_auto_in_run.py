@@ -21,13 +21,7 @@ from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
 from planted_precisions import SleepyFp32
 from trainer_utils import make_examples, make_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 def _candidates(monkeypatch: pytest.MonkeyPatch, *classes: type) -> None:

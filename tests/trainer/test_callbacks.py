@@ -6,19 +6,12 @@ import json
 from collections import Counter
 
 import pytest
-import torch
 
 from mixprec import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from mixprec.trainer.callbacks import EVENTS, CallbackHandler, DefaultFlowCallback
 from trainer_utils import make_examples, make_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 def _args(tmp_path, **kwargs) -> TrainingArguments:

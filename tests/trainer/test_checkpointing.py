@@ -30,12 +30,7 @@ from trainer_utils import assert_bit_identical, flat_params, make_examples, make
 SCRIPT = Path(__file__).with_name("trainer_kill_script.py")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 # -- the subprocess kills ------------------------------------------------------------------------------

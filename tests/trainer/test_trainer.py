@@ -17,14 +17,7 @@ from mixprec import ConsecutiveSkipsError, Trainer, TrainerCallback, TrainingArg
 from mixprec.trainer.checkpointing import is_complete, list_checkpoints
 from trainer_utils import SEQ, VOCAB, accuracy, make_examples, make_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # 2 shared cores: one thread is several times faster than two fighting over them (and deterministic)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 def quiet_args(tmp_path, **kwargs) -> TrainingArguments:

@@ -17,13 +17,7 @@ from mixprec.trainer.checkpointing import list_checkpoints
 from mixprec.trainer.data import ShardedStream
 from trainer_utils import SEQ, VOCAB, flat_params, make_examples, make_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 def quiet_args(tmp_path, **kwargs) -> TrainingArguments:

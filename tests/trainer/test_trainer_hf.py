@@ -14,12 +14,7 @@ from mixprec import Trainer, TrainingArguments  # noqa: E402
 VOCAB, SEQ = 64, 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 def tiny_gpt2() -> torch.nn.Module:
