@@ -156,3 +156,15 @@ def test_a_checkpoint_saved_while_the_race_runs_resumes_and_races_again(monkeypa
         optimizer.step()
         optimizer.zero_grad()
     assert again.auto_decision.chosen == "bf16" and again.auto_decision.in_run_steps > 0
+
+
+def test_the_cost_of_a_race_run_as_the_steps_is_their_time_over_the_winners():
+    from mixprec.precision.race import Spent
+
+    spent = Spent()
+    for name, seconds in [("fp32", 5.0), ("bf16", 0.5), ("fp32", 1.0), ("bf16", 0.5)]:  # the run's first step: 5 s
+        spent.add(seconds, name)
+    medians = {"fp32": 1.0, "bf16": 0.5}
+    # the first step's one-time costs (optimizer state, allocations) are every run's: it counts at fp32's median
+    assert spent.cost(0.5, True, medians) == pytest.approx(2 * (1.0 - 0.5))
+    assert spent.cost(0.5, False) == pytest.approx(7.0)  # aside from training, every trial is extra

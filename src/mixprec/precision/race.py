@@ -106,18 +106,28 @@ def drive(steps: Steps, run: Run, clock: Clock) -> Any:
 
 @dataclass
 class Spent:
-    """What a race's trials have cost so far: their clock time and how many ran."""
+    """What a race's trials have cost so far: their clock time and how many ran, and the first one's mode."""
 
     seconds: float = 0.0
     trials: int = 0
+    first: tuple[str, float] | None = None
 
-    def add(self, seconds: float) -> None:
+    def add(self, seconds: float, name: str = "") -> None:
         self.seconds += seconds
         self.trials += 1
+        if self.first is None:
+            self.first = (name, seconds)
 
-    def cost(self, fastest: float, in_run: bool) -> float:
-        """Aside from training every trial is extra; as training steps only the time over the fastest mode's."""
-        return self.seconds - (self.trials * fastest if in_run else 0.0)
+    def cost(self, fastest: float, in_run: bool, medians: Mapping[str, float] | None = None) -> float:
+        """Aside from training every trial is extra; as training steps only the time over the fastest mode's,
+        the run's first step counted at its mode's median (``medians``): its one-time costs (the optimizer's
+        state, the allocator's first blocks) are every run's, raced or not."""
+        if not in_run:
+            return self.seconds
+        seconds = self.seconds
+        if self.first is not None and medians and self.first[0] in medians:
+            seconds += medians[self.first[0]] - self.first[1]
+        return seconds - self.trials * fastest
 
 
 def race_steps(
@@ -165,7 +175,7 @@ def race_steps(
         for name in racing[r % len(racing) :] + racing[: r % len(racing)]:
             _, elapsed = yield (name, None)
             samples[name].append(elapsed)
-            spent.add(elapsed)
+            spent.add(elapsed, name)
         if len(racing) < 2:
             break
         if r + 1 < EARLY_ROUNDS:
@@ -182,7 +192,9 @@ def race_steps(
             keep = keep[1:]
         racing = same(keep)
         fastest = min(statistics.median(samples[c]) for c in racing)
-        over_budget = run_steps is not None and spent.cost(fastest, in_run) > BUDGET_SHARE * run_steps * fastest
+        medians = {c: statistics.median(samples[c]) for c in samples if samples[c]}
+        cost = spent.cost(fastest, in_run, medians)
+        over_budget = run_steps is not None and cost > BUDGET_SHARE * run_steps * fastest
         over_budget = over_budget and r + 1 >= MIN_ROUNDS  # a tie is called on MIN_ROUNDS pairs at least
         settled = all(verdict(samples[c], samples[s]) != UNDECIDED for i, c in enumerate(racing) for s in racing[:i])
         if same(["stop"] if settled or over_budget or len(racing) < 2 else []):
@@ -224,7 +236,7 @@ def warm_up_steps(
     while len(times) < MAX_WARMUP:
         outcome, elapsed = yield (name, limit)
         if spent is not None:
-            spent.add(elapsed)
+            spent.add(elapsed, name)
         if isinstance(outcome, Unfinished):
             stopped += 1
             if outcome.progress >= furthest + max(1, furthest * PROGRESS_STEP):
@@ -388,7 +400,7 @@ def decide_steps(
             low, _, high = speedup_interval(ts, samples[reference])
             if 0 < low and high < math.inf:
                 intervals[name] = [round(low, 4), round(high, 4)]
-    cost = spent.cost(medians.get(chosen, 0.0), True) if in_run else time.perf_counter() - start
+    cost = spent.cost(medians.get(chosen, 0.0), True, medians) if in_run else time.perf_counter() - start
     return AutoDecision(
         chosen=chosen,
         step_seconds=medians,
