@@ -48,7 +48,7 @@ def _loop(accelerator: Accelerator, model: torch.nn.Module, steps: int) -> dict[
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     batch = make_batches(1)[0]
-    racing, moved = [], []
+    racing, moved, modes = [], [], []
     for _ in range(steps):
         before = [p.detach().clone() for p in model.parameters()]
         accelerator.backward(model(batch["input_ids"], labels=batch["labels"])["loss"])
@@ -56,23 +56,23 @@ def _loop(accelerator: Accelerator, model: torch.nn.Module, steps: int) -> dict[
         optimizer.zero_grad()
         moved.append(any(not torch.equal(a, p) for a, p in zip(before, model.parameters())))
         racing.append(accelerator.precision_racing)
-    return {"racing": racing, "moved": moved, "optimizer": optimizer, "model": model}
+        modes.append(model.modes[-1] if isinstance(model, ModeSpy) else None)  # the step's own forward's mode
+    return {"racing": racing, "moved": moved, "optimizer": optimizer, "model": model, "modes": modes}
 
 
 def test_the_race_steps_are_real_steps_of_each_candidate_and_the_winner_runs_after(monkeypatch):
     monkeypatch.setenv("MIXPREC_AUTO_RACE", "in-run")
     _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)  # fp32's forward burns 30 ms: bf16 wins
     accelerator = Accelerator(mixed_precision="auto", verbose=False)
-    spy = ModeSpy()
-    out = _loop(accelerator, spy, steps=24)
+    out = _loop(accelerator, ModeSpy(), steps=24)
     decision = accelerator.auto_decision
     k = decision.in_run_steps
     assert decision.chosen == "bf16" and accelerator.mixed_precision == "bf16"
     # the race ran as steps 1..k: racing until the optimizer step of step k, decided from then on
     assert 0 < k < 24 and out["racing"] == [True] * (k - 1) + [False] * (24 - k + 1)
-    raced = spy.modes[:k]
+    raced = out["modes"][:k]
     assert raced.count(None) >= 2 and raced.count(torch.bfloat16) >= 2  # both candidates took real steps
-    assert spy.modes[k:] == [torch.bfloat16] * (24 - k)  # then only the winner
+    assert out["modes"][k:] == [torch.bfloat16] * (24 - k)  # then only the winner
     # every step, the race's too, updated the weights and counts as an optimizer step
     assert all(out["moved"]) and not out["optimizer"].step_was_skipped
     assert all(int(s["step"]) == 24 for s in out["optimizer"].optimizer.state.values())
@@ -168,3 +168,20 @@ def test_the_cost_of_a_race_run_as_the_steps_is_their_time_over_the_winners():
     # the first step's one-time costs (optimizer state, allocations) are every run's: it counts at fp32's median
     assert spent.cost(0.5, True, medians) == pytest.approx(2 * (1.0 - 0.5))
     assert spent.cost(0.5, False) == pytest.approx(7.0)  # aside from training, every trial is extra
+
+
+def test_after_the_op_timing_the_runs_first_step_is_the_least_safe_modes_and_fp32_takes_no_extra_step(
+    monkeypatch,
+):
+    # The per-op replays ran every kernel on these shapes: no warm-up step per mode, one untimed step in the
+    # least safe mode (the run's first, with its one-time costs), then paired rounds. fp32, the slow one here,
+    # runs once per round and never more (its warm-up step was a third of GPT-2's race).
+    monkeypatch.setenv("MIXPREC_AUTO_RACE", "in-run")
+    monkeypatch.setenv("MIXPREC_AUTO_OP_POLICY", "1")
+    _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+    accelerator = Accelerator(mixed_precision="auto", verbose=False)
+    out = _loop(accelerator, ModeSpy(), steps=70)  # a measured policy may tie with bf16: rounds to the cap
+    decision = accelerator.auto_decision
+    assert decision.chosen.startswith("bf16") and decision.op_timing
+    raced = out["modes"][: decision.in_run_steps]
+    assert raced[0] == torch.bfloat16 and 0 < raced.count(None) <= decision.rounds

@@ -47,25 +47,28 @@ from datetime import datetime, timezone
 from typing import Any
 
 from mixprec.precision.decision import ABORT_RATIO, AutoDecision
+from mixprec.precision.paired import (  # noqa: F401  (the verdicts' names, also read as race.X)
+    EARLY_ROUNDS,
+    MARGIN,
+    NOT_FASTER,
+    UNDECIDED,
+    WINS,
+    choose,
+    choose_paired,
+    speedup_interval,
+    verdict,
+)
 
-MARGIN = 0.05  # a lower precision must be at least 5% faster than every safer one
 SETTLED = 0.9  # warmed up: a trial no more than 10% faster than the one before it
 MAX_WARMUP = 5  # whole untimed trials per candidate at most
 MAX_STOPPED = 20  # warm-up trials stopped at their deadline, per candidate, at most
 MAX_STALLS = 2  # stopped trials in a row that got no further: the candidate is this slow, dropped
 PROGRESS_STEP = 0.1  # a stopped trial is still setting up if it got 10% further (one checkpoint at least)
 MIN_ROUNDS = 6  # paired rounds before a tie is called: the sign test's 95% interval needs 6 pairs
-# A gap this clear needs fewer: from EARLY_ROUNDS pairs, a 99% t-interval of the log time ratios may already
-# decide (a burst widens it, so noise delays a verdict rather than making one). What it saves matters most in a
-# race run as the training steps, where every round costs the gap itself (issue 23: GPT-2 124M on a CPU, fp32's
-# steps 1.5 s slower than bf16's).
-EARLY_ROUNDS = 3
-_T99 = {2: 9.925, 3: 5.841, 4: 4.604}  # Student's t, two-sided 99%, by degrees of freedom
 MAX_ROUNDS = 20
 ROUNDS = MAX_ROUNDS
 BUDGET_SHARE = 0.03  # the timed rounds stop once the race has cost this share of the run (issue 28: <= 3%)
 
-WINS, NOT_FASTER, UNDECIDED = "wins", "not faster", "undecided"
 
 Agree = Callable[[list[str]], list[str]]
 Clock = Callable[[], float]
@@ -139,6 +142,7 @@ def race_steps(
     run_steps: int | None = None,
     in_run: bool = False,
     spent: Spent | None = None,
+    warmed: bool = False,
 ) -> Generator[Trial, Outcome, tuple[dict[str, list[float]], dict[str, str], dict[str, int]]]:
     """The race as steps (see :data:`Steps`); returns each mode's timed samples (one per round, paired by
     index), the excluded modes with why, and the dropped ones (mode -> timed rounds it ran).
@@ -148,6 +152,10 @@ def race_steps(
     trial's time aside from training, only the time over the fastest mode's when the trials are the run's own
     steps (``in_run``). ``agree`` (several processes) returns the main process's list for all. Once every
     other mode racing wins against the safest one, the safest stops running (its samples stand).
+
+    ``warmed`` (in-run, after the per-op replays ran every kernel on these shapes): no warm-up per mode, but one
+    untimed step in the least safe mode, which takes the run's first-step costs; each other mode's first timed
+    step tells whether it is finite. (The safest mode's extra warm-up step was a third of GPT-2's race.)
     """
     same: Agree = agree or (lambda names: names)
     spent = spent if spent is not None else Spent()
@@ -157,7 +165,16 @@ def race_steps(
     dropped: dict[str, int] = {}
     limit: float | None = None  # a candidate's trial may take this long: ABORT_RATIO x the safest's settled trial
     finite: dict[str, bool] = {}
-    for name in racing:
+    for name in racing[-1:] if warmed and in_run and len(racing) > 1 else []:
+        outcome, elapsed = yield (name, None)
+        spent.add(elapsed, name)
+        for _ in range(MAX_STOPPED):  # an fp16 scale backing off: that step does not count
+            if not isinstance(outcome, Unfinished):
+                break
+            outcome, elapsed = yield (name, None)
+            spent.add(elapsed, name)
+        finite[name] = outcome is True
+    for name in racing if not finite else []:
         warm = yield from warm_up_steps(name, limit, same, spent, once=in_run)
         if warm is None:
             dropped[name] = 0
@@ -166,16 +183,24 @@ def race_steps(
         if limit is None:  # the safest mode: no deadline for it, and its settled trial sets the others'
             limit = settled_time * ABORT_RATIO
     reference = racing[0] if racing else None  # the safest mode: its trial tells a broken step from overflow
-    if reference is not None and finite.get(reference):
-        for name in racing[1:]:
-            if finite.get(name) is False:
-                out[name] = f"its trial's loss or gradients were inf/NaN while {reference}'s were finite"
-    racing = same([c for c in racing if c not in out and c not in dropped])
+
+    def exclude_nonfinite() -> list[str]:
+        if reference is not None and finite.get(reference):
+            for name in racing[1:]:
+                if finite.get(name) is False:
+                    out[name] = f"its trial's loss or gradients were inf/NaN while {reference}'s were finite"
+                    samples[name] = []
+        return same([c for c in racing if c not in out and c not in dropped])
+
+    racing = exclude_nonfinite()
     for r in range(rounds):
         for name in racing[r % len(racing) :] + racing[: r % len(racing)]:
-            _, elapsed = yield (name, None)
+            outcome, elapsed = yield (name, None)
             samples[name].append(elapsed)
             spent.add(elapsed, name)
+            finite.setdefault(name, outcome is not False)  # warmed: the first timed step tells
+        if r == 0:
+            racing = exclude_nonfinite()
         if len(racing) < 2:
             break
         if r + 1 < EARLY_ROUNDS:
@@ -291,82 +316,6 @@ def recheck(decision: AutoDecision, run: Run, clock: Clock, clock_name: str) -> 
     return drive(recheck_steps(decision, clock_name), run, clock)
 
 
-def _sign_rank(n: int) -> int:
-    """The rank k (1-based) such that the k-th smallest and k-th largest of n samples bound their median with
-    at least 95% confidence (the sign test's interval: distribution-free); 0 when n is too small (< 6)."""
-    k, below = 0, 0.0
-    for j in range(n + 1):
-        below += math.comb(n, j) / 2**n
-        if below > 0.025:
-            break
-        k = j + 1
-    return k
-
-
-def speedup_interval(mode: Sequence[float], safer: Sequence[float]) -> tuple[float, float, float]:
-    """``safer``'s time over ``mode``'s from paired samples (round i of each): the median ratio and a 95%
-    interval of it (low, median, high); above 1 means ``mode`` is faster. The interval is the sign test's
-    (order statistics of the ratios), not a mean's: a neighbour's burst is an outlier that only ever adds
-    time, not Gaussian noise, and a few of them must not move the verdict. With 3-5 pairs, a 99% t-interval of
-    the log ratios (bursts widen it); (0, median, inf) below 3."""
-    n = min(len(mode), len(safer))
-    ratios = sorted(s / m for m, s in zip(mode[:n], safer[:n]) if m > 0 and s > 0)
-    if not ratios:
-        return (0.0, 1.0, math.inf)
-    k = _sign_rank(len(ratios))
-    if k == 0 and len(ratios) - 1 in _T99:  # EARLY_ROUNDS..5 pairs: the t-interval of the log ratios
-        logs = [math.log(r) for r in ratios]
-        half = _T99[len(logs) - 1] * statistics.stdev(logs) / math.sqrt(len(logs))
-        mean = statistics.fmean(logs)
-        return (math.exp(mean - half), statistics.median(ratios), math.exp(mean + half))
-    if k == 0:
-        return (0.0, statistics.median(ratios), math.inf)
-    return (ratios[k - 1], statistics.median(ratios), ratios[-k])
-
-
-def verdict(mode: Sequence[float], safer: Sequence[float]) -> str:
-    """Whether ``mode`` is faster than ``safer`` by ``MARGIN`` on their paired samples: ``WINS`` when the
-    whole 95% interval of the time ratio is below ``1 - MARGIN``, ``NOT_FASTER`` when it is whole above it
-    (within the margin or slower: a tie, which goes to the safer mode), ``UNDECIDED`` otherwise."""
-    low, _, high = speedup_interval(mode, safer)  # speedups: a time ratio of 1/speedup
-    bar = 1 / (1 - MARGIN)
-    if low > bar:
-        return WINS
-    if high < bar:
-        return NOT_FASTER
-    return UNDECIDED
-
-
-def choose_paired(order: Sequence[str], samples: dict[str, list[float]], dropped: Mapping[str, int]) -> str:
-    """The least safe mode that wins (:func:`verdict`) against every safer mode still racing at the end;
-    the safest mode if none does. ``order`` is safest first; dropped modes lost to the safest already. A
-    pair still undecided when the rounds ran out is a tie, the safer mode's. (Settling it by the best times
-    instead was tried: with bf16 1.05-1.17x faster on a busy box, the flip point sat inside that range and
-    10 fresh races split 5/5; undecided-to-the-safer split 8/2 and 10/0: benchmarks/README.md.)"""
-    timed = [name for name in order if samples.get(name) and name not in dropped]
-    if not timed:
-        return order[0]
-    best = timed[0]
-    for i, name in enumerate(timed[1:], start=1):
-        if all(verdict(samples[name], samples[s]) == WINS for s in timed[:i]):
-            best = name
-    return best
-
-
-def choose(order: Sequence[str], medians: dict[str, float], minima: dict[str, float]) -> str:
-    """For unpaired measurements (the probe's stand-in workload): the safest mode, unless a less safe one
-    beats the current pick by ``MARGIN`` on the median time and its best time is lower too (noise only ever
-    adds time). The race itself decides on paired samples (:func:`choose_paired`)."""
-    timed = [name for name in order if name in medians]
-    if not timed:
-        return order[0]
-    best = timed[0]
-    for name in timed[1:]:
-        if medians[name] < medians[best] * (1 - MARGIN) and minima[name] < minima[best]:
-            best = name
-    return best
-
-
 def decide_steps(
     candidates: Sequence[str],
     *,
@@ -379,14 +328,16 @@ def decide_steps(
     measured: str | None = None,
     run_steps: int | None = None,
     in_run: bool = False,
+    warmed: bool = False,
 ) -> Generator[Trial, Outcome, AutoDecision]:
     """The race as steps (:func:`race_steps`), returning the decision, its table and its cost: the wall
     seconds it took aside from training; the race clock's seconds over the chosen mode's when ``in_run``."""
     start = time.perf_counter()
     spent = Spent()
     samples, out, dropped = yield from race_steps(
-        candidates, rounds=rounds, agree=agree, excluded=excluded, run_steps=run_steps, in_run=in_run, spent=spent
-    )
+        candidates, rounds=rounds, agree=agree, excluded=excluded, run_steps=run_steps, in_run=in_run, spent=spent,
+        warmed=warmed,
+    )  # fmt: skip
     ran = max((len(ts) for ts in samples.values()), default=0)
     medians = {name: statistics.median(ts) for name, ts in samples.items()}
     minima = {name: min(ts) for name, ts in samples.items()}
