@@ -168,20 +168,3 @@ def test_the_cost_of_a_race_run_as_the_steps_is_their_time_over_the_winners():
     # the first step's one-time costs (optimizer state, allocations) are every run's: it counts at fp32's median
     assert spent.cost(0.5, True, medians) == pytest.approx(2 * (1.0 - 0.5))
     assert spent.cost(0.5, False) == pytest.approx(7.0)  # aside from training, every trial is extra
-
-
-def test_after_the_op_timing_the_runs_first_step_is_the_least_safe_modes_and_fp32_takes_no_extra_step(
-    monkeypatch,
-):
-    # The per-op replays ran every kernel on these shapes: no warm-up step per mode, one untimed step in the
-    # least safe mode (the run's first, with its one-time costs), then paired rounds. fp32, the slow one here,
-    # runs once per round and never more (its warm-up step was a third of GPT-2's race).
-    monkeypatch.setenv("MIXPREC_AUTO_RACE", "in-run")
-    monkeypatch.setenv("MIXPREC_AUTO_OP_POLICY", "1")
-    _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
-    accelerator = Accelerator(mixed_precision="auto", verbose=False)
-    out = _loop(accelerator, ModeSpy(), steps=70)  # a measured policy may tie with bf16: rounds to the cap
-    decision = accelerator.auto_decision
-    assert decision.chosen.startswith("bf16") and decision.op_timing
-    raced = out["modes"][: decision.in_run_steps]
-    assert raced[0] == torch.bfloat16 and 0 < raced.count(None) <= decision.rounds

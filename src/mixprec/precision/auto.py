@@ -396,7 +396,7 @@ class AutoPrecision(Precision):
 
             if in_run:
                 measured = "the run's first training steps (forward, backward and optimizer step, each in one mode)"
-                steps = decide_steps(names, in_run=True, warmed=bool(op_report), measured=measured, **race)
+                steps = decide_steps(names, in_run=True, measured=measured, **race)
                 self._finish = finish
                 self._in_run = InRunRace(steps, clock, self.device, alone=alone)
                 return None

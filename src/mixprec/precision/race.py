@@ -142,7 +142,6 @@ def race_steps(
     run_steps: int | None = None,
     in_run: bool = False,
     spent: Spent | None = None,
-    warmed: bool = False,
 ) -> Generator[Trial, Outcome, tuple[dict[str, list[float]], dict[str, str], dict[str, int]]]:
     """The race as steps (see :data:`Steps`); returns each mode's timed samples (one per round, paired by
     index), the excluded modes with why, and the dropped ones (mode -> timed rounds it ran).
@@ -152,10 +151,6 @@ def race_steps(
     trial's time aside from training, only the time over the fastest mode's when the trials are the run's own
     steps (``in_run``). ``agree`` (several processes) returns the main process's list for all. Once every
     other mode racing wins against the safest one, the safest stops running (its samples stand).
-
-    ``warmed`` (in-run, after the per-op replays ran every kernel on these shapes): no warm-up per mode, but one
-    untimed step in the least safe mode, which takes the run's first-step costs; each other mode's first timed
-    step tells whether it is finite. (The safest mode's extra warm-up step was a third of GPT-2's race.)
     """
     same: Agree = agree or (lambda names: names)
     spent = spent if spent is not None else Spent()
@@ -165,16 +160,7 @@ def race_steps(
     dropped: dict[str, int] = {}
     limit: float | None = None  # a candidate's trial may take this long: ABORT_RATIO x the safest's settled trial
     finite: dict[str, bool] = {}
-    for name in racing[-1:] if warmed and in_run and len(racing) > 1 else []:
-        outcome, elapsed = yield (name, None)
-        spent.add(elapsed, name)
-        for _ in range(MAX_STOPPED):  # an fp16 scale backing off: that step does not count
-            if not isinstance(outcome, Unfinished):
-                break
-            outcome, elapsed = yield (name, None)
-            spent.add(elapsed, name)
-        finite[name] = outcome is True
-    for name in racing if not finite else []:
+    for name in racing:
         warm = yield from warm_up_steps(name, limit, same, spent, once=in_run)
         if warm is None:
             dropped[name] = 0
@@ -184,23 +170,16 @@ def race_steps(
             limit = settled_time * ABORT_RATIO
     reference = racing[0] if racing else None  # the safest mode: its trial tells a broken step from overflow
 
-    def exclude_nonfinite() -> list[str]:
-        if reference is not None and finite.get(reference):
-            for name in racing[1:]:
-                if finite.get(name) is False:
-                    out[name] = f"its trial's loss or gradients were inf/NaN while {reference}'s were finite"
-                    samples[name] = []
-        return same([c for c in racing if c not in out and c not in dropped])
-
-    racing = exclude_nonfinite()
+    if reference is not None and finite.get(reference):
+        for name in racing[1:]:
+            if finite.get(name) is False:
+                out[name] = f"its trial's loss or gradients were inf/NaN while {reference}'s were finite"
+    racing = same([c for c in racing if c not in out and c not in dropped])
     for r in range(rounds):
         for name in racing[r % len(racing) :] + racing[: r % len(racing)]:
-            outcome, elapsed = yield (name, None)
+            _, elapsed = yield (name, None)
             samples[name].append(elapsed)
             spent.add(elapsed, name)
-            finite.setdefault(name, outcome is not False)  # warmed: the first timed step tells
-        if r == 0:
-            racing = exclude_nonfinite()
         if len(racing) < 2:
             break
         if r + 1 < EARLY_ROUNDS:
@@ -328,16 +307,14 @@ def decide_steps(
     measured: str | None = None,
     run_steps: int | None = None,
     in_run: bool = False,
-    warmed: bool = False,
 ) -> Generator[Trial, Outcome, AutoDecision]:
     """The race as steps (:func:`race_steps`), returning the decision, its table and its cost: the wall
     seconds it took aside from training; the race clock's seconds over the chosen mode's when ``in_run``."""
     start = time.perf_counter()
     spent = Spent()
     samples, out, dropped = yield from race_steps(
-        candidates, rounds=rounds, agree=agree, excluded=excluded, run_steps=run_steps, in_run=in_run, spent=spent,
-        warmed=warmed,
-    )  # fmt: skip
+        candidates, rounds=rounds, agree=agree, excluded=excluded, run_steps=run_steps, in_run=in_run, spent=spent
+    )
     ran = max((len(ts) for ts in samples.values()), default=0)
     medians = {name: statistics.median(ts) for name, ts in samples.items()}
     minima = {name: min(ts) for name, ts in samples.items()}
