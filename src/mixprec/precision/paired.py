@@ -3,7 +3,7 @@ what confidence, and which mode that makes the choice.
 
 Samples are paired by round (round i of each mode ran back to back), so a neighbour's burst slows one pair,
 not one mode's whole median. From 6 pairs the interval is the sign test's (order statistics: bursts are
-outliers that only add time, not Gaussian noise); from ``EARLY_ROUNDS`` to 5 pairs, a 99% t-interval of the
+outliers that only add time, not Gaussian noise); from ``EARLY_ROUNDS`` to 5 pairs, a 95% t-interval of the
 log ratios, which only a clear and steady gap clears (a burst widens it).
 """
 
@@ -14,12 +14,12 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 MARGIN = 0.05  # a lower precision must be at least 5% faster than every safer one
-# A gap this clear needs fewer: from EARLY_ROUNDS pairs, a 99% t-interval of the log time ratios may already
+# A gap this clear needs fewer: from EARLY_ROUNDS pairs, a 95% t-interval of the log time ratios may already
 # decide (a burst widens it, so noise delays a verdict rather than making one). What it saves matters most in a
 # race run as the training steps, where every round costs the gap itself (issue 23: GPT-2 124M on a CPU, fp32's
 # steps 1.5 s slower than bf16's).
 EARLY_ROUNDS = 3
-_T99 = {2: 9.925, 3: 5.841, 4: 4.604}  # Student's t, two-sided 99%, by degrees of freedom
+_T95 = {2: 4.303, 3: 3.182, 4: 2.776}  # Student's t, two-sided 95% (the sign test's level), by degrees of freedom
 WINS, NOT_FASTER, UNDECIDED = "wins", "not faster", "undecided"
 
 
@@ -39,16 +39,16 @@ def speedup_interval(mode: Sequence[float], safer: Sequence[float]) -> tuple[flo
     """``safer``'s time over ``mode``'s from paired samples (round i of each): the median ratio and a 95%
     interval of it (low, median, high); above 1 means ``mode`` is faster. The interval is the sign test's
     (order statistics of the ratios), not a mean's: a neighbour's burst is an outlier that only ever adds
-    time, not Gaussian noise, and a few of them must not move the verdict. With 3-5 pairs, a 99% t-interval of
+    time, not Gaussian noise, and a few of them must not move the verdict. With 3-5 pairs, a 95% t-interval of
     the log ratios (bursts widen it); (0, median, inf) below 3."""
     n = min(len(mode), len(safer))
     ratios = sorted(s / m for m, s in zip(mode[:n], safer[:n]) if m > 0 and s > 0)
     if not ratios:
         return (0.0, 1.0, math.inf)
     k = _sign_rank(len(ratios))
-    if k == 0 and len(ratios) - 1 in _T99:  # EARLY_ROUNDS..5 pairs: the t-interval of the log ratios
+    if k == 0 and len(ratios) - 1 in _T95:  # EARLY_ROUNDS..5 pairs: the t-interval of the log ratios
         logs = [math.log(r) for r in ratios]
-        half = _T99[len(logs) - 1] * statistics.stdev(logs) / math.sqrt(len(logs))
+        half = _T95[len(logs) - 1] * statistics.stdev(logs) / math.sqrt(len(logs))
         mean = statistics.fmean(logs)
         return (math.exp(mean - half), statistics.median(ratios), math.exp(mean + half))
     if k == 0:

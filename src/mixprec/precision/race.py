@@ -22,7 +22,7 @@ while bf16's step was 1.68x faster), so the protocol is (STYLE.md habit 13, as `
    and the wall clock after a device sync on a GPU (its work does not show in host CPU time);
 3. **confidence**: after ``MIN_ROUNDS`` rounds and after each further one, each less safe mode's paired
    time ratio against each safer mode gets a 95% interval for its median (the sign test's: a neighbour's
-   bursts are outliers that only add time, not Gaussian noise); from ``EARLY_ROUNDS`` to 5 rounds a 99%
+   bursts are outliers that only add time, not Gaussian noise); from ``EARLY_ROUNDS`` to 5 rounds a 95%
    t-interval of the log ratios, which only a clear and steady gap clears (a burst widens it). Entirely
    below ``1 - MARGIN``: it *wins*; entirely above: it is *not faster* (a tie goes to the safer mode; a
    mode not faster than a safer one stops running, and the safest stops once every other mode beats it).
