@@ -147,7 +147,7 @@ def train_step_races(repeat: int, clock: str, threads: int | None) -> dict[str, 
         m, _opt = acc.prepare(m, torch.optim.AdamW(m.parameters(), lr=1e-3))
         kwargs = {"clock": time.perf_counter} if clock == "wall" else {}
         d = acc.precision.settle(  # pending: the "auto" strategy itself
-            lambda m=m: m(**batch).loss, [m], batch=batch, use_cache=False, run_steps=300, **kwargs
+            lambda m=m: m(**batch).loss, [m], batch=batch, use_cache=False, run_steps=300, in_run=False, **kwargs
         )
         runs.append({"chosen": d.chosen, "speedups": d.speedups(), "interval": d.speedup_interval,
                      "rounds": d.rounds, "dropped": d.dropped, "cost_s": d.cost_seconds})  # fmt: skip
