@@ -144,6 +144,7 @@ def test_a_checkpoint_saved_while_the_race_runs_resumes_and_races_again(monkeypa
     first = Accelerator(mixed_precision="auto", verbose=False)
     out = _loop(first, ModeSpy(), steps=3)
     assert out["racing"] == [True] * 3
+    assert "racing fp32, bf16 as the run's training steps (3 so far)" in first.precision.reason
     first.save_state(tmp_path / "state")
     again = Accelerator(mixed_precision="auto", verbose=False)
     optimizer = torch.optim.AdamW((model := ModeSpy()).parameters(), lr=1e-2)

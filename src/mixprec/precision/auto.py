@@ -47,11 +47,9 @@ if TYPE_CHECKING:
     from mixprec.scaling.scaler import GradScaler
 
 _SCALE_BACKOFF = 2.0**-8  # an fp16 trial that overflows retries at 1/256 of the scale, down to 1
-# Per-op-kind timing before the race (issue 23): bf16 attention's backward can cost 4x fp32's on a CPU whose
-# bf16 matmuls run 2x faster, so a policy that keeps only attention in fp32 can beat both uniform modes. Its
-# replays are bounded; the policy then races the uniform modes on the whole step like any candidate.
-# A run this long (forward+backward passes) or longer races as its own first steps (inrun.py), not aside: the
-# race's ~20-30 steps are then a small part of it, and it costs only their time over the chosen mode's.
+# Per-op-kind timing before the race (issue 23, op_timing.py): where bf16 attention's backward costs 4x fp32's, a
+# policy keeping attention in fp32 can beat both uniform modes; it then races them on the whole step.
+# A run of this many optimizer steps or more races as its own first steps (inrun.py), not aside from them.
 IN_RUN_MIN_STEPS = 100
 _POLICY_BASE = "bf16"
 
@@ -131,8 +129,10 @@ class AutoPrecision(Precision):
 
     @property
     def reason(self) -> str:  # type: ignore[override]
+        names = ", ".join(p.name for p in self.candidates)
+        if self._in_run is not None:
+            return f"auto: racing {names} as the run's training steps ({self._in_run.steps} so far)"
         if self.decision is None:
-            names = ", ".join(p.name for p in self.candidates)
             return f"auto: not decided yet; the first training step will race {names} and keep the fastest"
         return self.decision.explain()
 
