@@ -89,6 +89,27 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """A small Python source file for ``mixprec train --data``, varied enough that the validation split is not a
+    copy of the training split."""
+    lines = [f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(400)]
+    path = tmp_path_factory.mktemp("data") / "corpus.py"
+    path.write_text("".join(lines))
+    return str(path)
+
+
+@pytest.fixture
+def quick_train_cli(tmp_path, monkeypatch, one_thread):
+    """``mixprec train`` in seconds (``pytestmark = pytest.mark.usefixtures("quick_train_cli")``): run from
+    tmp_path (a default runs/ folder lands there), a 24-byte sample (generated a byte per forward pass), one
+    thread."""
+    from mixprec.cli import train as train_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train_cli, "SAMPLE_BYTES", 24)
+
+
 @pytest.fixture
 def tiny_lm() -> TinyLM:
     return make_tiny_lm()

@@ -18,28 +18,12 @@ import pytest
 import torch
 
 import mixprec.trainer.loop as loop_module
-from mixprec.cli import train as train_cli
 from mixprec.cli.main import main
 
 FAST = ["--model", "tiny", "--seq-len", "32", "--batch-size", "4", "--epoch-tokens", "256", "--precision", "fp32"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    lines = [f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(400)]
-    path = tmp_path_factory.mktemp("data") / "corpus.py"
-    path.write_text("".join(lines))
-    return str(path)
-
-
-@pytest.fixture(autouse=True)
-def _fast(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(train_cli, "SAMPLE_BYTES", 8)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("quick_train_cli")  # conftest.py: tmp_path as cwd, a short sample, one thread
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-from test_cli_train import _fast, corpus  # noqa: F401  (fixtures: the corpus file, one thread, chdir)
 
 from mixprec.cli.main import main
 
@@ -15,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 FAST = ["--seq-len", "32", "--batch-size", "4", "--epoch-tokens", "256"]
+pytestmark = pytest.mark.usefixtures("quick_train_cli")  # conftest.py: tmp_path as cwd, a short sample, one thread
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def hf_folder(tmp_path_factory) -> str:
     return str(path)
 
 
-def test_lora_r_trains_adapters_on_a_frozen_fp16_base_and_resumes(tmp_path, corpus, hf_folder, capsys):  # noqa: F811
+def test_lora_r_trains_adapters_on_a_frozen_fp16_base_and_resumes(tmp_path, corpus, hf_folder, capsys):
     from safetensors.torch import load_file
 
     run = tmp_path / "run"
@@ -55,7 +55,7 @@ def test_lora_r_trains_adapters_on_a_frozen_fp16_base_and_resumes(tmp_path, corp
         (["--lora-r", "2", "--lora-targets", "nope"], "--lora-targets: peft cannot adapt this model"),
     ],
 )
-def test_bad_lora_flags_are_one_line_naming_the_flag(tmp_path, corpus, hf_folder, capsys, argv, fragment):  # noqa: F811
+def test_bad_lora_flags_are_one_line_naming_the_flag(tmp_path, corpus, hf_folder, capsys, argv, fragment):
     model = [] if "--model" in argv else ["--model", hf_folder]
     assert main(["train", "--data", corpus, *model, *FAST, "--precision", "fp32", *argv]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mixprec train: error:")]
@@ -63,7 +63,7 @@ def test_bad_lora_flags_are_one_line_naming_the_flag(tmp_path, corpus, hf_folder
     assert not (tmp_path / "runs").exists()
 
 
-def test_lora_r_without_peft_says_to_install_it(tmp_path, corpus, hf_folder, capsys, monkeypatch):  # noqa: F811
+def test_lora_r_without_peft_says_to_install_it(tmp_path, corpus, hf_folder, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` fails as if it were not installed
     assert main(["train", "--data", corpus, "--model", hf_folder, *FAST, "--lora-r", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -14,9 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from mixprec.cli import train as train_cli
 from mixprec.cli._config_file import load_config_file
 from mixprec.cli.main import main
 
@@ -25,26 +23,7 @@ FAST = ["--model", "tiny", "--seq-len", "32", "--batch-size", "4", "--epoch-toke
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    # varied enough that the validation split is not a copy of the training split
-    lines = [f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(400)]
-    path = tmp_path_factory.mktemp("data") / "corpus.py"
-    path.write_text("".join(lines))
-    return str(path)
-
-
-@pytest.fixture(autouse=True)
-def _fast(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # a default runs/ folder, if any, lands here
-    # the sample is generated a byte per forward pass: a short one keeps these runs to seconds
-    monkeypatch.setattr(train_cli, "SAMPLE_BYTES", 24)
-    # one thread: a tiny model's ops are too small to split, and on a shared 2-core machine two threads
-    # spinning against other jobs make each op orders of magnitude slower
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("quick_train_cli")  # conftest.py: tmp_path as cwd, a short sample, one thread
 
 
 def _env() -> dict[str, str]:

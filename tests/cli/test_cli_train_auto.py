@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_cli_train import FAST, _fast, corpus  # noqa: F401  (fixtures)
+from test_cli_train import FAST
 
 from mixprec.cli.main import main
 from mixprec.precision import registry
@@ -21,6 +21,7 @@ from mixprec.trainer import checkpointing
 from planted_precisions import SleepyFp32
 
 AUTO = [*FAST[:-2], "--precision", "auto"]
+pytestmark = pytest.mark.usefixtures("quick_train_cli")  # conftest.py: tmp_path as cwd, a short sample, one thread
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def _events(run: Path, name: str) -> list[dict]:
     return [e for e in map(json.loads, lines) if e.get("event") == name]
 
 
-def test_auto_races_on_the_real_step_and_says_so_everywhere(tmp_path, corpus, capsys, bf16_wins):  # noqa: F811
+def test_auto_races_on_the_real_step_and_says_so_everywhere(tmp_path, corpus, capsys, bf16_wins):
     run = tmp_path / "run"
     assert main(["train", "--data", corpus, *AUTO, "--max-steps", "2", "--output-dir", str(run)]) == 0
     out, err = capsys.readouterr()
@@ -63,7 +64,7 @@ class Crash(Exception):
     """A process that dies right after its checkpoint at step 2 (what a kill -9 there leaves)."""
 
 
-def test_resume_keeps_the_decision_and_is_bit_exact(tmp_path, corpus, capsys, bf16_wins, monkeypatch):  # noqa: F811
+def test_resume_keeps_the_decision_and_is_bit_exact(tmp_path, corpus, capsys, bf16_wins, monkeypatch):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     argv = ["train", "--data", corpus, *AUTO, "--epochs", "2"]  # two epochs of two steps
     assert main([*argv, "--output-dir", str(straight)]) == 0

@@ -5,22 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from mixprec.cli import train as train_cli
 from mixprec.cli.main import main
 
 FAST = ["--model", "tiny", "--seq-len", "32", "--batch-size", "4", "--epoch-tokens", "256", "--epochs", "1"]
 
 
-@pytest.fixture(autouse=True)
-def _fast(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(train_cli, "SAMPLE_BYTES", 8)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("quick_train_cli")  # conftest.py: tmp_path as cwd, a short sample, one thread
 
 
 def test_watch_flag_writes_samples_summary_and_plot(tmp_path, capsys):
