@@ -213,9 +213,6 @@ class AutoPrecision(Precision):
         self._end_race_step()
         return result
 
-    def parameter_step(self, optimizer: torch.optim.Optimizer) -> Any:
-        return self.current.parameter_step(optimizer)
-
     def end_step(self) -> None:
         self._stepped = self.current
         self.current.end_step()

@@ -195,8 +195,8 @@ def race_steps(
         if len(keep) > 2 and all(verdict(samples[c], samples[keep[0]]) == WINS for c in keep[1:]):
             keep = keep[1:]
         racing = same(keep)
-        fastest = min(statistics.median(samples[c]) for c in racing)
         medians = {c: statistics.median(samples[c]) for c in samples if samples[c]}
+        fastest = min(medians[c] for c in racing)
         cost = spent.cost(fastest, in_run, medians)
         over_budget = run_steps is not None and cost > BUDGET_SHARE * run_steps * fastest
         over_budget = over_budget and r + 1 >= MIN_ROUNDS  # a tie is called on MIN_ROUNDS pairs at least
