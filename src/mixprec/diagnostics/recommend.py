@@ -130,7 +130,7 @@ def recommend(
             f"the model already produces inf/NaN in fp32 ({acts.nonfinite} activation and {grads.nonfinite} "
             "gradient values): fix that first; no lower precision can be judged"
         )
-        checks[target] = nonfinite(target, loss_scale_for(target, k))
+        checks[target] = nonfinite(target, loss_scale_for(FORMATS[target], k) if target in FORMATS else 1.0)
         return Recommendation("fp32", k, reasons, checks)
 
     order = [target, *[n for n in FORMATS if n != target]] if target in FORMATS else list(FORMATS)
@@ -139,7 +139,7 @@ def recommend(
     chosen = None
     safe: list[str] = []
     for name in order:
-        scale = loss_scale_for(name, k)
+        scale = loss_scale_for(FORMATS[name], k)
         problems = []
         if supported.get(name):
             problems.append(supported[name])

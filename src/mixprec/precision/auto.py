@@ -56,6 +56,9 @@ _POLICY_BASE = "bf16"
 
 class AutoPrecision(Precision):
     """ "auto": the fastest safe candidate, measured on the training step; the safest one until then."""
+    decided = property(lambda self: self._chosen is not None)  # until then, the facts are the current mode's
+    update_rounding = property(lambda self: self.current.update_rounding)  # type: ignore[assignment]
+    hf_flags = property(lambda self: self.current.hf_flags)  # type: ignore[assignment]
 
     def __init__(self, candidates: Sequence[Precision], *, processes: int = 1, op_policy: bool | None = None) -> None:
         if not candidates:

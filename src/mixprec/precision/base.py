@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from mixprec.precision.formats import FloatFormat, format_of
 from mixprec.precision.master_weights import gather_grads, master_names, refresh_params, with_master_weights
 from mixprec.tree import tree_map
 
@@ -54,6 +55,8 @@ class Precision:
     # Order of numerical safety among auto's candidates (0 safest): a faster mode must beat every safer one
     # by the margin, so ties go to the safer mode.
     safety_rank: ClassVar[int] = 0
+    # HF's (fp16, bf16) TrainingArguments flags for this mode: the autocast mode it is (a policy is its base)
+    hf_flags: ClassVar[tuple[bool, bool]] = (False, False)
 
     def __init__(self, device: torch.device | str | None = None, reason: str = "") -> None:
         self.device = torch.device(device) if device is not None else default_device()
@@ -129,6 +132,41 @@ class Precision:
     def forget_parameters(self) -> None:
         """Drop the registered parameters (``Accelerator.free_memory``; the scaler keeps only their names)."""
         self._param_names.clear()
+
+    # -- facts: what callers ask instead of comparing the mode's name ----------------------------------
+
+    @property
+    def compute_format(self) -> FloatFormat:
+        """The number format the forward's low-precision ops compute in, with its range (fp32 for full
+        precision). A ValueError for a compute dtype no format describes: never another format's range."""
+        return format_of(self.compute_dtype)
+
+    @property
+    def master_weights(self) -> bool:
+        """Whether the optimizer steps fp32 weights (the model's own, or fp32 masters of fp16/bf16 ones)."""
+        return self.param_dtype == torch.float32
+
+    @property
+    def update_rounding(self) -> str:
+        """How the optimizer's update is written into the weights: "nearest" (fp32 weights, round to nearest
+        in fp32), "stochastic" or "kahan" (the pure bf16 modes: what their optimizer actually does)."""
+        return "nearest"
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype gradients are held in, and travel in between processes unless ``comm_dtype`` compresses
+        them: the parameters' dtype."""
+        return self.param_dtype
+
+    @property
+    def decided(self) -> bool:
+        """Whether these facts are the run's for good (only "auto" answers for a mode it may still change)."""
+        return True
+
+    def autocast_kwargs(self) -> dict[str, Any]:
+        """The arguments of ``torch.autocast`` this mode's forward runs under (``enabled=False`` without)."""
+        low = self.compute_dtype != torch.float32
+        return {"device_type": self.device.type, "dtype": self.compute_dtype, "enabled": low}
 
     # -- "auto" and the null object: a named mode is decided from the start ---------------------------
 
@@ -265,6 +303,8 @@ class Precision:
             "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
             "param_dtype": str(self.param_dtype).removeprefix("torch."),
             "loss_scaling": self.needs_loss_scaling,
+            "master_weights": self.master_weights,
+            "update_rounding": self.update_rounding,
             "reason": self.reason,
         }
 

@@ -27,7 +27,7 @@ class AutocastMixedPrecision(Precision):
             )
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+        return torch.autocast(**self.autocast_kwargs())
 
 
 class Fp16MixedPrecision(AutocastMixedPrecision):
@@ -36,6 +36,7 @@ class Fp16MixedPrecision(AutocastMixedPrecision):
     name = "fp16"
     compute_dtype = torch.float16
     needs_loss_scaling = True
+    hf_flags = (True, False)
     auto_candidate = True
     safety_rank = 2  # overflows past 65504: needs loss scaling
 
@@ -45,6 +46,7 @@ class Bf16MixedPrecision(AutocastMixedPrecision):
 
     name = "bf16"
     compute_dtype = torch.bfloat16
+    hf_flags = (False, True)
     auto_candidate = True
     safety_rank = 1  # fp32's range, fewer mantissa bits
 

@@ -28,10 +28,13 @@ class PureBf16Precision(Bf16MixedPrecision):
     name = "bf16-pure"
     param_dtype = torch.bfloat16
     auto_candidate = False
+    hf_flags = (False, False)  # HF's bf16 flag is bf16 autocast with fp32 weights, which this is not
     rounding: ClassVar[str] = "stochastic"
+    """The rounding of the optimizer this mode makes (a Bf16AdamW passed in keeps its own: ``update_rounding``)."""
     _ROUNDING_TEXT: ClassVar[dict[str, str]] = {
         "stochastic": "updates with stochastic rounding",
         "kahan": "updates with Kahan-compensated summation",
+        "nearest": "updates rounded to nearest (small updates are lost)",
     }
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -59,7 +62,8 @@ class PureBf16Precision(Bf16MixedPrecision):
         stochastic rounding (about 6 bytes per parameter in all)."""
         from mixprec.optim import Bf16AdamW
 
-        if isinstance(optimizer, Bf16AdamW):
+        if isinstance(optimizer, Bf16AdamW):  # the user's own: its rounding, not this mode's, is the truth
+            self._note_rounding({g.get("rounding", self.rounding) for g in optimizer.param_groups})
             return optimizer
         kind = type(optimizer)
         if hasattr(optimizer, "bf16_stochastic_round"):  # torchao's Adam family (8/4-bit states): its own SR
@@ -69,6 +73,7 @@ class PureBf16Precision(Bf16MixedPrecision):
                     "Kahan summation; use precision='bf16-pure' with it"
                 )
             optimizer.bf16_stochastic_round = True
+            self._note_rounding({"stochastic"})
             return optimizer
         if kind not in (torch.optim.AdamW, torch.optim.Adam):
             raise ValueError(
@@ -90,22 +95,42 @@ class PureBf16Precision(Bf16MixedPrecision):
             group["decoupled"] = decoupled
             group["rounding"] = self.rounding
         new.defaults = {**optimizer.defaults, "decoupled": decoupled, "rounding": self.rounding}
+        self._note_rounding({self.rounding})
         return new
+
+    @property
+    def update_rounding(self) -> str:  # type: ignore[override]
+        """The rounding of the optimizer actually prepared (this mode's own until one is; "mixed" when a
+        user's optimizer rounds its groups differently)."""
+        return self._rounding
+
+    def _note_rounding(self, roundings: set[str]) -> None:
+        self._rounding = roundings.pop() if len(roundings) == 1 else "mixed"
+        if self._default_reason:
+            self.reason = self._reason_text()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "update": self._ROUNDING_TEXT[self.rounding]}
+        return {**super().describe(), "update": self._update_text()}
 
     def __init__(self, device: torch.device | str | None = None, reason: str = "") -> None:
+        self._rounding = self.rounding
         super().__init__(device, reason)
+        self._default_reason = not reason
         if not reason:
-            self.reason = (
-                f"{self.name} was asked for: parameters, gradients and Adam states in bf16 (8 bytes per "
-                f"parameter{' + 2 for the compensation' if self.rounding == 'kahan' else ''}); "
-                f"{self._ROUNDING_TEXT[self.rounding]}"
-            )
+            self.reason = self._reason_text()
+
+    def _update_text(self) -> str:
+        return self._ROUNDING_TEXT.get(self._rounding, "updates with per-group rounding (the optimizer's own)")
+
+    def _reason_text(self) -> str:
+        kahan = " + 2 for the compensation" if self._rounding == "kahan" else ""
+        return (
+            f"{self.name} was asked for: parameters, gradients and Adam states in bf16 (8 bytes per "
+            f"parameter{kahan}); {self._update_text()}"
+        )
 
     @classmethod
     def check_supported(cls, device: torch.device) -> None:

@@ -121,9 +121,10 @@ def may_scale_loss(precision: str | Precision) -> bool:
 def hf_flags(precision: str | Precision) -> tuple[bool, bool]:
     """HF's ``(fp16, bf16)`` flags for ``precision``: the fp16 / bf16 autocast mode or a policy refining it
     ("bf16:fp32_ops=attention" is bf16); both False for fp32, pure bf16, fp8 and an undecided "auto"."""
-    name = precision.name if isinstance(precision, Precision) else canonical_name(precision)
-    base = name.partition(":")[0]  # a policy is its base mode
-    return base == Fp16MixedPrecision.name, base == Bf16MixedPrecision.name
+    if isinstance(precision, Precision):
+        return precision.hf_flags
+    key = canonical_name(precision)
+    return (False, False) if key == AUTO else _class_of(key).hf_flags  # a policy's class is its base mode's
 
 
 def autocast_format(precision: str | Precision) -> str | None:

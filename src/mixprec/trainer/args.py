@@ -63,9 +63,12 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
     """Where checkpoints, metrics.jsonl, plots and the final model go."""
 
     # -- precision ------------------------------------------------------------------------------------
-    precision: str | Precision | None = None
-    """"no"/"fp32", "fp16", "bf16" or "auto" (or a strategy: ``make_precision("bf16")``, handed to the
-    Accelerator as it is). fp16=True and bf16=True are sugar for it; default fp32."""
+    precision: str | None = None
+    """"no"/"fp32", "fp16", "bf16", "bf16-pure", "auto", a policy ("bf16:fp32_ops=attention") or an alias,
+    validated by the precision registry (a plain ``str``, so HfArgumentParser, JSON and YAML build it). A
+    strategy (``make_precision("bf16")``) is taken too: its name is stored here and the object kept as
+    :attr:`precision_strategy`, handed to the Accelerator as it is. fp16=True and bf16=True are sugar for it;
+    default fp32."""
     fp16: bool = False
     """Train with fp16 autocast and loss scaling (really fp16, on CPU too)."""
     bf16: bool = False
@@ -223,7 +226,7 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
         if self.step_in_backward:
             from mixprec.accelerator.step_in_backward import REFUSALS
 
-            if may_scale_loss(self.precision):  # "auto" may choose fp16
+            if may_scale_loss(self.precision_strategy):  # "auto" may choose fp16
                 fail("step_in_backward", True, f"with precision={self.precision!r}: {REFUSALS['fp16']}")
             if self.max_grad_norm is not None:
                 fail("step_in_backward", True, f"with max_grad_norm={self.max_grad_norm}: {REFUSALS['clip']}")
@@ -277,26 +280,32 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
         if self.fp16 and self.bf16:
             fail("bf16", self.bf16, "fp16=True and bf16=True were both set; choose one (or set precision=...)")
         flag = "fp16" if self.fp16 else "bf16" if self.bf16 else None
-        if self.precision is None:
-            self.precision = flag or "fp32"
-        try:  # a strategy already made (parsed at the edge: mixprec train) is kept and handed down as it is
-            name = self.precision.name if isinstance(self.precision, Precision) else canonical_name(self.precision)
+        given: Precision | str = self.precision if self.precision is not None else flag or "fp32"
+        # a strategy already made (parsed at the edge: mixprec train) is kept beside its name, handed down as it is
+        self._strategy = given if isinstance(given, Precision) else None
+        try:
+            name = given.name if isinstance(given, Precision) else canonical_name(given)
         except (TypeError, ValueError) as err:
-            raise ValueError(f"TrainingArguments(precision={self.precision!r}): {err}") from None
+            raise ValueError(f"TrainingArguments(precision={given!r}): {err}") from None
         if self.fp32_ops:
             try:
-                spec = name if isinstance(self.precision, str) else self.precision  # a strategy is refused here
-                name = canonical_name(policy_name(spec, self.fp32_ops))
-            except ValueError as err:
+                name = canonical_name(policy_name(given if isinstance(given, Precision) else name, self.fp32_ops))
+            except ValueError as err:  # a strategy is refused here: its kinds belong in its name
                 raise ValueError(f"TrainingArguments(fp32_ops={self.fp32_ops!r}): {err}") from None
             self.fp32_ops = None  # folded into the name: one source of truth from here on
-        flags = hf_flags(self.precision if isinstance(self.precision, Precision) else name)
+        flags = given.hf_flags if isinstance(given, Precision) else hf_flags(name)
         if flag is not None and flags != (self.fp16, self.bf16):
-            fail("precision", self.precision, f"conflicts with {flag}=True; set one of them")
-        if not isinstance(self.precision, Precision):
-            self.precision = name
+            fail("precision", given, f"conflicts with {flag}=True; set one of them")
+        self.precision = name  # always the name: what to_dict, JSON and YAML write
         # Keep the HF flags truthful, so code that reads args.fp16 sees what will run.
         self.fp16, self.bf16 = flags  # a policy ("bf16:fp32_ops=...") is its base mode
+
+    @property
+    def precision_strategy(self) -> Precision | str:
+        """What the Trainer's Accelerator runs: the strategy passed as ``precision=`` (as it is), else the
+        validated name, which the Accelerator parses for its own device (each run a fresh strategy: one holds
+        its run's scaler and decision)."""
+        return self._strategy if self._strategy is not None else self.precision
 
     def _apply_hf_implied(self) -> None:
         """HF's derived settings, so scripts that rely on them behave the same."""

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
+from mixprec.precision.base import Precision
+
 
 class WatchHost(Protocol):
     """The run a watch attaches to: its device, step and folder (read once, at attach), its precision (read
@@ -26,8 +28,8 @@ class WatchHost(Protocol):
         """The loss scaler (or the non-finite guard): its scale and step record."""
 
     @property
-    def precision(self) -> Any:
-        """The precision strategy running the step (its ``name``)."""
+    def precision(self) -> Precision:
+        """The precision strategy running the step (its ``name``, and ``compute_format``: the range measured)."""
 
     @property
     def num_processes(self) -> int: ...

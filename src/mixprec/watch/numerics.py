@@ -9,6 +9,7 @@ or signal once per run; what was warned, and the log Z baseline, survive a resum
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,8 +27,9 @@ NumericsWarning = StagnationWarning | InstabilityWarning
 class NumericsChecks:
     """Arms the stagnation and precursor probes on sampled steps and judges what they read."""
 
-    def __init__(self, model: nn.Module, config: WatchConfig) -> None:
+    def __init__(self, model: nn.Module, config: WatchConfig, fixes: Callable[[], str] | None = None) -> None:
         self.stagnation = StagnationProbe(model)
+        self.fixes = fixes  # the stagnation fixes under the run's precision, asked when a warning is made
         self.precursors = PrecursorProbe(model)
         self.judge = PrecursorJudge(config.attn_logit_warn, config.log_z_drift_warn)
         self.stagnation_warn = config.stagnation_warn
@@ -55,7 +57,7 @@ class NumericsChecks:
         for k, v in host_readings.items():
             fields["watch/log_z" if k == "log_z" else f"watch/{k.removeprefix('attn:')}/attn_logit_max"] = v
         stagnating = [
-            StagnationWarning(layer, step, frac, self.stagnation.dtypes.get(layer, "?"))
+            StagnationWarning(layer, step, frac, self.stagnation.dtypes.get(layer, "?"), *self._fixes())
             for layer, frac in stagnant.items()
             if frac >= self.stagnation_warn and layer not in self.stagnant_warned
         ]
@@ -66,6 +68,9 @@ class NumericsChecks:
         for w in precursors:
             logger.warning(w.message())
         return {"step": step, "stagnant": stagnant, **host_readings}, fields, [*stagnating, *precursors]
+
+    def _fixes(self) -> tuple[str, ...]:
+        return (self.fixes(),) if self.fixes is not None else ()
 
     def state_dict(self) -> dict[str, Any]:
         return {"stagnant_warned": sorted(self.stagnant_warned), "precursors_warned": sorted(self.judge.warned),

@@ -26,11 +26,33 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from mixprec.diagnostics.hooks import display_name, param_owners
+from mixprec.precision.base import Precision
 
 FIXES = (
     "keep the updates: precision='bf16-pure-kahan' (Kahan summation) or 'bf16-pure' (stochastic rounding), "
     "fp32 master weights (precision='bf16'), or fp32 gradient accumulation and optimizer states"
 )
+"""The fixes where the run's precision is not known (a probe on its own); a watch asks :func:`stagnation_fixes`."""
+
+
+def stagnation_fixes(precision: Precision) -> str:
+    """What keeps the updates, from the facts of the run's own precision: never the rounding it already
+    uses, nor the mode it already runs (issue 34: bf16-pure with ``Bf16AdamW(rounding="nearest")`` was told
+    to use 'bf16-pure')."""
+    if precision.master_weights:  # the mode keeps fp32 masters: these bf16 weights were not given one
+        return ("keep the updates: prepare the optimizer with the Accelerator (it gives trainable bf16 weights "
+                "fp32 masters), or keep the weights in fp32")  # fmt: skip
+    rounding = precision.update_rounding
+    others = [r for r in ("kahan", "stochastic") if r != rounding]
+    optim = " or ".join(f"Bf16AdamW(rounding={r!r})" for r in others)
+    return (
+        f"the optimizer {_ROUNDS.get(rounding, f'rounds with {rounding!r}')}; keep the updates with {optim}, "
+        "or with fp32 master weights (precision='bf16')"
+    )
+
+
+_ROUNDS = {"nearest": "rounds each update to nearest", "kahan": "compensates with Kahan summation",
+           "stochastic": "rounds stochastically"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -43,11 +65,13 @@ class StagnationWarning:
     """Fraction of the layer's elements with a nonzero gradient whose stored value did not change."""
     dtype: str
     """dtype the layer's weights are stored in."""
+    fixes: str = FIXES
+    """What keeps the updates under the run's precision (:func:`stagnation_fixes`)."""
 
     def message(self) -> str:
         return (
             f"precision watch: layer {self.layer!r} is not learning at step {self.step}: {self.stagnant:.0%} of "
-            f"its updates round away in {self.dtype} (smaller than half an ulp of the weight); {FIXES}"
+            f"its updates round away in {self.dtype} (smaller than half an ulp of the weight); {self.fixes}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,7 +87,7 @@ def stagnation_message(warnings: list[StagnationWarning], shown: int = 4) -> str
     more = f" and {len(worst) - shown} more" if len(worst) > shown else ""
     return (
         f"precision watch: {len(warnings)} layers are not learning at step {worst[0].step}: most of their updates "
-        f"round away in {worst[0].dtype} ({names}{more}); {FIXES}"
+        f"round away in {worst[0].dtype} ({names}{more}); {worst[0].fixes}"
     )
 
 

@@ -33,15 +33,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics.formats import FORMATS, FP16, FloatFormat
 from mixprec.diagnostics.hooks import ROOT_NAME, HookRegistry
+from mixprec.precision.formats import FORMATS, FP16, FP32, FloatFormat
 from mixprec.watch import fallback as fp32
 from mixprec.watch.attribution import SkipAttribution, StepRecorder, attribute_skip
 from mixprec.watch.badstep import BadSteps
 from mixprec.watch.headroom import HeadroomSampler, Sample
 from mixprec.watch.numerics import NumericsChecks, NumericsWarning
 from mixprec.watch.settings import WatchConfig
-from mixprec.watch.stagnation import StagnationWarning, stagnation_message
+from mixprec.watch.stagnation import StagnationWarning, stagnation_fixes, stagnation_message
 from mixprec.watch.trend import HeadroomWarning, TrendWatch
 
 if TYPE_CHECKING:
@@ -119,11 +119,11 @@ class PrecisionWatch:
         self.model = model
         self._scaler = accelerator.scaler
         self._device = accelerator.device
-        if self.config.fmt is None:  # the run's own format; fp16 for an fp32 run (would fp16 hold?)
-            self.fmt = FORMATS.get(accelerator.precision.name, FP16)
+        self._precision = accelerator.precision
+        self.fmt = self._run_format()
         self._sampler = HeadroomSampler(model, self._device, self.fmt, self.config.significant)
         self._recorder = StepRecorder(self._device)
-        self._numerics = NumericsChecks(model, self.config)
+        self._numerics = NumericsChecks(model, self.config, lambda: stagnation_fixes(self._precision))
         self._precision_name = lambda: accelerator.precision.name  # "auto" is decided on the first step
         # one writer, one model as it is built: capsules in a single process only (as the skip replay)
         self._capsules = self.config.capsules and accelerator.num_processes == 1
@@ -206,6 +206,14 @@ class PrecisionWatch:
     def _replay_scale(self, scale: float | None = None) -> float:
         return (self._scaler.get_scale() if scale is None else scale) / self._replay_divisor
 
+    def _run_format(self) -> FloatFormat:
+        """The config's format, else the one the run computes in (the precision's own answer), and fp16's for
+        an fp32 run (or an "auto" still in fp32): does fp16 hold?"""
+        if self.config.fmt is not None:
+            return FORMATS[self.config.fmt]
+        fmt = self._precision.compute_format
+        return FP16 if fmt is FP32 else fmt
+
     def _capsule_context(self) -> dict[str, Any]:
         return {"precision": self._precision_name(), "fallbacks": [f["module"] for f in self.fallbacks],
                 "optimizer": self._optimizer_name}  # fmt: skip
@@ -216,6 +224,7 @@ class PrecisionWatch:
         self._recorder.new_step()
         self._bad.new_step()
         if (self._steps_seen + 1) % self.config.every == 0:
+            self.fmt = self._sampler.fmt = self._run_format()  # "auto" takes its chosen mode's at its decision
             self._sampler.start()
             self._numerics.arm()
 
