@@ -73,9 +73,20 @@ def test_a_stalled_bf16_run_is_warned_within_100_steps_while_fp32_learns():
     assert warned and all(w.step <= 100 for w in warned)
     assert {w.layer for w in warned} >= {"transformer.h.0.mlp.c_fc", "transformer.h.1.attn.c_attn"}
     assert all(w.dtype == "bfloat16" and w.stagnant >= 0.5 for w in warned)
-    assert "bf16-pure-kahan" in warned[0].message() and "fp32 master" in warned[0].message()
+    assert "rounding='kahan'" in warned[0].message() and "fp32 master" in warned[0].message()
     assert not _stagnation(fp32_watch)
     assert max(fp32_watch.numerics[-1]["stagnant"].values()) < 0.01
+
+
+def test_the_advice_under_nearest_rounding_follows_the_optimizer_in_use():
+    # issue 34: bf16-pure with Bf16AdamW(rounding="nearest") was said to update "with stochastic rounding" and
+    # told to use precision='bf16-pure', the mode in use
+    _, watch = _round_to_nearest_run()
+    message = _stagnation(watch)[0].message()
+    assert "rounds each update to nearest" in message
+    assert "'bf16-pure'" not in message and "stochastic rounding" not in message
+    assert "rounding='stochastic'" in message and "rounding='kahan'" in message
+    assert all("'bf16-pure'" not in line for line in watch.summary_lines())
 
 
 def test_kahan_summation_brings_the_stagnant_fraction_to_about_zero():
