@@ -60,7 +60,8 @@ def test_training_arguments_keep_a_strategy_and_save_its_name(tmp_path):
 
     p = make_precision("bf16", "cpu")
     args = TrainingArguments(output_dir=str(tmp_path), precision=p)
-    assert args.precision is p and args.bf16 and not args.fp16  # HF's flags still say what runs
+    # the public field stays a name (HfArgumentParser, JSON, YAML build it); the strategy is kept beside it
+    assert args.precision == "bf16" and args.precision_strategy is p and args.bf16 and not args.fp16
     assert args.to_dict()["precision"] == "bf16"  # JSON-ready
     with pytest.raises(ValueError, match=r"conflicts with fp16=True"):
         TrainingArguments(output_dir=str(tmp_path), precision=make_precision("bf16", "cpu"), fp16=True)

@@ -86,7 +86,7 @@ def summary_rows(
     epochs = f" ({epochs_done:.3g} epochs)" if epochs_done is not None else ""
     rows.append(("steps", f"{steps}{epochs}, {summary.get('skipped_steps', 0)} skipped"))
     scale = summary.get("final_loss_scale")
-    if scale is None or not needs_loss_scaling(summary.get("precision") or FullPrecision.name):
+    if scale is None or not _loss_scaled(summary):
         rows.append(("loss scale", f"none ({summary.get('precision')} trains without loss scaling)"))
     else:
         rows.append(("loss scale", f"{scale:g} at the end"))
@@ -176,3 +176,12 @@ def printable(text: str) -> str:
         else:
             out.append(ch)
     return "".join(out)
+
+
+def _loss_scaled(summary: dict[str, Any]) -> bool:
+    """The precision's own answer, recorded in the summary; a summary written before it was recorded is read
+    at this edge by the registry, from the name it holds."""
+    recorded = summary.get("precision_loss_scaling")
+    if recorded is not None:
+        return bool(recorded)
+    return needs_loss_scaling(summary.get("precision") or FullPrecision.name)

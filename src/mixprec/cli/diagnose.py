@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         model,
         loader,
         device=device,
-        precision_target="fp16" if precision.pending else precision.name,  # "auto" may pick fp16: its range
+        precision_target=precision.narrowest_format().name,  # its own format; "auto" may pick fp16: its range
         max_batches=args.batches,
         nonfinite_batches=min(args.nonfinite_batches, args.batches),
         lr=args.lr,

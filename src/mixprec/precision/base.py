@@ -158,6 +158,11 @@ class Precision:
         them: the parameters' dtype."""
         return self.param_dtype
 
+    def narrowest_format(self) -> FloatFormat:
+        """The narrowest format this run may compute in: its own; an undecided "auto"'s narrowest candidate's
+        (what a watch or a diagnosis must judge it by until it decides)."""
+        return min((p.compute_format for p in self.options()), key=lambda f: f.max)
+
     @property
     def decided(self) -> bool:
         """Whether these facts are the run's for good (only "auto" answers for a mode it may still change)."""

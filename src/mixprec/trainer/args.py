@@ -64,11 +64,9 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
 
     # -- precision ------------------------------------------------------------------------------------
     precision: str | None = None
-    """"no"/"fp32", "fp16", "bf16", "bf16-pure", "auto", a policy ("bf16:fp32_ops=attention") or an alias,
-    validated by the precision registry (a plain ``str``, so HfArgumentParser, JSON and YAML build it). A
-    strategy (``make_precision("bf16")``) is taken too: its name is stored here and the object kept as
-    :attr:`precision_strategy`, handed to the Accelerator as it is. fp16=True and bf16=True are sugar for it;
-    default fp32."""
+    """A name the precision registry validates ("fp32", "fp16", "bf16", "bf16-pure", "auto", a policy, an alias):
+    a plain str for HfArgumentParser, JSON and YAML. A strategy (``make_precision("bf16")``) leaves its name
+    here, itself in :attr:`precision_strategy`. fp16=True and bf16=True are sugar for it; default fp32."""
     fp16: bool = False
     """Train with fp16 autocast and loss scaling (really fp16, on CPU too)."""
     bf16: bool = False
@@ -281,8 +279,7 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
             fail("bf16", self.bf16, "fp16=True and bf16=True were both set; choose one (or set precision=...)")
         flag = "fp16" if self.fp16 else "bf16" if self.bf16 else None
         given: Precision | str = self.precision if self.precision is not None else flag or "fp32"
-        # a strategy already made (parsed at the edge: mixprec train) is kept beside its name, handed down as it is
-        self._strategy = given if isinstance(given, Precision) else None
+        self._strategy = given if isinstance(given, Precision) else None  # made at the edge (mixprec train)
         try:
             name = given.name if isinstance(given, Precision) else canonical_name(given)
         except (TypeError, ValueError) as err:
@@ -293,18 +290,16 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
             except ValueError as err:  # a strategy is refused here: its kinds belong in its name
                 raise ValueError(f"TrainingArguments(fp32_ops={self.fp32_ops!r}): {err}") from None
             self.fp32_ops = None  # folded into the name: one source of truth from here on
-        flags = given.hf_flags if isinstance(given, Precision) else hf_flags(name)
+        flags = hf_flags(given if isinstance(given, Precision) else name)  # the mode's own answer
         if flag is not None and flags != (self.fp16, self.bf16):
             fail("precision", given, f"conflicts with {flag}=True; set one of them")
         self.precision = name  # always the name: what to_dict, JSON and YAML write
-        # Keep the HF flags truthful, so code that reads args.fp16 sees what will run.
-        self.fp16, self.bf16 = flags  # a policy ("bf16:fp32_ops=...") is its base mode
+        self.fp16, self.bf16 = flags  # truthful HF flags: code reading args.fp16 sees what will run
 
     @property
     def precision_strategy(self) -> Precision | str:
-        """What the Trainer's Accelerator runs: the strategy passed as ``precision=`` (as it is), else the
-        validated name, which the Accelerator parses for its own device (each run a fresh strategy: one holds
-        its run's scaler and decision)."""
+        """The strategy passed as ``precision=`` (as it is), else the name: the Accelerator parses it for its own
+        device, a fresh strategy per run (one holds its run's scaler and decision)."""
         return self._strategy if self._strategy is not None else self.precision
 
     def _apply_hf_implied(self) -> None:
@@ -452,6 +447,4 @@ def _not_a_multiple(save_steps: float, eval_steps: float) -> bool:
 def _plain_value(value: Any) -> Any:
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
-    if isinstance(value, Precision):  # a strategy passed as precision= is saved by its name
-        return value.name
     return value

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from mixprec.precision.registry import autocast_format
+from mixprec.precision.formats import FP16, FP32
 from mixprec.trainer.data import make_loader
 
 if TYPE_CHECKING:
@@ -46,7 +46,9 @@ def diagnose_at_start(
         ) from err
     acc = accelerator
     loader = make_loader(dataset, args.per_device_train_batch_size, collator, shuffle=False, seed=0)
-    target = autocast_format(acc.mixed_precision) or "fp16"  # "auto", a policy, pure, fp8: fp16's range
+    # judged by the narrowest format the run may compute in (its own; "auto"'s narrowest candidate), fp32 by fp16's
+    fmt = acc.precision.narrowest_format()
+    target = (FP16 if fmt is FP32 else fmt).name
     optimizer = "sgd" if args.optim == "sgd" else "adam"
     report = diagnose(model, loader, precision_target=target, lr=args.learning_rate, optimizer=optimizer)
     scale = float(acc.reduce(float(report.recommended_init_scale), reduction="max").item())

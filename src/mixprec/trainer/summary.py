@@ -77,6 +77,7 @@ def build_summary(
         "final_loss_scale": final_scale,
         "precision": precision.get("precision"),
         "precision_reason": precision.get("reason"),
+        "precision_loss_scaling": precision.get("loss_scaling"),
         "auto_precision": auto,
         "peak_memory_bytes": peak,
         "peak_memory_kind": peak_kind,

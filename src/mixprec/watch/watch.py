@@ -207,11 +207,11 @@ class PrecisionWatch:
         return (self._scaler.get_scale() if scale is None else scale) / self._replay_divisor
 
     def _run_format(self) -> FloatFormat:
-        """The config's format, else the one the run computes in (the precision's own answer), and fp16's for
-        an fp32 run (or an "auto" still in fp32): does fp16 hold?"""
+        """The config's format, else the narrowest the run may compute in (the precision's own answer; an
+        undecided "auto"'s narrowest candidate), and fp16's for an fp32 run: does fp16 hold?"""
         if self.config.fmt is not None:
             return FORMATS[self.config.fmt]
-        fmt = self._precision.compute_format
+        fmt = self._precision.narrowest_format()
         return FP16 if fmt is FP32 else fmt
 
     def _capsule_context(self) -> dict[str, Any]:
