@@ -60,7 +60,9 @@ def diagnose_at_start(
         + (f" from loss scale {applied:g}" if applied is not None else ""),
         file=sys.stderr,
     )
-    if report.recommended_precision != acc.mixed_precision:
+    # the recommendation is a format ("fp32", "fp16", "bf16"), compared with the one the run computes in (a bf16
+    # policy computes in bf16); an undecided "auto" takes the diagnosis's verdict into its race
+    if acc.precision.decided and report.recommended_precision != acc.precision.compute_format.name:
         logger.warning(
             "diagnose_at_start recommends precision=%r (%s); training with %r as asked",
             report.recommended_precision,
