@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 
 from mixprec.cli._common import add_data_model_args, load_model_and_data, parse_precision, positive_int
 from mixprec.cli._subcommand import Subcommand
-from mixprec.diagnostics.formats import FORMATS
 from mixprec.precision.base import default_device
+from mixprec.precision.formats import FORMATS
 
 # Sized for the one-minute budget on 2 CPU cores: without native fp16 on the CPU, each fp16 pass of the
 # non-finite search costs ~10x an fp32 pass, so one batch is searched; the fp32 histograms use every batch.
@@ -69,9 +69,10 @@ def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device
     acc = Accelerator(mixed_precision="auto", device=device, verbose=False)
     copy_ = acc.prepare(copy.deepcopy(model))
     batch = {k: v.to(device) for k, v in batch.items()}
-    excluded = {n: "the diagnosis judged it unsafe for this model" for n in FORMATS}
-    for name in report.safe_precisions:
-        excluded.pop(name, None)
+    # each candidate by the format it computes in (its own answer): out where the diagnosis judged that format unsafe
+    judged = {p.name: p.compute_format.name for p in acc.precision.options() if p.compute_format in FORMATS.values()}
+    unsafe = "the diagnosis judged it unsafe for this model"
+    excluded = {name: unsafe for name, fmt in judged.items() if fmt not in report.safe_precisions}
     decision = acc.settle_precision(lambda: extract_loss(copy_(**batch)), batch, excluded=excluded)
     if decision is None:
         return {}

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.diagnostics.formats import FORMATS
 from mixprec.precision.base import Precision, PrecisionNotSupportedError
+from mixprec.precision.formats import FORMATS
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.registry import autocast_format, resolve_precision
 

@@ -23,10 +23,10 @@ from torch import nn
 from mixprec.diagnostics._guard import ModelGuard
 from mixprec.diagnostics._precision import resolve_target, try_resolve
 from mixprec.diagnostics.collect import measure, to_device
-from mixprec.diagnostics.formats import BF16, FORMATS, FP16
 from mixprec.diagnostics.nonfinite import NonfiniteEvent, find_first_nonfinite
 from mixprec.diagnostics.recommend import choose_scale_exp, recommend
 from mixprec.diagnostics.report import LayerStats, Report
+from mixprec.precision.formats import BF16, FORMATS, FP16
 
 _OPTIMIZERS = ("adam", "sgd")
 

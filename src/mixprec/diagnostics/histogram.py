@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mixprec.diagnostics.formats import FORMATS, FloatFormat
+from mixprec.precision.formats import FORMATS, FloatFormat
 
 # fp32 spans 2^-149 (smallest subnormal) to 2^127; values are binned from their fp32 bit pattern, and fp64
 # values beyond fp32's range are kept at its extremes (they overflow or underflow every 16-bit format anyway,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from mixprec.diagnostics.formats import BF16, FP16
 from mixprec.diagnostics.histogram import E_MIN, LogHistogram
+from mixprec.precision.formats import BF16, FP16
 
 _PANELS = (
     ("act_grad", "activation gradients"),

@@ -12,10 +12,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mixprec.diagnostics.formats import FORMATS, FP16, loss_scale_for
 from mixprec.diagnostics.histogram import LogHistogram
 from mixprec.diagnostics.nonfinite import NonfiniteEvent
 from mixprec.diagnostics.report import LayerStats
+from mixprec.precision.formats import FORMATS, FP16, loss_scale_for
 
 MAX_SCALE_EXP = 24
 """Initial scales are capped at 2^24: past it, fp32 loss * scale itself starts to overflow on large losses,

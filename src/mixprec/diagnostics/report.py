@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mixprec.diagnostics.collect import LayerMeasurements
-from mixprec.diagnostics.formats import BF16, FP16
 from mixprec.diagnostics.histogram import LogHistogram
 from mixprec.diagnostics.histogram_plot import plot_magnitudes
 from mixprec.diagnostics.hooks import display_name
 from mixprec.diagnostics.nonfinite import NonfiniteEvent
+from mixprec.precision.formats import BF16, FP16
 
 
 def _frac(h: LogHistogram, fn: str, *args: Any) -> float | None:

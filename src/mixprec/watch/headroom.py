@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics.formats import FloatFormat
 from mixprec.diagnostics.histogram import DeviceHistogram, LogHistogram, to_host
 from mixprec.diagnostics.hooks import HookRegistry, display_name
+from mixprec.precision.formats import FloatFormat
 
 _RECENT = 4
 """A tensor a module returns is often returned again by its parent right after (a Sequential's last child);

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from mixprec.diagnostics.formats import FORMATS
+from mixprec.precision.formats import FORMATS
 
 DEFAULT_EVERY = 100
 """Sampled steps are ~2x a plain step on CPU (a histogram pass over every module's output and output
