@@ -48,3 +48,22 @@ def test_a_bf16_run_is_measured_against_bf16s_range(precision, caplog):
 def test_an_fp16_policy_is_measured_against_fp16s_range():
     watch = _watched("fp16:fp32_ops=attention")
     assert watch.fmt is FP16 and {s.fmt for s in watch.samples} == {"fp16"}
+
+
+def test_auto_is_measured_against_its_narrowest_candidate_then_against_its_choice():
+    from mixprec.precision.decision import AutoDecision
+
+    torch.manual_seed(0)
+    model = GPT.from_preset("tiny")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    acc = Accelerator(mixed_precision="auto", cpu=True, watch=WATCH, verbose=False)
+    model, opt = acc.prepare(model, opt)
+    narrowest = min((p.compute_format for p in acc.precision.options()), key=lambda f: f.max)
+    assert not acc.precision.decided and acc.watch.fmt is narrowest
+    # a recorded decision (as a resumed run adopts it): no race, the run computes in bf16 from here on
+    acc.precision.adopt(AutoDecision(chosen="bf16", step_seconds={}, device="cpu", source="checkpoint"))
+    ids = random_batch(torch.Generator().manual_seed(1), 2, 16)
+    acc.backward(model(input_ids=ids, labels=ids).loss)
+    opt.step()
+    acc.watch.close()
+    assert acc.watch.fmt is BF16
