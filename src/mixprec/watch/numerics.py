@@ -17,7 +17,7 @@ from torch import nn
 
 from mixprec.watch.precursors import InstabilityWarning, PrecursorJudge, PrecursorProbe
 from mixprec.watch.settings import WatchConfig
-from mixprec.watch.stagnation import StagnationProbe, StagnationWarning, stagnant_fractions, stagnation_message
+from mixprec.watch.stagnation import FIXES, StagnationProbe, StagnationWarning, stagnant_fractions, stagnation_message
 
 logger = logging.getLogger("mixprec.watch")
 
@@ -56,8 +56,9 @@ class NumericsChecks:
         fields = {f"watch/{k}/stagnant": v for k, v in stagnant.items()}
         for k, v in host_readings.items():
             fields["watch/log_z" if k == "log_z" else f"watch/{k.removeprefix('attn:')}/attn_logit_max"] = v
+        fixes = self.fixes() if self.fixes is not None else FIXES
         stagnating = [
-            StagnationWarning(layer, step, frac, self.stagnation.dtypes.get(layer, "?"), *self._fixes())
+            StagnationWarning(layer, step, frac, self.stagnation.dtypes.get(layer, "?"), fixes)
             for layer, frac in stagnant.items()
             if frac >= self.stagnation_warn and layer not in self.stagnant_warned
         ]
@@ -68,9 +69,6 @@ class NumericsChecks:
         for w in precursors:
             logger.warning(w.message())
         return {"step": step, "stagnant": stagnant, **host_readings}, fields, [*stagnating, *precursors]
-
-    def _fixes(self) -> tuple[str, ...]:
-        return (self.fixes(),) if self.fixes is not None else ()
 
     def state_dict(self) -> dict[str, Any]:
         return {"stagnant_warned": sorted(self.stagnant_warned), "precursors_warned": sorted(self.judge.warned),
