@@ -56,7 +56,6 @@ _POLICY_BASE = "bf16"
 
 class AutoPrecision(Precision):
     """ "auto": the fastest safe candidate, measured on the training step; the safest one until then."""
-    decided = property(lambda self: self._chosen is not None)  # until then, the facts are the current mode's
     update_rounding = property(lambda self: self.current.update_rounding)  # type: ignore[assignment]
     hf_flags = property(lambda self: self.current.hf_flags)  # type: ignore[assignment]
 

@@ -165,8 +165,9 @@ class Precision:
 
     @property
     def decided(self) -> bool:
-        """Whether these facts are the run's for good (only "auto" answers for a mode it may still change)."""
-        return True
+        """Whether these facts are the run's for good: one option left. "auto" answers each fact for its current
+        mode (its safest candidate before the race, a trial's during it) and is decided once it has chosen."""
+        return len(self.options()) == 1
 
     def autocast_kwargs(self) -> dict[str, Any]:
         """The arguments of ``torch.autocast`` this mode's forward runs under (``enabled=False`` without)."""
