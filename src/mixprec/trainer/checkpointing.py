@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec.accelerator.state_checks import folder_problem
+from mixprec.checkpoint.folder_checks import folder_problem
 from mixprec.checkpoint import CheckpointError, DiskFullError, FolderLock, load_json, lock_folder, recover
 from mixprec.checkpoint.folders import NumberedFolders
 from mixprec.strategies.restarts import agree_on_number, restarted_anywhere

@@ -13,8 +13,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mixprec.accelerator.model_part import completed, saved_keys
 from mixprec.checkpoint import load_tensors, save_json, save_tensors
+from mixprec.checkpoint.model_part import completed, saved_keys
 from mixprec.strategies.dcp_state import MODEL_DIR, load_sharded_state
 
 if TYPE_CHECKING:
