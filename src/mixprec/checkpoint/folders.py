@@ -32,6 +32,7 @@ from pathlib import Path
 
 from mixprec.checkpoint.atomic import recover
 from mixprec.checkpoint.folder_checks import META, folder_problem
+from mixprec.checkpoint.formats import CheckpointError
 from mixprec.checkpoint.manifest import read_manifest
 
 logger = logging.getLogger("mixprec.checkpoint")
@@ -151,6 +152,37 @@ class NumberedFolders:
         if result.skipped:
             logger.warning("%s", result.describe_skipped())
         return result
+
+    def resolve_resume(
+        self, resume: bool | str | os.PathLike[str] | None, *, recover_first: bool = True
+    ) -> Path | None:
+        """What ``train(resume_from_checkpoint=resume)`` resumes from: ``None``/``False``: nothing (start fresh).
+        ``True``: :meth:`find_resumable`'s folder (ValueError if none passes). A path: that folder, which must
+        look complete (CheckpointError saying which file is wrong; loading then verifies every byte)."""
+        if resume is None or resume is False:
+            return None
+        if resume is True:
+            found = self.find_resumable(recover_first=recover_first)
+            if found.checkpoint is None:
+                why = f" ({found.describe_skipped()})" if found.skipped else ""
+                raise ValueError(
+                    f"train(resume_from_checkpoint=True): no complete {self.prefix}N folder in {str(self.root)!r}"
+                    f"{why}; train without resume_from_checkpoint to start fresh"
+                )
+            return found.checkpoint
+        path = Path(resume)
+        if recover_first:
+            recover(path)
+        if not path.is_dir():
+            raise ValueError(f"train(resume_from_checkpoint={str(path)!r}): no such folder")
+        # the cheap check here (sizes); the load reads and verifies every byte (no third read of the folder)
+        problem = None if self.is_complete(path) else (self.verify(path) or "it lacks the trainer's files")
+        if problem is not None:
+            raise CheckpointError(
+                f"train(resume_from_checkpoint={str(path)!r}): the folder is not a complete checkpoint ({problem}); "
+                "use resume_from_checkpoint=True for the newest one that is"
+            )
+        return path
 
     def prune(self, keep: int | None, protect: str | os.PathLike[str] | None = None) -> list[Path]:
         """The one keep-k policy: delete the oldest complete folders until ``keep`` are left (None keeps all),

@@ -40,10 +40,11 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from mixprec.checkpoint.background import BackgroundWriter
-from mixprec.checkpoint.folder_checks import RunState
+from mixprec.checkpoint.folder_checks import MODEL_DIR, RunState, name_of
 from mixprec.checkpoint.folder_format import load_state, save_state
 from mixprec.checkpoint.folders import NumberedFolders, automatic_folders
-from mixprec.checkpoint.formats import CheckpointError, load_json
+from mixprec.checkpoint.formats import CheckpointError, load_json, load_tensors
+from mixprec.checkpoint.model_part import completed, saved_keys
 
 logger = logging.getLogger("mixprec.accelerator")
 
@@ -246,6 +247,22 @@ class CheckpointManager:
         meta = load_state(run, path)
         self._restore_iteration(path)
         return meta
+
+    def load_weights(self, folder: str | Path, model: torch.nn.Module) -> None:
+        """Only ``model``'s weights out of a checkpoint folder (the Trainer's ``load_best_model_at_end``), through
+        the distributed strategy: a sharded state's pieces on each process, else the main file, completed from
+        the model itself where it holds a peft model's adapters only. Collective."""
+        folder, strategy = Path(folder), self._run().strategy
+        if (folder / MODEL_DIR.format(0)).is_dir():  # fsdp_state_dict_type="sharded": each process its pieces
+            strategy.load_shards([model], [], folder)
+            return
+        path = folder / name_of("model", 0, "safetensors")
+        if saved_keys(model) is None:
+            read = lambda: load_tensors(path, device=strategy.device)  # noqa: E731
+        else:  # a peft model's checkpoint holds its adapters: the frozen base is the model's own
+            weights = completed(strategy, model, load_tensors(path, device=strategy.device))
+            read = lambda: weights  # noqa: E731
+        strategy.load_model_state_dict(model, read)
 
     def _restore_iteration(self, folder: Path) -> None:
         """After loading ``folder``: the next save goes after the one loaded (and never back below the
