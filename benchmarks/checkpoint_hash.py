@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-import mixprec.accelerator.state as state_module
+import mixprec.checkpoint.folder_format as state_module
 from mixprec import Accelerator
 from mixprec.checkpoint import verify_manifest
 

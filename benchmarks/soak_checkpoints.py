@@ -44,7 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from mixprec import Trainer, TrainingArguments  # noqa: E402
 from mixprec.checkpoint import verify_manifest  # noqa: E402
-from mixprec.trainer.checkpointing import find_resumable, step_of  # noqa: E402
+from mixprec.checkpoint.folders import trainer_folders  # noqa: E402
 
 MAX_STEPS = 12
 ASYNC_SAVE = False  # --async-save: every checkpoint written by the background writer (TrainingArguments(async_save))
@@ -100,7 +100,7 @@ def identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def finish(out: Path, precision: str) -> tuple[dict[str, torch.Tensor], str | None]:
     """Resume ``out`` to the end (fresh if there is no checkpoint); (final parameters, checkpoint used)."""
-    start = find_resumable(out).checkpoint
+    start = trainer_folders(out).find_resumable().checkpoint
     with contextlib.redirect_stderr(io.StringIO()):  # the banner and summary of each resumed run
         t = trainer(out, precision, save_strategy="no")
         t.train(resume_from_checkpoint=True if start is not None else None)
@@ -156,7 +156,7 @@ def what_the_kill_left(out: Path) -> str:
         return "between a save's two renames"
     if any(n.endswith(".deleting") for n in names):
         return "while pruning"
-    if not any(step_of(out / n) is not None for n in names):
+    if not any(trainer_folders(out).number_of(out / n) is not None for n in names):
         return "before the first checkpoint"
     return "between saves"
 
@@ -215,7 +215,7 @@ def flip_trials(base: Path, n: int, precision: str, full: Path, reference: dict,
         data[offset] ^= rng.randint(1, 255)
         victim.write_bytes(bytes(data))
         victims[victim.name] += 1
-        found = find_resumable(out)
+        found = trainer_folders(out).find_resumable()
         final, start = finish(out, precision)
         if found.checkpoint != out / f"checkpoint-{k - 1}" or [p.name for p, _ in found.skipped] != [newest.name]:
             failures.append(f"flip {i}: byte {offset} of {victim.name} in checkpoint-{k}: chose {start}")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import mixprec.accelerator.state as state_module
+import mixprec.checkpoint.folder_format as state_module
 from conftest import TinyLM
 from mixprec import Accelerator, DistributedType
 from mixprec.checkpoint import UnsafeCheckpointError, write_manifest

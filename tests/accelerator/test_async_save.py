@@ -1,4 +1,4 @@
-"""save_state(async_save=True) (accelerator/state.py, checkpoint/background.py): the step goes on while the
+"""save_state(async_save=True) (checkpoint/folder_format.py, checkpoint/background.py): the step goes on while the
 folder is written; the folder is the state at the save, complete or absent; failures are raised, never lost."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import mixprec.accelerator.state as state_module
+import mixprec.checkpoint.folder_format as state_module
 from conftest import SEQ, VOCAB, TinyLM, TinyOutput
 from mixprec import Accelerator, Trainer, TrainingArguments
 from mixprec.checkpoint import load_tensors, verify_manifest
@@ -112,7 +112,7 @@ def test_a_script_that_exits_with_a_save_in_flight_still_commits_it(tmp_path):
     script = f"""
 import sys, torch
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
-import mixprec.accelerator.state as state_module
+import mixprec.checkpoint.folder_format as state_module
 from mixprec import Accelerator
 real = state_module.save_tensors
 def slow(*args, **kwargs):

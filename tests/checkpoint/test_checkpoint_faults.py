@@ -21,6 +21,7 @@ import torch
 import mixprec.checkpoint.atomic as atomic_module
 from mixprec import Trainer, TrainingArguments
 from mixprec.checkpoint import CheckpointError, begin, load_json, load_torch, save_tensors, save_torch
+from mixprec.checkpoint.folders import trainer_folders
 from resumable_loop import run, setup
 from trainer_utils import assert_bit_identical, flat_params, make_examples, make_model
 
@@ -136,9 +137,7 @@ def test_1_a_save_never_deletes_another_live_processs_temporary_folder(tmp_path)
 def test_2_a_crash_between_the_renames_is_recovered_before_the_listing(tmp_path, reference):
     out = _copy_run(reference[0], tmp_path / "run")
     os.rename(out / "checkpoint-4", out / ".checkpoint-4.old")
-    from mixprec.trainer.checkpointing import find_resumable
-
-    found = find_resumable(out)
+    found = trainer_folders(out).find_resumable()
     assert found.checkpoint == out / "checkpoint-4" and not found.skipped
     assert not (out / ".checkpoint-4.old").exists()
 
@@ -311,6 +310,4 @@ def test_a_checkpoint_written_before_manifests_is_accepted_with_a_warning(tmp_pa
     assert "checkpoint-4 has no manifest.json (written by an older mixprec)" in caplog.text
     assert_bit_identical(flat_params(trainer.model), reference[1])
     (out / "checkpoint-4" / "rng_state_0.pt").unlink()  # without a manifest, the required files still count
-    from mixprec.trainer.checkpointing import find_resumable
-
-    assert find_resumable(out).checkpoint == out / "checkpoint-2"
+    assert trainer_folders(out).find_resumable().checkpoint == out / "checkpoint-2"

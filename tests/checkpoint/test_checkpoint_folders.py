@@ -13,8 +13,7 @@ import torch
 
 from mixprec import Accelerator, ProjectConfiguration
 from mixprec.checkpoint import atomic_dir, write_manifest
-from mixprec.checkpoint.folders import NumberedFolders
-from mixprec.trainer.checkpointing import folders as trainer_folders
+from mixprec.checkpoint.folders import NumberedFolders, trainer_folders
 
 
 def _write(root: Path, name: str, files: dict[str, str]) -> Path:

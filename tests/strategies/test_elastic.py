@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from mixprec import Accelerator, Trainer, TrainerCallback, TrainingArguments
+from mixprec.checkpoint.folders import trainer_folders
 from mixprec.strategies.peers import PeerLostError, explain, is_collective_failure, silent_ranks
 from mixprec.strategies.restarts import restarted_by_launcher
-from mixprec.trainer import checkpointing as ckpt
 from trainer_utils import assert_bit_identical, make_examples, make_model
 
 WORKER = Path(__file__).with_name("elastic_worker.py")
@@ -268,7 +268,7 @@ def test_a_stuck_peer_ends_the_survivor_within_the_timeout_naming_its_rank(tmp_p
     assert message.startswith("PeerLostError: rank 0: rank 1 did not answer"), message
     # the 5 s timeout, plus up to 5 s asking the store who is missing, plus a loaded machine's slack
     assert float(stamp) - hung_at < 5 + 5 + 10
-    assert ckpt.latest_checkpoint(tmp_path / "run").name == "checkpoint-3"  # the checkpoint is intact
+    assert trainer_folders(tmp_path / "run").latest().name == "checkpoint-3"  # the checkpoint is intact
 
 
 def test_mixprec_train_restarted_by_the_launcher_resumes_its_run(
@@ -380,7 +380,7 @@ def test_mixprec_train_on_two_nodes_survives_a_killed_worker_and_resumes(tmp_pat
     assert "already holds a run" not in logs[0] + logs[1]
     summary = json.loads((run / "run.json").read_text())["summary"]
     # 10 epochs of 8 chunks, 2 x 2 chunks a step: 20 steps, the last checkpoint at the end
-    assert ckpt.step_of(ckpt.latest_checkpoint(run)) == summary["global_step"] == 20, summary
+    assert trainer_folders(run).number_of(trainer_folders(run).latest()) == summary["global_step"] == 20, summary
 
 
 @pytest.mark.distributed
@@ -433,8 +433,9 @@ def test_a_lost_node_stops_the_other_cleanly_with_the_checkpoint_intact(tmp_path
     assert len(errors) == 1 and "did not answer" in errors[0].read_text(), errors
     lost = 1 - int(errors[0].stem[-1])
     assert f"rank {lost} did not answer" in errors[0].read_text()
-    latest = ckpt.latest_checkpoint(tmp_path / "run")
-    assert latest is not None and latest.name == "checkpoint-3" and ckpt.verify_checkpoint(latest) is None
+    latest = trainer_folders(tmp_path / "run").latest()
+    assert latest is not None and latest.name == "checkpoint-3"
+    assert trainer_folders(latest.parent).verify(latest) is None
 
 
 @pytest.mark.distributed
@@ -456,8 +457,9 @@ def test_sigterm_to_the_launcher_saves_then_ends_with_143_and_no_traceback(tmp_p
     assert rc == 143, text[-3000:]
     assert "Traceback" not in text and "stopped by signal 15 at step" in text
     stopped_at = int(text.split("stopped by signal 15 at step ")[1].split(";")[0])
-    latest = ckpt.latest_checkpoint(tmp_path / "run")  # the checkpoint taken at the stop, complete
-    assert latest is not None and ckpt.step_of(latest) == stopped_at and ckpt.verify_checkpoint(latest) is None
+    latest = trainer_folders(tmp_path / "run").latest()  # the checkpoint taken at the stop, complete
+    assert latest is not None and trainer_folders(latest.parent).number_of(latest) == stopped_at
+    assert trainer_folders(latest.parent).verify(latest) is None
 
 
 def test_mixprec_train_on_several_nodes_needs_a_shared_output_dir(

@@ -23,7 +23,7 @@ from trainer_kill_script import MAX_STEPS, SAVE_STEPS, build_trainer
 
 from mixprec import Trainer, TrainingArguments
 from mixprec.checkpoint import CheckpointError, UnsafeCheckpointError, load_tensors, write_manifest
-from mixprec.trainer.checkpointing import is_complete, latest_checkpoint, list_checkpoints, resolve_resume
+from mixprec.checkpoint.folders import trainer_folders
 from mixprec.trainer.logging import read_metrics
 from trainer_utils import assert_bit_identical, flat_params, make_examples, make_model
 
@@ -99,7 +99,7 @@ def _resume(out: Path, precision: str) -> Trainer:
 def test_resume_after_kill_9_is_bit_identical_fp16(runs):
     out, status, _ = runs["kill"]
     assert status == -signal.SIGKILL
-    start = latest_checkpoint(out / "run")
+    start = trainer_folders(out / "run").latest()
     assert start is not None and start.name == f"checkpoint-{SAVE_STEPS}"  # killed before the next one
     logged = [e["step"] for e in read_metrics(out / "run" / "metrics.jsonl") if "loss" in e]
     assert logged == list(range(1, SAVE_STEPS + 2))  # one step past the checkpoint, then killed
@@ -116,7 +116,7 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint_loadable_fp32(runs):
     out, status, _ = runs["kill-in-save"]
     assert status == -signal.SIGKILL
     run = out / "run"
-    assert [p.name for p in list_checkpoints(run)] == [f"checkpoint-{SAVE_STEPS}"]
+    assert [p.name for p in trainer_folders(run).complete()] == [f"checkpoint-{SAVE_STEPS}"]
     assert not (run / f"checkpoint-{2 * SAVE_STEPS}").exists()  # the half-written one never took the name
     assert list(run.glob(f".checkpoint-{2 * SAVE_STEPS}.tmp-*")), "the kill should have left the staging folder"
     trainer = _resume(out, "fp32")
@@ -129,7 +129,7 @@ def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(runs):
     assert status == 128 + signal.SIGTERM, log[-2000:]
     assert "Traceback" not in log
     assert "stopped by signal 15" in log
-    saved = latest_checkpoint(out / "run")
+    saved = trainer_folders(out / "run").latest()
     state = json.loads((saved / "trainer_state.json").read_text())
     assert saved.name == "checkpoint-2" and state["global_step"] == 2  # the step the signal arrived in
     trainer = _resume(out, "fp16")  # and the checkpoint it took continues exactly
@@ -243,12 +243,12 @@ def test_resume_true_takes_the_latest_complete_checkpoint(tmp_path):
     Trainer(make_model(), _args(out, max_steps=3, save_steps=1), train_dataset=make_examples(16)).train()
     (out / "checkpoint-3" / "trainer_extra.json").unlink()  # damaged: not complete
     shutil.copytree(out / "checkpoint-2", out / ".checkpoint-4.tmp-123")  # a crashed save's staging folder
-    assert not is_complete(out / "checkpoint-3")
-    assert resolve_resume(True, str(out)) == out / "checkpoint-2"
+    assert not trainer_folders(out).is_complete(out / "checkpoint-3")
+    assert trainer_folders(out).resolve_resume(True) == out / "checkpoint-2"
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
-        resolve_resume(str(out / "checkpoint-3"), str(out))
+        trainer_folders(out).resolve_resume(str(out / "checkpoint-3"))
     with pytest.raises(ValueError, match="no complete checkpoint-N folder"):
-        resolve_resume(True, str(tmp_path / "empty"))
+        trainer_folders(tmp_path / "empty").resolve_resume(True)
     trainer = Trainer(make_model(), _args(out, max_steps=4, save_steps=1), train_dataset=make_examples(16))
     trainer.train(resume_from_checkpoint=True)
     assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [1, 2, 3, 4]
@@ -280,7 +280,7 @@ def test_load_best_model_at_end_keeps_and_restores_the_best_checkpoint(tmp_path)
     best_step = min(evals, key=evals.get)
     assert trainer.state.best_metric == evals[best_step] and trainer.state.best_global_step == best_step
     assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best_step}")
-    kept = {p.name for p in list_checkpoints(tmp_path)}
+    kept = {p.name for p in trainer_folders(tmp_path).complete()}
     assert kept == {f"checkpoint-{best_step}", "checkpoint-6"} if best_step != 6 else {"checkpoint-6"}
     weights = load_tensors(tmp_path / f"checkpoint-{best_step}" / "model.safetensors")
     assert_bit_identical(flat_params(trainer.model), weights)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mixprec import ConsecutiveSkipsError, Trainer, TrainerCallback, TrainingArguments
-from mixprec.trainer.checkpointing import is_complete, list_checkpoints
+from mixprec.checkpoint.folders import trainer_folders
 from trainer_utils import SEQ, VOCAB, accuracy, make_examples, make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
@@ -236,9 +236,9 @@ def test_consecutive_skips_beyond_the_limit_stop_with_the_layer_named(tmp_path):
     trainer = Trainer(model, args, train_dataset=make_examples(64))
     with pytest.raises(ConsecutiveSkipsError, match=r"Trainer stopped at step 3.*hidden\.weight.*checkpoint-2"):
         trainer.train()
-    saved = list_checkpoints(tmp_path / "out")
+    saved = trainer_folders(tmp_path / "out").complete()
     assert [p.name for p in saved] == ["checkpoint-1", "checkpoint-2"]  # nothing written for the failed state
-    assert all(is_complete(p) for p in saved)
+    assert all(trainer_folders(tmp_path / "out").is_complete(p) for p in saved)
     assert not list((tmp_path / "out").glob(".checkpoint-3*"))
 
 
@@ -422,7 +422,8 @@ def test_sigterm_saves_then_raises_training_interrupted_not_system_exit(tmp_path
         pytest.fail(f"train() raised SystemExit({exit_.code}) on SIGTERM")
     except TrainingInterrupted as stop:
         assert (stop.signum, stop.exit_status, stop.step) == (signal.SIGTERM, 143, 2)
-        assert stop.checkpoint == str(tmp_path / "out" / "checkpoint-2") and is_complete(stop.checkpoint)
+        assert stop.checkpoint == str(tmp_path / "out" / "checkpoint-2")
+        assert trainer_folders(tmp_path / "out").is_complete(stop.checkpoint)
         assert "trainer.train(resume_from_checkpoint=True)" in str(stop)
     else:
         pytest.fail("train() returned as if the run had finished")

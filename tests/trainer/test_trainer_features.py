@@ -13,7 +13,7 @@ import torch
 
 from mixprec import GPT, EarlyStoppingCallback, Trainer, TrainerControl, TrainingArguments
 from mixprec.checkpoint import load_tensors
-from mixprec.trainer.checkpointing import list_checkpoints
+from mixprec.checkpoint.folders import trainer_folders
 from mixprec.trainer.data import ShardedStream
 from trainer_utils import SEQ, VOCAB, flat_params, make_examples, make_model
 
@@ -97,7 +97,7 @@ def test_save_strategy_best_saves_only_new_bests(tmp_path):
     trainer = scripted(tmp_path, [1.0, 1.2, 0.8, 0.9], save_strategy="best", metric_for_best_model="loss")
     trainer.args.max_steps = 4
     trainer.train()
-    assert [p.name for p in list_checkpoints(trainer.args.output_dir)] == ["checkpoint-1", "checkpoint-3"]
+    assert [p.name for p in trainer_folders(trainer.args.output_dir).complete()] == ["checkpoint-1", "checkpoint-3"]
 
 
 # -- model_init, train() twice, one model in two Trainers -----------------------------------------------------

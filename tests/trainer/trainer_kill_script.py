@@ -49,7 +49,7 @@ class Pace(TrainerCallback):
 
 def hang_in_second_save(out: Path) -> None:
     """Patch the Accelerator's JSON writer so that writing checkpoint-8's trainer state never finishes."""
-    import mixprec.accelerator.state as state_module
+    import mixprec.checkpoint.folder_format as state_module
 
     original = state_module.save_json
 

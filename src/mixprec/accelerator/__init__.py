@@ -4,11 +4,11 @@
 ``accelerator`` (the facade) with ``processes`` (its process-side methods: topology, collectives, which
 process runs what) and ``outputs`` (what it writes and reads: save_state/load_state, save_model, trackers),
 ``config`` (settings), ``prepared`` (the prepared model's forward, the prepared optimizer and scheduler),
-``gradients`` (the accumulation schedule, its plugin and clipping), ``step_in_backward``, ``state`` and
-``state_checks`` (the save_state / load_state format), ``model_part`` (a peft model's saved part),
-``checkpoints`` and ``project`` (automatic checkpoint naming, state hooks), ``saving`` (save_model's HF
-layout), ``lifecycle`` (what prepare accepts or refuses, free_memory), ``accelerate_compat`` (accelerate's own
-objects, and ``profile()``). Distribution lives in :mod:`mixprec.strategies`, DataLoaders in
+``gradients`` (the accumulation schedule, its plugin and clipping), ``step_in_backward``, ``project``
+(accelerate's ProjectConfiguration: settings the checkpoint manager reads; checkpoints themselves, their
+format, numbering and pruning, are :mod:`mixprec.checkpoint`'s), ``saving`` (save_model's HF layout),
+``lifecycle`` (what prepare accepts or refuses, free_memory), ``accelerate_compat`` (accelerate's own objects,
+and ``profile()``). Distribution lives in :mod:`mixprec.strategies`, DataLoaders in
 :mod:`mixprec.loaders`, experiment trackers in :mod:`mixprec.tracking`.
 """
 

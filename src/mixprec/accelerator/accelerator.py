@@ -33,7 +33,6 @@ from torch.utils.data import DataLoader
 from mixprec import wiring
 from mixprec.accelerator import accelerate_compat
 from mixprec.accelerator.accelerate_compat import SharedState, adopt, autocast_for, read_handlers
-from mixprec.accelerator.checkpoints import StateCheckpoints
 from mixprec.accelerator.config import AcceleratorConfig, scheduler_rule
 from mixprec.accelerator.gradients import GradientAccumulationPlugin, GradientState
 from mixprec.accelerator.lifecycle import check_preparable, object_kind
@@ -48,8 +47,9 @@ from mixprec.accelerator.prepared import (
 )
 from mixprec.accelerator.processes import ProcessMethods
 from mixprec.accelerator.project import ProjectConfiguration
-from mixprec.accelerator.state_checks import Registry
 from mixprec.accelerator.step_in_backward import REFUSALS, BackwardStepper
+from mixprec.checkpoint.folder_checks import Registry
+from mixprec.checkpoint.manager import CheckpointManager
 from mixprec.loaders.data import PreparedDataLoader, prepare_dataloader, skip_first_batches
 from mixprec.loaders.data_config import DataLoaderConfiguration
 from mixprec.precision.base import Precision
@@ -177,7 +177,7 @@ class Accelerator(ProcessMethods, OutputMethods):
         project = project_config if project_config is not None else ProjectConfiguration(project_dir=project_dir)
         if project_dir is not None and project.project_dir is None:
             project.set_directories(project_dir)
-        self._checkpoints = StateCheckpoints(project)
+        self._checkpoints = CheckpointManager(self._run_state, project)
         self._trackers = Trackers(log_with, project.logging_dir, self._strategy.is_main_process)
         self._trigger = False
         self.state = AcceleratorState(self._strategy, self._precision)

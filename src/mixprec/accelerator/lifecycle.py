@@ -15,7 +15,7 @@ from mixprec.loaders.data import PreparedDataLoader
 
 if TYPE_CHECKING:
     from mixprec.accelerator.gradients import GradientState
-    from mixprec.accelerator.state_checks import Registry
+    from mixprec.checkpoint.folder_checks import Registry
     from mixprec.precision.base import Precision
 
 _ACCEPTED = (

@@ -1,6 +1,6 @@
-"""What an Accelerator writes and reads, with accelerate's names: ``save_state`` / ``load_state`` (one atomic
-folder, :mod:`mixprec.accelerator.state`), the project folder, automatic checkpoint naming and its hooks
-(:mod:`mixprec.accelerator.checkpoints`), the elastic resume, ``save_model`` (the HF layout,
+"""What an Accelerator writes and reads, with accelerate's names: ``save_state`` / ``load_state``, the project
+folder, automatic checkpoint naming and its hooks (all asked of its checkpoint manager,
+:mod:`mixprec.checkpoint.manager`), the elastic resume, ``save_model`` (the HF layout,
 :mod:`mixprec.accelerator.saving`), the experiment trackers' logs (:mod:`mixprec.tracking.trackers`),
 ``free_memory`` and ``end_training``.
 
@@ -18,18 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec.accelerator.checkpoints import check_checkpointable
 from mixprec.accelerator.lifecycle import release_prepared
 from mixprec.accelerator.saving import save_model
-from mixprec.accelerator.state_checks import RunState
+from mixprec.checkpoint.folder_checks import Registry, RunState
+from mixprec.checkpoint.manager import CheckpointManager, check_checkpointable
 from mixprec.strategies.restarts import agree_on_number, restarted_anywhere
 
 if TYPE_CHECKING:
-    from mixprec.accelerator.checkpoints import StateCheckpoints
     from mixprec.accelerator.gradients import GradientState
     from mixprec.accelerator.prepared import PreparedOptimizer, PreparedScheduler
     from mixprec.accelerator.project import ProjectConfiguration
-    from mixprec.accelerator.state_checks import Registry
     from mixprec.loaders.data import PreparedDataLoader
     from mixprec.precision.base import Precision
     from mixprec.strategies.strategy import DistributedStrategy
@@ -42,7 +40,7 @@ class OutputMethods:
     """Saving, loading and logging an Accelerator's run (see the module doc)."""
 
     device: torch.device
-    _checkpoints: StateCheckpoints
+    _checkpoints: CheckpointManager
     _trackers: Trackers
     _registry: Registry
     _strategy: DistributedStrategy
@@ -100,29 +98,39 @@ class OutputMethods:
         async_save: bool = False,
     ) -> Path:
         """Save models, optimizers, schedulers, scaler, data positions and RNG states, atomically (see
-        :mod:`mixprec.accelerator.state`); with no ``output_dir``, to the project's next automatic checkpoint
-        (:mod:`mixprec.accelerator.project`). ``safe_serialization=False`` writes the weights with torch.save.
-        ``extra_json={"name": obj}`` adds ``name.json`` to the folder. Collective: call it on every process.
+        :mod:`mixprec.checkpoint.folder_format`); with no ``output_dir``, to the project's next automatic
+        checkpoint, the oldest beyond ``total_limit`` deleted by the writer thread once it has landed
+        (:mod:`mixprec.checkpoint.manager`; a synchronous save returns after that deletion, as accelerate's).
+        ``safe_serialization=False`` writes the weights with torch.save. ``extra_json={"name": obj}`` adds
+        ``name.json`` to the folder. Collective: call it on every process.
         ``async_save=True``: returns once the state's tensors are taken; a background thread copies them to host
         memory (the next optimizer step waits for that copy, not for the write), then writes and commits the
         folder (it appears when complete; ``wait_for_checkpoint()`` waits for it). Weights changed outside the
         prepared optimizer's step before that step would reach the checkpoint."""
-        return self._checkpoints.save(
-            self._run_state(), output_dir, safe_serialization=safe_serialization, extra_json=extra_json,
-            async_save=async_save,
-        )  # fmt: skip
+        manager = self._checkpoints
+        path = manager.save(output_dir, safe_serialization=safe_serialization, extra_json=extra_json,
+                            async_save=async_save)  # fmt: skip
+        if not async_save and output_dir is None and manager.project.automatic_checkpoint_naming:
+            manager.wait()  # accelerate's contract: at most total_limit folders once save_state() returns
+        return path
+
+    @property
+    def checkpoints(self) -> CheckpointManager:
+        """This Accelerator's checkpoint manager (the folder format, numbering, keep-k pruning on the writer
+        thread, the hooks): what ``save_state`` / ``load_state`` ask, and what the Trainer asks directly."""
+        return self._checkpoints
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous ``save_state`` has committed its folder; raise its failure on every
         process. Collective. ``load_state`` and ``end_training`` call it themselves."""
-        self._checkpoints.wait(self._run_state())
+        self._checkpoints.wait()
 
     def load_state(self, input_dir: str | Path | None = None, *, map_location: str | None = None) -> dict[str, Any]:
         """Restore a folder written by ``save_state`` (either format; with no ``input_dir``, the project's newest
         automatic checkpoint) into the prepared objects (call after ``prepare``). Loads no pickled objects.
         ``map_location`` ("cpu" or "on_device", accelerate's values) is accepted: the state always lands on
         the devices of the parameters it belongs to. Collective."""
-        return self._checkpoints.load(self._run_state(), input_dir, map_location=map_location)
+        return self._checkpoints.load(input_dir, map_location=map_location)
 
     def resume_after_restart(self) -> Path | None:
         """The elastic pattern in one line: when ``torchrun --max-restarts=N`` restarted this worker group (a
@@ -136,14 +144,14 @@ class OutputMethods:
         if number < 0:
             logger.warning("restarted by the launcher, but no checkpoint was saved yet: starting afresh")
             return None
-        folder = self.project_configuration.checkpoint(number)
+        folder = self._checkpoints.automatic().folder(number)
         self.load_state(folder)
         logger.warning("restarted by the launcher: resumed from %s", folder)
         return folder
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
         """``hook(models, weights, output_dir)`` before ``save_state`` writes (see
-        :mod:`mixprec.accelerator.checkpoints`); returns a handle with ``remove()``."""
+        :mod:`mixprec.checkpoint.manager`); returns a handle with ``remove()``."""
         return self._checkpoints.register_save_hook(hook)
 
     def register_load_state_pre_hook(self, hook: Callable[..., None]) -> Any:
@@ -209,7 +217,7 @@ class OutputMethods:
         distributed script), once every process has reached this call. An asynchronous save still in flight
         is finished first (its failure raised after the group is left)."""
         try:
-            self._checkpoints.wait(self._run_state())
+            self._checkpoints.wait()
         finally:
             self._trackers.finish()
             self._strategy.close(wait_for_peers=True)

@@ -2,31 +2,53 @@
 complete, which is the newest, what a crash left half-committed, and which to delete.
 
 Both namings of mixprec go through :class:`NumberedFolders`, so they cannot drift apart: the Trainer's
-``<output_dir>/checkpoint-<step>`` and the Accelerator's automatic ``<project_dir>/checkpoints/checkpoint_<n>``
-(accelerate's name). The rules are the same for both:
+``<output_dir>/checkpoint-<step>`` (:func:`trainer_folders`: the Trainer, the command line's run folders and the
+watch's capsules all list through it) and the Accelerator's automatic
+``<project_dir>/checkpoints/checkpoint_<n>`` (:func:`automatic_folders`, accelerate's name). The rules are the
+same for both:
 
 - listing skips a folder that is not complete, by a cheap check that reads no file's bytes (every file its
   manifest lists is there with the listed size; a folder written before manifests needs its ``legacy`` files);
 - :meth:`NumberedFolders.recover` finishes commits a crash interrupted between the two renames of
   :func:`mixprec.checkpoint.atomic.commit`;
-- :meth:`NumberedFolders.prune` is called after the new folder is committed (a crash before it leaves one
-  folder too many, never one too few), keeps ``keep`` complete folders (the newest, and a protected one), and
-  renames each doomed folder out of the numbered namespace before deleting it, so a kill mid-delete never
-  leaves a damaged folder that looks like a checkpoint.
+- :meth:`NumberedFolders.find_resumable` is THE listing for a resume: the newest folder whose every byte
+  verifies (:func:`~mixprec.checkpoint.folder_checks.folder_problem`), each newer one skipped with its reason;
+- :meth:`NumberedFolders.prune` is the one keep-k policy. The checkpoint manager
+  (:mod:`mixprec.checkpoint.manager`) runs it on its writer thread once the new folder has landed (a crash
+  before it leaves one folder too many, never one too few); it keeps ``keep`` complete folders (the newest,
+  and a protected one), and renames each doomed folder out of the numbered namespace before deleting it, so a
+  kill mid-delete never leaves a damaged folder that looks like a checkpoint.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mixprec.checkpoint.atomic import recover
+from mixprec.checkpoint.folder_checks import META, folder_problem
+from mixprec.checkpoint.formats import CheckpointError
 from mixprec.checkpoint.manifest import read_manifest
 
+logger = logging.getLogger("mixprec.checkpoint")
+
 _DELETING = ".deleting"
+
+TRAINER_PREFIX = "checkpoint-"
+TRAINER_STATE = "trainer_state"
+"""``trainer_state.json``: HF's TrainerState (a ``save_state(extra_json=...)`` key, as the next two)."""
+TRAINER_EXTRA = "trainer_extra"
+"""``trainer_extra.json``: the Trainer's data position and running-loss window (an exact resume)."""
+TRAINER_ARGS = "training_args"
+"""``training_args.json``: the run's arguments, for people (never read back into the run)."""
+TRAINER_REQUIRED = (META, f"{TRAINER_STATE}.json", f"{TRAINER_EXTRA}.json")
+AUTOMATIC_DIR = "checkpoints"
+AUTOMATIC_PREFIX = "checkpoint_"
 
 
 def looks_complete(path: str | os.PathLike[str], required: Iterable[str] = (), legacy: Iterable[str] = ()) -> bool:
@@ -103,14 +125,76 @@ class NumberedFolders:
                 if self._aside(entry):
                     recover(self.root / entry.name[1 : -len(".old")])
 
+    def verify(self, path: str | os.PathLike[str]) -> str | None:
+        """None if ``path`` can be resumed from (every byte verifies against its manifest and it holds the
+        ``required`` files; or, written before manifests, its files are there), else why not, in a phrase.
+        Reads every file once."""
+        path = Path(path)
+        problem = folder_problem(path)
+        if problem is not None:
+            return problem
+        missing = [name for name in self.required if not (path / name).is_file()]
+        return f"{missing[0]} is missing (it is not a checkpoint the Trainer wrote)" if missing else None
+
+    def find_resumable(self, *, recover_first: bool = True) -> Resumable:
+        """THE listing for a resume: finish interrupted commits (``recover_first=False`` on processes other
+        than the main one, which does it), then the newest numbered folder :meth:`verify` passes. Logs a
+        warning naming each newer one skipped and why. Reads every file of the folders it checks."""
+        if recover_first:
+            self.recover()
+        result = Resumable(None)
+        for path in reversed(self.numbered()):  # complete or not: verify says why one is skipped
+            problem = self.verify(path)
+            if problem is None:
+                result.checkpoint = path
+                break
+            result.skipped.append((path, problem))
+        if result.skipped:
+            logger.warning("%s", result.describe_skipped())
+        return result
+
+    def resolve_resume(
+        self, resume: bool | str | os.PathLike[str] | None, *, recover_first: bool = True
+    ) -> Path | None:
+        """What ``train(resume_from_checkpoint=resume)`` resumes from: ``None``/``False``: nothing (start fresh).
+        ``True``: :meth:`find_resumable`'s folder (ValueError if none passes). A path: that folder, which must
+        look complete (CheckpointError saying which file is wrong; loading then verifies every byte)."""
+        if resume is None or resume is False:
+            return None
+        if resume is True:
+            found = self.find_resumable(recover_first=recover_first)
+            if found.checkpoint is None:
+                why = f" ({found.describe_skipped()})" if found.skipped else ""
+                raise ValueError(
+                    f"train(resume_from_checkpoint=True): no complete {self.prefix}N folder in {str(self.root)!r}"
+                    f"{why}; train without resume_from_checkpoint to start fresh"
+                )
+            return found.checkpoint
+        path = Path(resume)
+        if recover_first:
+            recover(path)
+        if not path.is_dir():
+            raise ValueError(f"train(resume_from_checkpoint={str(path)!r}): no such folder")
+        # the cheap check here (sizes); the load reads and verifies every byte (no third read of the folder)
+        problem = None if self.is_complete(path) else (self.verify(path) or "it lacks the trainer's files")
+        if problem is not None:
+            raise CheckpointError(
+                f"train(resume_from_checkpoint={str(path)!r}): the folder is not a complete checkpoint ({problem}); "
+                "use resume_from_checkpoint=True for the newest one that is"
+            )
+        return path
+
     def prune(self, keep: int | None, protect: str | os.PathLike[str] | None = None) -> list[Path]:
-        """Delete the oldest complete folders until ``keep`` are left (None keeps all), never ``protect`` (it
-        counts among the ``keep``, as HF's best checkpoint does). Call only after the newest folder is
-        committed. Returns what was deleted."""
+        """The one keep-k policy: delete the oldest complete folders until ``keep`` are left (None keeps all),
+        never ``protect`` (it counts among the ``keep``, as HF's best checkpoint does; HF's rule: with
+        ``keep=1`` and a protected folder that is not the newest, both stay). Call only after the newest
+        folder is committed (the manager runs it on its writer thread). Returns what was deleted."""
         if keep is None:
             return []
         found = self.complete()
         protected = Path(protect).resolve() if protect is not None else None
+        if keep == 1 and protected is not None and found and found[-1].resolve() != protected:
+            keep = 2
         deletable = [p for p in found if p.resolve() != protected]
         removed = []
         for path in deletable[: max(len(found) - keep, 0)]:
@@ -125,3 +209,33 @@ class NumberedFolders:
     def _aside(self, path: Path) -> bool:
         name = path.name
         return name.startswith(f".{self.prefix}") and name.endswith(".old") and self.number_of(name[1:-4]) is not None
+
+
+@dataclass
+class Resumable:
+    """What :meth:`NumberedFolders.find_resumable` found: the folder to resume from (None: none passes) and
+    the newer ones it skipped, each with the reason."""
+
+    checkpoint: Path | None
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+
+    def describe_skipped(self) -> str:
+        """One line: "skipped checkpoint-8 (model.safetensors does not match ...); resuming from checkpoint-4"."""
+        parts = "; ".join(f"{p.name}: {why}" for p, why in self.skipped)
+        then = f"resuming from {self.checkpoint.name}" if self.checkpoint else "no checkpoint is left to resume from"
+        return f"skipped damaged or incomplete checkpoints ({parts}); {then}"
+
+
+def trainer_folders(output_dir: str | os.PathLike[str]) -> NumberedFolders:
+    """The Trainer's ``<output_dir>/checkpoint-<step>`` folders: complete when they hold the Trainer's files.
+    The Trainer, ``mixprec train --resume`` and the watch's capsules all count through this one naming."""
+    return NumberedFolders(
+        output_dir, TRAINER_PREFIX, required=TRAINER_REQUIRED, legacy=(*TRAINER_REQUIRED, "rng_state_0.pt")
+    )
+
+
+def automatic_folders(project_dir: str | os.PathLike[str]) -> NumberedFolders:
+    """The Accelerator's automatic ``<project_dir>/checkpoints/checkpoint_<n>`` folders (accelerate's naming)."""
+    return NumberedFolders(
+        Path(project_dir) / AUTOMATIC_DIR, AUTOMATIC_PREFIX, required=(META,), legacy=(META, "rng_state_0.pt")
+    )

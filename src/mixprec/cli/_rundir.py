@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.checkpoint.atomic import write_atomically
+from mixprec.checkpoint.folders import trainer_folders
 from mixprec.cli._config_file import apply_config_file, dump_toml, explicit_flags
 from mixprec.cli.main import CliError
 from mixprec.models import GPT_PRESETS
@@ -70,16 +71,12 @@ def new_run_dir() -> Path:
 
 def _has_checkpoints(folder: Path) -> bool:
     """checkpoint-N folders, or one a crash left renamed aside (``.checkpoint-N.old``): a run either way."""
-    from mixprec.trainer.checkpointing import folders
-
-    return folders(folder).has_any()
+    return trainer_folders(folder).has_any()
 
 
 def resume_run_dir(resume: Any, output_dir: str | None) -> tuple[Path, Path | None]:
     """``(run_dir, checkpoint or None)`` that --resume names, from names alone (nothing is read or changed):
     True means --output-dir, or the newest run in runs/; a path is a run folder or one checkpoint-N in it."""
-    from mixprec.trainer.checkpointing import step_of
-
     if resume is True:
         if output_dir is not None:
             return Path(output_dir), None
@@ -94,7 +91,7 @@ def resume_run_dir(resume: Any, output_dir: str | None) -> tuple[Path, Path | No
         raise CliError(f"--resume {path}: a file, not a run folder or a checkpoint folder")
     if _has_checkpoints(path):
         run_dir, checkpoint = path, None
-    elif step_of(path) is not None:
+    elif trainer_folders(path.parent).number_of(path) is not None:
         run_dir, checkpoint = path.parent, path
     else:
         raise CliError(f"--resume {path}: neither a run folder with checkpoint-N folders nor a checkpoint folder")
@@ -108,19 +105,17 @@ def resume_checkpoint(run_dir: Path, checkpoint: Path | None) -> Path | None:
     crash between a save's renames is recovered first; damaged checkpoints are skipped with a warning
     line naming them and why. CliError when none is left. On other processes than the main one: the named
     checkpoint or None (then the Trainer's resume_from_checkpoint=True finds the same one)."""
-    from mixprec.trainer.checkpointing import find_resumable, verify_checkpoint
-
     if not is_main():  # the Trainer recovers on the main process, then every process lists after a barrier
         return checkpoint
     if checkpoint is not None:
-        problem = verify_checkpoint(checkpoint)
+        problem = trainer_folders(run_dir).verify(checkpoint)
         if problem is not None:
             raise CliError(
                 f"--resume {checkpoint}: not a complete checkpoint ({problem}); pass the run folder "
                 f"{checkpoint.parent} to resume from its newest intact checkpoint"
             )
         return checkpoint
-    found = find_resumable(run_dir)
+    found = trainer_folders(run_dir).find_resumable()
     if found.checkpoint is None:
         why = f" ({found.describe_skipped()})" if found.skipped else ""
         raise CliError(f"--resume: {run_dir} has no intact checkpoint-N folder to continue from{why}")

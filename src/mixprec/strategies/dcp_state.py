@@ -5,7 +5,7 @@
 and a wait for everyone else), every process writes its own shards into the unfinished folder, in one
 ``model_<i>.dcp/`` and one ``optimizer_<i>.dcp/`` subfolder per prepared object. The folder stays one atomic
 unit: the main process seals it (SHA-256 manifest over every file, shards included) only after every process
-reported its writes done, then renames it into place (:mod:`mixprec.accelerator.state`).
+reported its writes done, then renames it into place (:mod:`mixprec.checkpoint.folder_format`).
 
 Loading reshards: DCP reads, for each process, the pieces of the saved shards its own shard covers, so a state
 saved by N processes loads into M (FSDP2 with another process count, or a single process without FSDP, where
@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-MODEL_DIR = "model_{}.dcp"
-OPTIMIZER_DIR = "optimizer_{}.dcp"
+from mixprec.checkpoint.folder_checks import MODEL_DIR, OPTIMIZER_DIR  # the folder's layout has one home
 
 
 def save_sharded_state(
@@ -45,7 +44,7 @@ def load_sharded_state(
 ) -> None:
     """Read what :func:`save_sharded_state` wrote into the prepared ``models`` and ``optimizers``, resharding
     to this run's processes. DCP checks names and shapes object by object, so a mismatch found in a later
-    object leaves the earlier ones loaded (see :mod:`mixprec.accelerator.state`)."""
+    object leaves the earlier ones loaded (see :mod:`mixprec.checkpoint.folder_format`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -63,8 +62,3 @@ def load_sharded_state(
         dcp.load(state, checkpoint_id=str(folder / OPTIMIZER_DIR.format(i)))
         set_optimizer_state_dict(owner, optimizer, state)
 
-
-def missing_sharded_parts(folder: Path, models: int, optimizers: int) -> list[str]:
-    """The DCP subfolders a sharded save of that many objects should hold but ``folder`` lacks."""
-    names = [MODEL_DIR.format(i) for i in range(models)] + [OPTIMIZER_DIR.format(i) for i in range(optimizers)]
-    return [n for n in names if not (folder / n / ".metadata").is_file()]

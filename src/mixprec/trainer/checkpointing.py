@@ -1,29 +1,17 @@
-"""checkpoint-N folders: written whole or not at all, read back without unpickling, pruned safely.
+"""The Trainer's side of its ``checkpoint-<step>`` folders: the Trainer's own JSON files in them, and when it
+saves, resumes and locks.
 
-A checkpoint is one ``Accelerator.save_state`` folder, ``<output_dir>/checkpoint-<step>/``, with the
-trainer's JSON files written into the same atomic folder (``extra_json``)::
+A checkpoint is one ``Accelerator.save_state`` folder (its format, numbering, listing, resume lookup and
+keep-k pruning are the checkpoint manager's: :mod:`mixprec.checkpoint.manager`, with the Trainer's naming
+:func:`~mixprec.checkpoint.folders.trainer_folders`), and the Trainer's JSON files are written into the same
+atomic folder (``extra_json``)::
 
-    model.safetensors       the model (safetensors: no code can run on load)
-    optimizer.pt            optimizer state      } torch.load(weights_only=True): tensors and plain
-    scheduler.pt            LR scheduler state   } containers only; anything else is refused
-    rng_state_<rank>.pt     python/numpy/torch/CUDA generators of each process
-    scaler.json             loss scaler state and its step record
-    accelerator.json        data positions (epoch, batches handed out), accumulation counter
     trainer_state.json      TrainerState (HF's file name and fields)
     trainer_extra.json      the trainer's data position and running-loss window (an exact resume)
     training_args.json      the arguments of the run (for people; never read back into the run)
 
-The folder is staged as ``.checkpoint-<step>.tmp-*`` and renamed into place (see
-:mod:`mixprec.checkpoint.atomic`), so a kill at any instant leaves the previous checkpoints as they were and
-no ``checkpoint-*`` folder that is half written. Old checkpoints are pruned only after the new one is
-committed, and each is first renamed out of the ``checkpoint-*`` namespace, so a kill during the deletion
-cannot leave a damaged folder that looks like a checkpoint.
-
-Each folder ends with ``manifest.json`` (every file's size and SHA-256, written last). Resuming, from the
-Trainer (``resume_from_checkpoint=True``) or from the command line (``--resume``), goes through one function,
-:func:`find_resumable`: it first finishes any commit a crash interrupted, then takes the newest checkpoint
-whose manifest verifies, saying in one line (a warning) which newer ones it skipped and why. A checkpoint
-written before manifests existed is accepted, with a warning, when its required files are all there.
+Resuming, from the Trainer (``resume_from_checkpoint=True``) or from the command line (``--resume``), goes
+through one listing, ``trainer_folders(output_dir).find_resumable()``.
 """
 
 from __future__ import annotations
@@ -32,15 +20,14 @@ import contextlib
 import logging
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec.accelerator.state_checks import folder_problem
-from mixprec.checkpoint import CheckpointError, DiskFullError, FolderLock, load_json, lock_folder, recover
-from mixprec.checkpoint.folders import NumberedFolders
+from mixprec.checkpoint import CheckpointError, DiskFullError, FolderLock, load_json, lock_folder
+from mixprec.checkpoint.folders import TRAINER_ARGS, TRAINER_EXTRA, TRAINER_PREFIX, TRAINER_STATE, trainer_folders
+from mixprec.checkpoint.manager import Keep
 from mixprec.strategies.restarts import agree_on_number, restarted_anywhere
 from mixprec.trainer.data import DataPosition
 from mixprec.trainer.state import TrainerState
@@ -51,119 +38,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("mixprec.trainer")
 
-PREFIX = "checkpoint-"
-STATE_NAME = "trainer_state"
-EXTRA_NAME = "trainer_extra"
-ARGS_NAME = "training_args"
-REQUIRED = ("accelerator.json", f"{STATE_NAME}.json", f"{EXTRA_NAME}.json")
 
-
-def folders(output_dir: str | os.PathLike[str]) -> NumberedFolders:
-    """The run's ``checkpoint-<step>`` folders (listing, latest, recovery, pruning: one owner for both namings)."""
-    return NumberedFolders(output_dir, PREFIX, required=REQUIRED, legacy=(*REQUIRED, "rng_state_0.pt"))
-
-
-def step_of(path: Path) -> int | None:
-    return folders(Path(path).parent).number_of(path)
-
-
-def is_complete(path: str | os.PathLike[str]) -> bool:
-    """A folder that looks like a whole checkpoint, by a cheap check (no file is read): every file its
-    manifest lists is there with the listed size, and the trainer's files are among them; for a folder
-    written before manifests, the files every checkpoint has are there. :func:`verify_checkpoint` reads
-    every byte."""
-    return folders(Path(path).parent).is_complete(path)
-
-
-def verify_checkpoint(path: str | os.PathLike[str]) -> str | None:
-    """None if ``path`` is a checkpoint that can be resumed from (its manifest verifies and it holds the
-    trainer's files; or, written before manifests, all its files are there), else why not, in a phrase.
-    Reads every file once."""
+def read_trainer_files(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The trainer's state and extra of a checkpoint (JSON only: nothing here can run code)."""
     path = Path(path)
-    problem = folder_problem(path)
-    if problem is not None:
-        return problem
-    missing = [name for name in REQUIRED if not (path / name).is_file()]
-    if missing:
-        return f"{missing[0]} is missing (it is not a checkpoint the Trainer wrote)"
-    return None
-
-
-def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[Path]:
-    """Complete checkpoint-N folders of ``output_dir`` (by :func:`is_complete`'s cheap check), oldest first."""
-    return folders(output_dir).complete()
+    return load_json(path / f"{TRAINER_STATE}.json"), load_json(path / f"{TRAINER_EXTRA}.json")
 
 
 def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
-    return folders(output_dir).latest()
-
-
-@dataclass
-class Resumable:
-    """What :func:`find_resumable` found: the checkpoint to resume from (None: none passes) and the newer
-    ones it skipped, each with the reason."""
-
-    checkpoint: Path | None
-    skipped: list[tuple[Path, str]] = field(default_factory=list)
-
-    def describe_skipped(self) -> str:
-        """One line: "skipped checkpoint-8 (model.safetensors does not match ...); resuming from checkpoint-4"."""
-        parts = "; ".join(f"{p.name}: {why}" for p, why in self.skipped)
-        then = f"resuming from {self.checkpoint.name}" if self.checkpoint else "no checkpoint is left to resume from"
-        return f"skipped damaged or incomplete checkpoints ({parts}); {then}"
-
-
-def find_resumable(output_dir: str | os.PathLike[str], *, recover_first: bool = True) -> Resumable:
-    """THE listing for a resume (the Trainer's and the command line's): finish interrupted commits (pass
-    ``recover_first=False`` on processes other than the main one, which does it), then the newest
-    checkpoint-N of ``output_dir`` that :func:`verify_checkpoint` passes. Logs a warning naming each newer
-    one skipped and why. Reads every file of the checkpoints it checks."""
-    root = Path(output_dir)
-    if recover_first:
-        folders(root).recover()
-    candidates = folders(root).numbered()  # complete or not: verify_checkpoint says why one is skipped
-    result = Resumable(None)
-    for path in reversed(candidates):
-        problem = verify_checkpoint(path)
-        if problem is None:
-            result.checkpoint = path
-            break
-        result.skipped.append((path, problem))
-    if result.skipped:
-        logger.warning("%s", result.describe_skipped())
-    return result
-
-
-def resolve_resume(
-    resume_from_checkpoint: bool | str | os.PathLike[str] | None, output_dir: str, *, recover_first: bool = True
-) -> Path | None:
-    """``None``/``False``: start fresh. ``True``: :func:`find_resumable`'s checkpoint (ValueError if none
-    passes). A path: that checkpoint, which must look complete (CheckpointError saying which file is wrong;
-    ``load_state`` then verifies every byte)."""
-    if resume_from_checkpoint is None or resume_from_checkpoint is False:
-        return None
-    if resume_from_checkpoint is True:
-        found = find_resumable(output_dir, recover_first=recover_first)
-        if found.checkpoint is None:
-            why = f" ({found.describe_skipped()})" if found.skipped else ""
-            raise ValueError(
-                f"train(resume_from_checkpoint=True): no complete checkpoint-N folder in {output_dir!r}{why}; "
-                "train without resume_from_checkpoint to start fresh"
-            )
-        return found.checkpoint
-    path = Path(resume_from_checkpoint)
-    if recover_first:
-        recover(path)
-    if not path.is_dir():
-        raise ValueError(f"train(resume_from_checkpoint={str(path)!r}): no such folder")
-    # the cheap check here (sizes); load_state reads and verifies every byte (no third read of the folder)
-    problem = None if is_complete(path) else (verify_checkpoint(path) or "it lacks the trainer's files")
-    if problem is not None:
-        raise CheckpointError(
-            f"train(resume_from_checkpoint={str(path)!r}): the folder is not a complete checkpoint ({problem}); "
-            "use resume_from_checkpoint=True for the newest one that is"
-        )
-    return path
+    """The run's newest complete checkpoint (for messages that say where to resume from)."""
+    return trainer_folders(output_dir).latest()
 
 
 def agree_on_resume(
@@ -178,18 +62,20 @@ def agree_on_resume(
     start: the automatic resume of ``torchrun --max-restarts=N``. Pass ``False`` to always start fresh."""
     elastic = resume_from_checkpoint is None and restarted_anywhere(accelerator)
     code, error = -1, None  # -1: start fresh; -2: the main process failed; N >= 0: checkpoint-N (or the path)
+    folders = trainer_folders(output_dir)
     if accelerator.is_main_process:
         try:
-            folders(output_dir).recover()
+            folders.recover()
             if elastic:
-                found = find_resumable(output_dir, recover_first=False).checkpoint
+                found = folders.find_resumable(recover_first=False).checkpoint
                 logger.warning(
                     "restarted by the launcher: %s",
                     f"resuming from {found}" if found else f"no complete checkpoint in {output_dir}; starting afresh",
                 )
             else:
-                found = resolve_resume(resume_from_checkpoint, output_dir, recover_first=True)
-            code = -1 if found is None else (step_of(found) if step_of(found) is not None else 0)
+                found = folders.resolve_resume(resume_from_checkpoint, recover_first=True)
+            number = None if found is None else folders.number_of(found)
+            code = -1 if found is None else (number if number is not None else 0)
             chosen = found
         except Exception as err:
             code, error = -2, err
@@ -206,32 +92,7 @@ def agree_on_resume(
         return None
     if resume_from_checkpoint is not None and resume_from_checkpoint is not True and not elastic:
         return Path(resume_from_checkpoint)
-    return Path(output_dir) / f"{PREFIX}{code}"
-
-
-def save_checkpoint(
-    output_dir: str | os.PathLike[str], step: int, accelerator: Any, files: dict[str, Any], async_save: bool = False
-) -> Path:
-    """Write checkpoint-``step`` atomically with the trainer's JSON ``files`` ({name: object}) inside.
-    Collective: every process calls it (each saves its RNG state; sharded models gather). ``async_save``: the
-    folder is written and committed by a background thread (it appears once complete)."""
-    return accelerator.save_state(Path(output_dir) / f"{PREFIX}{step}", extra_json=files, async_save=async_save)
-
-
-def prune_checkpoints(output_dir: str | os.PathLike[str], limit: int | None, keep: str | None = None) -> list[Path]:
-    """Delete the oldest complete checkpoints beyond ``limit``, never ``keep`` (the best one, as HF does).
-    Call only after the newest checkpoint is committed. Returns what was deleted."""
-    found = folders(output_dir)
-    if limit == 1 and keep is not None:  # HF's rule: with limit 1 and a best checkpoint that is not the last, keep both
-        last = found.latest()
-        limit = 2 if last is not None and last.resolve() != Path(keep).resolve() else 1
-    return found.prune(limit, protect=keep)
-
-
-def read_trainer_files(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The trainer's state and extra of a checkpoint (JSON only: nothing here can run code)."""
-    path = Path(path)
-    return load_json(path / f"{STATE_NAME}.json"), load_json(path / f"{EXTRA_NAME}.json")
+    return folders.folder(code)
 
 
 # -- the Trainer's side ----------------------------------------------------------------------------------
@@ -259,33 +120,32 @@ def lock_output_dir(accelerator: Any, output_dir: str) -> FolderLock | contextli
 
 
 def save_trainer_checkpoint(run: RunContext, position: DataPosition) -> Path:
-    """checkpoint-<global_step> with the trainer's state; then prune, then ``on_save``. Collective."""
+    """checkpoint-<global_step> with the trainer's state, then ``on_save``. Collective. The checkpoint manager
+    prunes to ``save_total_limit`` (never the best checkpoint) on its writer thread, once the folder has
+    landed (with ``async_save`` too)."""
     args, state, acc = run.args, run.state, run.accelerator
-    path = Path(args.output_dir) / f"{PREFIX}{state.global_step}"
+    folders = trainer_folders(args.output_dir)
+    path = folders.folder(state.global_step)
     if state.best_global_step == state.global_step:
         state.best_model_checkpoint = str(path)
     files = {
-        STATE_NAME: state.to_dict(),
-        EXTRA_NAME: {"data_position": position.to_dict(), "meter": run.meter.state_dict()},
-        ARGS_NAME: args.to_dict(),
+        TRAINER_STATE: state.to_dict(),
+        TRAINER_EXTRA: {"data_position": position.to_dict(), "meter": run.meter.state_dict()},
+        TRAINER_ARGS: args.to_dict(),
         **model_config_file(acc.unwrap_model(run.model)),
     }
+    keep = Keep(folders, args.save_total_limit, protect=state.best_model_checkpoint)
     with _disk_full_explained(run, None if args.async_save else path.name):  # async: maybe the previous one
-        save_checkpoint(args.output_dir, state.global_step, acc, files, async_save=args.async_save)
-    if acc.is_main_process:  # only now that the new one is complete (async_save: it still lands, so one extra)
-        prune_checkpoints(args.output_dir, args.save_total_limit, keep=state.best_model_checkpoint)
-    acc.wait_for_everyone()
+        acc.checkpoints.save(path, extra_json=files, async_save=args.async_save, keep=keep)
     run.events.fire("on_save", checkpoint=str(path))
     return path
 
 
 def wait_for_checkpoint(run: RunContext) -> None:
-    """Collective: an asynchronous checkpoint still being written lands (its failure raised, a full disk
-    explained as for a synchronous save); then the pruning its save could not do yet (save_total_limit)."""
+    """Collective: an asynchronous checkpoint still being written lands, and the pruning after it is done (its
+    failure raised, a full disk explained as for a synchronous save)."""
     with _disk_full_explained(run, None):
         run.accelerator.wait_for_checkpoint()
-    if run.args.async_save and run.accelerator.is_main_process:
-        prune_checkpoints(run.args.output_dir, run.args.save_total_limit, keep=run.state.best_model_checkpoint)
 
 
 @contextlib.contextmanager
@@ -310,7 +170,7 @@ def _disk_full_explained(run: RunContext, name: str | None) -> Any:
 
 def _checkpoint_of(filename: str | None) -> str | None:
     """``checkpoint-N`` from a file inside its unfinished folder (``.checkpoint-N.tmp-<tag>/...``)."""
-    match = re.search(rf"\.({PREFIX}\d+)\.tmp-", filename or "")
+    match = re.search(rf"\.({TRAINER_PREFIX}\d+)\.tmp-", filename or "")
     return match.group(1) if match else None
 
 

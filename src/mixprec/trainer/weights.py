@@ -13,9 +13,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mixprec.accelerator.model_part import completed, saved_keys
-from mixprec.checkpoint import load_tensors, save_json, save_tensors
-from mixprec.strategies.dcp_state import MODEL_DIR, load_sharded_state
+from mixprec.checkpoint import save_json, save_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -70,15 +68,5 @@ def load_best_model(accelerator: Accelerator, model: torch.nn.Module, args: Trai
     best = state.best_model_checkpoint
     if best is None or not Path(best).is_dir():
         return
-    if (Path(best) / MODEL_DIR.format(0)).is_dir():  # fsdp_state_dict_type="sharded": each process its pieces
-        load_sharded_state([accelerator.unwrap_model(model)], [], Path(best))
-    else:
-        path = Path(best) / WEIGHTS_NAME
-        unwrapped = accelerator.unwrap_model(model)
-        if saved_keys(unwrapped) is None:
-            read = lambda: load_tensors(path, device=accelerator.device)  # noqa: E731
-        else:  # a peft model's checkpoint holds its adapters: the frozen base is the model's own
-            weights = completed(accelerator.strategy, unwrapped, load_tensors(path, device=accelerator.device))
-            read = lambda: weights  # noqa: E731
-        accelerator.strategy.load_model_state_dict(unwrapped, read)
+    accelerator.checkpoints.load_weights(best, accelerator.unwrap_model(model))
     logger.info("loaded the best model (%s = %s) from %s", args.evaluation.metric_key(), state.best_metric, best)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from mixprec.checkpoint.atomic import atomic_dir
-from mixprec.checkpoint.folders import NumberedFolders
+from mixprec.checkpoint.folders import trainer_folders
 from mixprec.checkpoint.formats import CheckpointError, load_json, load_tensors, save_json, save_tensors
 from mixprec.checkpoint.manifest import file_digest
 
@@ -178,6 +178,7 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
 
 
 def _latest_checkpoint(run_folder: Path) -> str | None:
-    """The newest complete ``checkpoint-N`` folder of the run, if any (where to resume to reproduce)."""
-    latest = NumberedFolders(run_folder, "checkpoint-").latest()
+    """The newest complete ``checkpoint-N`` folder of the run, if any (where to resume to reproduce): counted as
+    the Trainer counts them (a folder without the Trainer's files is not one)."""
+    latest = trainer_folders(run_folder).latest()
     return None if latest is None else str(latest.relative_to(run_folder))

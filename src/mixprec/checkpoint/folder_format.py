@@ -4,7 +4,7 @@ Layout (``_1``, ``_2``... for the second, third object of a kind, in the order t
 
     accelerator.json        format, precision, process count, data positions, accumulation counter
     model.safetensors       the user's module's state_dict (full, also under FSDP; a peft model's trainable
-                            parameters only: model_part.py); ``pytorch_model.bin``
+                            parameters only: checkpoint/model_part.py); ``pytorch_model.bin``
                             instead with ``safe_serialization=False`` (torch.save, read back weights_only)
     optimizer.pt            optimizer state_dict          (torch.load(weights_only=True))
     scheduler.pt            LR scheduler state_dict       (weights_only)
@@ -45,40 +45,27 @@ import os
 import secrets
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from mixprec.accelerator.model_part import completed, saved_part
-from mixprec.accelerator.state_checks import (
+from mixprec.checkpoint.atomic import abort, begin, commit, recover, temp_path
+from mixprec.checkpoint.background import BackgroundWriter
+from mixprec.checkpoint.folder_checks import (
     FORMAT,
     META,
     Loaded,
     RunState,
+    StateStrategy,
     counts,
     grads_name,
     name_of,
     read_everything,
 )
-from mixprec.checkpoint import (
-    CheckpointError,
-    abort,
-    begin,
-    commit,
-    recover,
-    rng_state,
-    save_json,
-    save_tensors,
-    save_torch,
-    set_rng_state,
-    temp_path,
-)
-from mixprec.checkpoint.background import BackgroundWriter
+from mixprec.checkpoint.formats import CheckpointError, save_json, save_tensors, save_torch
 from mixprec.checkpoint.manifest import BackgroundHasher, write_manifest
-from mixprec.checkpoint.rng import rng_snapshot
-
-if TYPE_CHECKING:
-    from mixprec.strategies.strategy import DistributedStrategy, Owned
+from mixprec.checkpoint.model_part import completed, saved_part
+from mixprec.checkpoint.rng import rng_snapshot, rng_state, set_rng_state
 
 logger = logging.getLogger("mixprec.accelerator")
 
@@ -91,6 +78,7 @@ def save_state(
     safe_serialization: bool = True,
     pre_hook: Callable[[Path, list[Any]], None] | None = None,
     writer: BackgroundWriter | None = None,
+    landed: Callable[[], object] | None = None,
 ) -> Path:
     """Write the folder atomically on every process; returns its path. Collective: call it on every process.
 
@@ -108,7 +96,8 @@ def save_state(
     sees the copy) make the copy happen before save_state returns. A lone process with no pre-hook and no
     partial gradients leaves even the unfinished folder's creation to the writer (an error there is raised by
     the next save or wait, like any write error). The previous asynchronous save is waited for first, and its
-    failure raised on every process. Not with sharded (DCP) state."""
+    failure raised on every process. Not with sharded (DCP) state. ``landed``: called by the writer once the
+    folder is committed (the checkpoint manager's pruning); a synchronous save leaves it to the caller."""
     target, reg, strategy = Path(output_dir), run.registry, run.strategy
     main = strategy.is_main_process
     for key in extra_json or {}:
@@ -123,7 +112,7 @@ def save_state(
     previous = writer.wait() if writer is not None and main else None  # one save in flight at a time
     # Gather first (collectives under FSDP), write after: a process that fails to write then cannot leave the
     # others waiting in a collective.
-    # a peft model's frozen base is not state: its adapters are (model_part.py)
+    # a peft model's frozen base is not state: its adapters are (checkpoint/model_part.py)
     models = [] if sharded else [saved_part(m, strategy.model_state_dict(m)) for m in reg.models]
     optimizers = [] if sharded else [strategy.optimizer_state_dict(reg.owner(o), o.optimizer) for o in reg.optimizers]
     states = _const((models, optimizers))
@@ -185,7 +174,7 @@ def save_state(
             # the copy first: until it is made, the next optimizer step waits (writer.fence)
             assert staged is not None
             take = _then(staged.copy, writer.release)
-            job = functools.partial(_finish, tmp, target, made, take, states, small, safe_serialization)
+            job = functools.partial(_finish, tmp, target, made, take, states, small, safe_serialization, landed)
             writer.submit(job, reads_live=True)
         return target
     error = None
@@ -207,10 +196,11 @@ def _finish(
     states: Callable[[], tuple[list[Any], list[Any]]],
     small: list[Callable[[], Path]],
     safe: bool,
+    landed: Callable[[], object] | None,
 ) -> None:
     """The writer's part of an asynchronous save: the host copy of the live tensors (``take``, which lets the
     training step go on), the unfinished folder if ``tag`` says it is not made yet, the main process's files,
-    then the staged models and optimizers (``states()``), the manifest, the commit."""
+    then the staged models and optimizers (``states()``), the manifest, the commit; then ``landed()``."""
     try:
         take()
         if tag is not None:
@@ -222,6 +212,8 @@ def _finish(
         abort(tmp)
         raise
     _seal(tmp, target, None)
+    if landed is not None:  # only now may older folders go (the pruning): this one is complete on disk
+        landed()
 
 
 def _seal(tmp: Path, target: Path, hasher: BackgroundHasher | None) -> None:
@@ -237,7 +229,7 @@ def _seal(tmp: Path, target: Path, hasher: BackgroundHasher | None) -> None:
             hasher.close()
 
 
-def _save_tag(strategy: DistributedStrategy) -> str:
+def _save_tag(strategy: StateStrategy) -> str:
     """``<main pid>-<random>``: unique to this save, the same on every process (one tiny broadcast when
     there are several), and recognisable as stale once the main process is gone."""
     if strategy.num_processes == 1:  # nothing to agree on (a tensor and a broadcast: 0.1 ms of an async stall)
@@ -247,7 +239,7 @@ def _save_tag(strategy: DistributedStrategy) -> str:
     return f"{pid}-{token:08x}"
 
 
-def _agree(strategy: DistributedStrategy, error: BaseException | None, target: Path, tmp: Path | None) -> None:
+def _agree(strategy: StateStrategy, error: BaseException | None, target: Path, tmp: Path | None) -> None:
     """Raise on every process if any process failed (the main one then throws the unfinished folder away)."""
     if strategy.all_true(error is None):
         return
@@ -385,7 +377,7 @@ def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[],
     return both
 
 
-def _owned(run: RunState) -> list[Owned]:
+def _owned(run: RunState) -> list[tuple[torch.nn.Module | None, Any]]:
     """Each prepared optimizer with the prepared model its parameters belong to (DCP needs both)."""
     return [(run.registry.owner(optimizer), optimizer.optimizer) for optimizer in run.registry.optimizers]
 
@@ -400,7 +392,7 @@ def _restore_gradients(model: torch.nn.Module, grads: dict[str, torch.Tensor]) -
         p.grad = grads[name].to(device=p.device, dtype=p.dtype) if name in grads else None
 
 
-def _restore_rng(state: dict[str, Any] | None, strategy: DistributedStrategy, saved_processes: int) -> None:
+def _restore_rng(state: dict[str, Any] | None, strategy: StateStrategy, saved_processes: int) -> None:
     if saved_processes != strategy.num_processes:
         logger.warning(
             "load_state: the state was saved by %d processes, now %d; random generators of process "

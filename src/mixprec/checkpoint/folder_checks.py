@@ -1,7 +1,9 @@
 """A ``save_state`` folder's names and parts, read and checked: what it must satisfy before ``load_state``
-changes anything (issue 14, fault 4). The layout is described in :mod:`mixprec.accelerator.state`.
+changes anything (issue 14, fault 4). The layout is described in :mod:`mixprec.checkpoint.folder_format`.
 
-- :class:`Registry` / :class:`RunState`: the objects a folder holds the state of;
+- :class:`Registry` / :class:`RunState`: the objects a folder holds the state of; the strategy, precision
+  and accumulation counter are passed in and used through the small protocols below (checkpoint/ is the
+  bottom floor: it imports nothing of the accelerator's, the strategies' or the precisions');
 - :func:`read_everything`: every file read and checked into a :class:`Loaded`, nothing changed yet;
 
 - :func:`folder_problem` / :func:`check_folder`: the folder is complete and intact (its manifest verifies;
@@ -16,25 +18,63 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from mixprec.accelerator.model_part import saved_keys
-from mixprec.checkpoint import CheckpointError, load_json, load_tensors, load_torch
+from mixprec.checkpoint.formats import CheckpointError, load_json, load_tensors, load_torch
 from mixprec.checkpoint.manifest import NO_MANIFEST, verify_manifest
-from mixprec.strategies.dcp_state import missing_sharded_parts
-
-if TYPE_CHECKING:
-    from mixprec.accelerator.gradients import GradientState
-    from mixprec.accelerator.prepared import PreparedOptimizer, PreparedScheduler
-    from mixprec.loaders.data import PreparedDataLoader
-    from mixprec.precision.base import Precision
-    from mixprec.strategies.strategy import DistributedStrategy
+from mixprec.checkpoint.model_part import saved_keys
 
 META = "accelerator.json"
 FORMAT = 1
+MODEL_DIR = "model_{}.dcp"  # a sharded (DCP) state: one subfolder per model and per optimizer
+OPTIMIZER_DIR = "optimizer_{}.dcp"
 logger = logging.getLogger("mixprec.accelerator")
+
+
+class StateStrategy(Protocol):
+    """What the folder format asks of the distributed strategy (mixprec.strategies.strategy's interface)."""
+
+    name: str
+    is_main_process: bool
+    process_index: int
+    num_processes: int
+    device: torch.device
+    sharded_state: bool
+    state_held_until_step: bool
+
+    def barrier(self) -> None: ...
+    def all_true(self, flag: bool) -> bool: ...
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor: ...
+    def model_state_dict(self, model: torch.nn.Module) -> Any: ...
+    def optimizer_state_dict(self, model: Any, optimizer: Any) -> Any: ...
+    def load_model_state_dict(self, model: torch.nn.Module, state: Any) -> Any: ...
+    def load_optimizer_state_dict(self, model: Any, optimizer: Any, state: Any) -> Any: ...
+    def partial_gradients(self, models: list[torch.nn.Module], micro_step: int, steps: int) -> Any: ...
+    def save_shards(self, models: list[torch.nn.Module], optimizers: list[Any], folder: Path) -> Any: ...
+    def load_shards(self, models: list[torch.nn.Module], optimizers: list[Any], folder: Path) -> Any: ...
+
+
+class StatePrecision(Protocol):
+    """What the folder format asks of the precision (its scaler's state, auto's recorded decision)."""
+
+    name: str
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+    def decision_record(self) -> Any: ...
+    def adopt_recorded(self, name: str, record: Any) -> Any: ...
+
+
+class AccumulationCounter(Protocol):
+    """The accumulation window's place (a save inside a window keeps its partial gradients)."""
+
+    micro_step: int
+    accumulation_steps: int
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
 
 
 def folder_problem(path: Path, *, process_index: int = 0) -> str | None:
@@ -70,7 +110,7 @@ def check_model_fits(
 ) -> None:
     """``load_state_dict`` copies what matches before it complains about the rest: check names and shapes
     first, so a mismatch changes nothing. ``required``: the entries the state must hold (default: all of the
-    model's; a peft model's checkpoint holds its trainable ones, see :mod:`mixprec.accelerator.model_part`)."""
+    model's; a peft model's checkpoint holds its trainable ones, see :mod:`mixprec.checkpoint.model_part`)."""
     mine = model.state_dict()
     missing = sorted((set(mine) if required is None else required) - set(state))
     unexpected = sorted(set(state) - set(mine))
@@ -103,12 +143,14 @@ class Registry:
     """What ``prepare`` and ``register_for_checkpointing`` registered, in order."""
 
     models: list[torch.nn.Module] = field(default_factory=list)
-    optimizers: list[PreparedOptimizer] = field(default_factory=list)
-    schedulers: list[PreparedScheduler] = field(default_factory=list)
-    dataloaders: list[PreparedDataLoader] = field(default_factory=list)
+    optimizers: list[Any] = field(default_factory=list)
+    """The prepared optimizers (each holds the torch optimizer as ``.optimizer``)."""
+    schedulers: list[Any] = field(default_factory=list)
+    dataloaders: list[Any] = field(default_factory=list)
+    """The prepared DataLoaders (``state_dict()``: their position; None for one whose order is not owned)."""
     custom: list[Any] = field(default_factory=list)
 
-    def owner(self, optimizer: PreparedOptimizer) -> torch.nn.Module | None:
+    def owner(self, optimizer: Any) -> torch.nn.Module | None:
         """The prepared model holding ``optimizer``'s first parameter."""
         first = next((p for g in optimizer.param_groups for p in g["params"]), None)
         return next((m for m in self.models if any(p is first for p in m.parameters())), None)
@@ -119,9 +161,9 @@ class RunState:
     """The parts of an Accelerator that ``save_state`` / ``load_state`` touch."""
 
     registry: Registry
-    strategy: DistributedStrategy
-    precision: Precision  # owns the scaler; under "auto", its decision is saved and kept at resume
-    gradients: GradientState
+    strategy: StateStrategy
+    precision: StatePrecision  # owns the scaler; under "auto", its decision is saved and kept at resume
+    gradients: AccumulationCounter
 
 
 def name_of(kind: str, index: int, ext: str) -> str:
@@ -204,3 +246,9 @@ def load_model_file(path: Path, index: int) -> dict[str, torch.Tensor]:
     if pickled.is_file() and not (path / name_of("model", index, "safetensors")).is_file():
         return load_torch(pickled)
     return load_tensors(path / name_of("model", index, "safetensors"))
+
+
+def missing_sharded_parts(folder: Path, models: int, optimizers: int) -> list[str]:
+    """The DCP subfolders a sharded save of that many objects should hold but ``folder`` lacks."""
+    names = [MODEL_DIR.format(i) for i in range(models)] + [OPTIMIZER_DIR.format(i) for i in range(optimizers)]
+    return [n for n in names if not (folder / n / ".metadata").is_file()]

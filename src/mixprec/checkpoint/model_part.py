@@ -10,12 +10,9 @@ model that is not a peft model) loads as it always did.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from mixprec.strategies.strategy import DistributedStrategy
 
 
 def saved_keys(model: torch.nn.Module) -> set[str] | None:
@@ -34,12 +31,11 @@ def saved_part(model: torch.nn.Module, state: dict[str, torch.Tensor] | None) ->
     return {name: tensor for name, tensor in state.items() if name in keys}
 
 
-def completed(
-    strategy: DistributedStrategy, model: torch.nn.Module, state: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
+def completed(strategy: Any, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with the entries a checkpoint leaves out (a peft model's frozen base) taken from ``model``
-    itself, so that loading it changes only what was saved. Collective under FSDP2 (the model's full state is
-    gathered); elsewhere the entries are the model's own tensors, not copies."""
+    itself, through the distributed strategy's ``model_state_dict``, so that loading it changes only what was
+    saved. Collective under FSDP2 (the model's full state is gathered); elsewhere the entries are the model's
+    own tensors, not copies."""
     keys = saved_keys(model)
     if keys is None:
         return state
