@@ -12,6 +12,8 @@ trainer's JSON files written into the same atomic folder (``extra_json``)::
     trainer_state.json      TrainerState (HF's file name and fields)
     trainer_extra.json      the trainer's data position and running-loss window (an exact resume)
     training_args.json      the arguments of the run (for people; never read back into the run)
+    training_args.bin       } HF's names, for HF's scripts and tools (mixprec.trainer.hf_files): the same
+    rng_state.pth           } arguments and generators, weights_only-loadable; never read back by mixprec
 
 The folder is staged as ``.checkpoint-<step>.tmp-*`` and renamed into place (see
 :mod:`mixprec.checkpoint.atomic`), so a kill at any instant leaves the previous checkpoints as they were and
@@ -43,6 +45,7 @@ from mixprec.checkpoint import CheckpointError, DiskFullError, FolderLock, load_
 from mixprec.checkpoint.folders import NumberedFolders
 from mixprec.strategies.restarts import agree_on_number, restarted_anywhere
 from mixprec.trainer.data import DataPosition
+from mixprec.trainer.hf_files import write_hf_files
 from mixprec.trainer.state import TrainerState
 from mixprec.trainer.weights import model_config_file
 
@@ -155,13 +158,14 @@ def resolve_resume(
     if recover_first:
         recover(path)
     if not path.is_dir():
-        raise ValueError(f"train(resume_from_checkpoint={str(path)!r}): no such folder")
+        # HF's wording first ("Can't find a valid checkpoint at"): scripts and HF's tests match it
+        raise ValueError(f"Can't find a valid checkpoint at {path}: no such folder (train(resume_from_checkpoint=...))")
     # the cheap check here (sizes); load_state reads and verifies every byte (no third read of the folder)
     problem = None if is_complete(path) else (verify_checkpoint(path) or "it lacks the trainer's files")
     if problem is not None:
         raise CheckpointError(
-            f"train(resume_from_checkpoint={str(path)!r}): the folder is not a complete checkpoint ({problem}); "
-            "use resume_from_checkpoint=True for the newest one that is"
+            f"Can't find a valid checkpoint at {path}: the folder is not a complete checkpoint ({problem}); "
+            "use train(resume_from_checkpoint=True) for the newest one that is"
         )
     return path
 
@@ -270,8 +274,17 @@ def save_trainer_checkpoint(run: RunContext, position: DataPosition) -> Path:
         ARGS_NAME: args.to_dict(),
         **model_config_file(acc.unwrap_model(run.model)),
     }
-    with _disk_full_explained(run, None if args.async_save else path.name):  # async: maybe the previous one
-        save_checkpoint(args.output_dir, state.global_step, acc, files, async_save=args.async_save)
+    # HF's training_args.bin / rng_state.pth, written into the unfinished folder (in the manifest) by a
+    # save_state pre-hook on the main process (hf_files.py). Cost: an async save copies the tensors before
+    # returning when a pre-hook is registered (accelerator/state.py), so its stall includes that copy.
+    hf_hook = acc.register_save_state_pre_hook(
+        lambda _models, _weights, folder: write_hf_files(folder, args, acc.num_processes)
+    )
+    try:
+        with _disk_full_explained(run, None if args.async_save else path.name):  # async: maybe the previous one
+            save_checkpoint(args.output_dir, state.global_step, acc, files, async_save=args.async_save)
+    finally:
+        hf_hook.remove()
     if acc.is_main_process:  # only now that the new one is complete (async_save: it still lands, so one extra)
         prune_checkpoints(args.output_dir, args.save_total_limit, keep=state.best_model_checkpoint)
     acc.wait_for_everyone()
