@@ -70,6 +70,10 @@ def test_an_hf_models_checkpoint_has_config_json_for_from_pretrained(tmp_path):
 
 
 def test_resume_from_a_missing_folder_says_hfs_words(tmp_path):
+    fresh = Trainer(make_model(), TrainingArguments(str(tmp_path / "fresh"), disable_tqdm=True, save_plots=False),
+                    train_dataset=make_examples(16))  # fmt: skip
+    with pytest.raises(ValueError, match=r"^No valid checkpoint found in output directory \(.*fresh\)"):
+        fresh.train(resume_from_checkpoint=True)
     trainer = _train(tmp_path)
     with pytest.raises(ValueError, match="^Can't find a valid checkpoint at .*checkpoint-2-bogus"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2-bogus"))

@@ -150,8 +150,8 @@ def resolve_resume(
         if found.checkpoint is None:
             why = f" ({found.describe_skipped()})" if found.skipped else ""
             raise ValueError(
-                f"train(resume_from_checkpoint=True): no complete checkpoint-N folder in {output_dir!r}{why}; "
-                "train without resume_from_checkpoint to start fresh"
+                f"No valid checkpoint found in output directory ({output_dir}): train(resume_from_checkpoint=True) "
+                f"found no complete checkpoint-N folder{why}; train without resume_from_checkpoint to start fresh"
             )
         return found.checkpoint
     path = Path(resume_from_checkpoint)
