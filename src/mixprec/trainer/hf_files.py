@@ -18,6 +18,7 @@ checks them like every other file and the folder stays all-or-nothing.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,8 @@ def write_hf_files(folder: str | Path, args: Any, num_processes: int) -> list[Pa
     could write: none is written, and HF's loader then resumes without restoring the generators (it says so).
     The generators are read, not advanced, so the run's own RNG file holds the same state."""
     folder = Path(folder)
-    written = [save_torch(dict(args.to_dict()), folder / ARGS_FILE)]
+    # through JSON: the same plain values as training_args.json (tuples become lists), nothing else
+    written = [save_torch(json.loads(json.dumps(args.to_dict())), folder / ARGS_FILE)]
     if num_processes == 1:
         written.append(save_torch(hf_rng_state(), folder / RNG_FILE))
     return written
