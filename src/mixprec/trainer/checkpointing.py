@@ -266,8 +266,11 @@ def save_trainer_checkpoint(run: RunContext, position: DataPosition) -> Path:
     """checkpoint-<global_step> with the trainer's state; then prune, then ``on_save``. Collective."""
     args, state, acc = run.args, run.state, run.accelerator
     path = Path(args.output_dir) / f"{PREFIX}{state.global_step}"
-    if state.best_global_step == state.global_step:
-        state.best_model_checkpoint = str(path)
+    best = Path(args.output_dir) / f"{PREFIX}{state.best_global_step}"
+    # HF's rule: each save points at the best step's checkpoint if it exists, this one included; an evaluation
+    # after that step's save (eval per epoch, save per step) is then recorded at the next save
+    if state.best_global_step and (state.best_global_step == state.global_step or is_complete(best)):
+        state.best_model_checkpoint = str(best)
     files = {
         STATE_NAME: state.to_dict(),
         EXTRA_NAME: {"data_position": position.to_dict(), "meter": run.meter.state_dict()},
