@@ -15,7 +15,8 @@ import torch
 from mixprec import Trainer, TrainingArguments
 from mixprec.checkpoint import CheckpointError, load_torch
 from mixprec.trainer.checkpointing import verify_checkpoint
-from trainer_utils import make_examples, make_model
+from mixprec.trainer.hf_loggers import hf_logger
+from trainer_utils import captured_records, make_examples, make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
@@ -80,3 +81,16 @@ def test_resume_from_a_missing_folder_says_hfs_words(tmp_path):
     (tmp_path / "checkpoint-2" / "trainer_extra.json").unlink()
     with pytest.raises(CheckpointError, match="^Can't find a valid checkpoint at .*checkpoint-2: .*trainer_extra.json"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+
+def test_resume_with_changed_intervals_or_batch_size_warns_in_hfs_words(tmp_path):
+    _train(tmp_path)  # save_steps 2, batch size 4
+    args = TrainingArguments(str(tmp_path), disable_tqdm=True, save_plots=False, per_device_train_batch_size=2,
+                             max_steps=6, save_steps=3)  # fmt: skip
+    with captured_records(hf_logger("trainer")) as records:
+        resumed = Trainer(make_model(), args, train_dataset=make_examples(16))
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))  # mid-epoch
+    text = "\n".join(r.getMessage() for r in records)
+    assert "save_steps: 3 (from args) != 2 (from trainer_state.json)" in text
+    assert "per_device_train_batch_size: 2 (from args) != 4 (from trainer_state.json)" in text
+    assert "logging_steps" not in text  # unchanged: not named

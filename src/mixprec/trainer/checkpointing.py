@@ -46,6 +46,7 @@ from mixprec.checkpoint.folders import NumberedFolders
 from mixprec.strategies.restarts import agree_on_number, restarted_anywhere
 from mixprec.trainer.data import DataPosition
 from mixprec.trainer.hf_files import write_hf_files
+from mixprec.trainer.hf_loggers import hf_logger
 from mixprec.trainer.state import TrainerState
 from mixprec.trainer.weights import model_config_file
 
@@ -337,6 +338,7 @@ def load_trainer_checkpoint(run: RunContext, path: Path) -> DataPosition:
     trainer's own files are read and parsed first, so a damaged one fails before the Accelerator loads
     anything."""
     saved, extra = read_trainer_files(path)
+    _warn_changed_args(run.args, saved)
     loaded = TrainerState(**{k: v for k, v in saved.items() if k in TrainerState.__dataclass_fields__})
     position = DataPosition.from_dict(extra["data_position"])
     run.accelerator.load_state(path)
@@ -365,4 +367,19 @@ def _check_loader_agrees(loader: Any, position: DataPosition, path: Path) -> Non
             f"{path}: the trainer's data position (epoch {position.epoch}, {position.batches_consumed} batches) "
             f"and the data loader's (epoch {state['epoch']}, {state['batches']} batches) disagree; the "
             "checkpoint was written by an incompatible version"
+        )
+
+
+def _warn_changed_args(args: Any, saved: dict[str, Any]) -> None:
+    """HF's warning (its words, on its logger: scripts and HF's tests read them) when a resume's logging, eval
+    or save interval or per-device batch size differs from the checkpoint's: the run goes on with the new
+    values, which a user changing them by mistake should hear."""
+    pairs = [(k, getattr(args, k, None), saved.get(k)) for k in ("logging_steps", "eval_steps", "save_steps")]
+    pairs.append(("per_device_train_batch_size", args.per_device_train_batch_size, saved.get("train_batch_size")))
+    changed = [f"\n\t{k}: {new} (from args) != {old} (from trainer_state.json)"
+               for k, new, old in pairs if new is not None and old is not None and new != old]  # fmt: skip
+    if changed:
+        hf_logger("trainer").warning(
+            "Warning: The following arguments do not match the ones in the `trainer_state.json` within the "
+            "checkpoint directory: %s", "".join(changed)
         )
