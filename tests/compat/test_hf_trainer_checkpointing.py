@@ -79,7 +79,12 @@ def test_save_checkpoints_every_save_steps_and_at_the_end(tmp_path):
     trainer_for(tmp_path, save_steps=5).train()  # 3 epochs x 8 batches = 24 steps
     assert checkpoints(tmp_path) == ["checkpoint-5", "checkpoint-10", "checkpoint-15", "checkpoint-20", "checkpoint-24"]
     for name in checkpoints(tmp_path):
-        assert (tmp_path / name / STATE_FILE).is_file() and (tmp_path / name / WEIGHTS).is_file()
+        # HF's check_saved_checkpoints list (trainer_test_utils.py); each .bin/.pt loads with weights_only
+        for file in (WEIGHTS, "training_args.bin", "optimizer.pt", "scheduler.pt", STATE_FILE):
+            assert (tmp_path / name / file).is_file(), f"{name}/{file}"
+        for file in ("optimizer.pt", "scheduler.pt"):  # HF's rng_state.pth needs its safe_globals (numpy)
+            torch.load(tmp_path / name / file, weights_only=True)
+        assert (tmp_path / name / "rng_state.pth").is_file()
         state = json.loads((tmp_path / name / STATE_FILE).read_text())
         assert state["global_step"] == int(name.split("-")[1])
 
@@ -98,13 +103,13 @@ def test_can_resume_training(tmp_path, checkpoint):
 
 def test_resume_from_a_missing_folder_fails(tmp_path):
     trainer = trainer_for(tmp_path)
-    with pytest.raises((ValueError, OSError)):
+    with pytest.raises(Exception, match="Can't find a valid checkpoint at"):  # HF's test matches these words
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-5-bogus"))
 
 
 def test_resume_true_without_any_checkpoint_fails(tmp_path):
     trainer = trainer_for(tmp_path)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="No valid checkpoint found in output directory"):
         trainer.train(resume_from_checkpoint=True)
 
 
@@ -172,3 +177,18 @@ def test_the_state_file_is_hfs(tmp_path):
     state = TrainerState.load_from_json(str(tmp_path / "checkpoint-3" / STATE_FILE))
     assert state.global_step == 3 and state.max_steps == 3
     assert [e["step"] for e in state.log_history if "loss" in e] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("eval_every_step", [False, True], ids=["save-at-eval", "save-every-step"])
+def test_planted_evaluate_metrics_choose_the_best_checkpoint(tmp_path, eval_every_step):
+    # HF's test_best_model_checkpoint_behavior: Trainer._evaluate patched to plant the metrics
+    from unittest.mock import patch
+
+    save = {"save_strategy": "steps", "save_steps": 1} if eval_every_step else {"save_strategy": "epoch"}
+    trainer = trainer_for(tmp_path, eval=True, eval_strategy="epoch", metric_for_best_model="accuracy",
+                          greater_is_better=True, **save)  # fmt: skip
+    planted = [{"eval_accuracy": 0.59}, {"eval_accuracy": 0.57}, {"eval_accuracy": 0.55}]
+    with patch.object(trainer, "_evaluate", side_effect=planted):
+        trainer.train()
+    assert trainer.state.best_metric == 0.59 and trainer.state.best_global_step == 8  # the first epoch's end
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-8")

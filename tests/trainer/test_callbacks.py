@@ -231,3 +231,19 @@ def test_a_saved_callback_state_with_no_callback_to_take_it_is_a_warning_naming_
     with patch.object(hf_logger("trainer"), "warning") as warn:
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert any("EarlyStoppingCallback" in call.args[0] for call in warn.call_args_list)
+
+
+class MyFlow(DefaultFlowCallback):
+    """A script's own flow callback, derived from the default one (HF's remove_callback(class) takes it)."""
+
+
+def test_pop_and_remove_by_class_take_a_subclass_instance_as_hfs_do(tmp_path):
+    trainer = Trainer(make_model(), _args(tmp_path), train_dataset=make_examples(8))
+    trainer.pop_callback(DefaultFlowCallback)
+    mine = MyFlow()
+    trainer.add_callback(mine)
+    assert trainer.pop_callback(DefaultFlowCallback) is mine  # HF: isinstance, so the subclass's instance
+    trainer.add_callback(mine)
+    trainer.remove_callback(DefaultFlowCallback)
+    assert not any(isinstance(cb, DefaultFlowCallback) for cb in trainer.callback_handler.callbacks)
+    assert trainer.pop_callback(DefaultFlowCallback) is None

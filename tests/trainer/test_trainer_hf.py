@@ -101,3 +101,21 @@ def test_trainer_and_training_step_signatures_are_hfs():
         ours = list(inspect.signature(getattr(Trainer, name)).parameters)
         theirs = list(inspect.signature(getattr(transformers.Trainer, name)).parameters)
         assert ours == theirs[: len(ours)], name
+
+
+def test_patched_evaluate_plants_the_metrics_that_choose_the_best_checkpoint(tmp_path):
+    # HF's tests replace Trainer._evaluate (patch.object + evaluate_side_effect_factory) to plant metrics
+    from unittest.mock import patch
+
+    from trainer_utils import make_examples, make_model
+
+    args = TrainingArguments(str(tmp_path), disable_tqdm=True, save_plots=False, max_steps=4, eval_strategy="steps",
+                             eval_steps=1, save_steps=1, load_best_model_at_end=True, metric_for_best_model="accuracy",
+                             per_device_train_batch_size=4)  # fmt: skip
+    trainer = Trainer(make_model(), args, train_dataset=make_examples(16), eval_dataset=make_examples(8, seed=1))
+    planted = [{"eval_accuracy": a} for a in (0.1, 0.9, 0.5, 0.2)]
+    with patch.object(trainer, "_evaluate", side_effect=planted) as evaluate:
+        trainer.train()
+    assert evaluate.call_count == 4
+    assert trainer.state.best_metric == 0.9
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")

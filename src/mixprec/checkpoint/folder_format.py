@@ -75,6 +75,7 @@ def save_state(
     output_dir: str | Path,
     extra_json: Mapping[str, Any] | None = None,
     *,
+    extra_torch: Mapping[str, Any] | None = None,
     safe_serialization: bool = True,
     pre_hook: Callable[[Path, list[Any]], None] | None = None,
     writer: BackgroundWriter | None = None,
@@ -85,6 +86,8 @@ def save_state(
     ``safe_serialization``: model weights as safetensors (default) or torch.save files. ``pre_hook(tmp,
     model_states)``: called on the main process with the unfinished folder before anything is written, so
     the files it adds are part of the atomic folder and of its manifest (``register_save_state_pre_hook``).
+    ``extra_torch``: small objects by file name, written with ``save_torch`` (weights_only-loadable) beside
+    the JSON files, on the writer thread when asynchronous (no pre-hook, so no copy before returning).
 
     ``writer``: save asynchronously through it (:mod:`mixprec.checkpoint.background`). The main process then
     captures the model and optimizer tensors (:mod:`mixprec.checkpoint.staging`), the small states and the
@@ -103,6 +106,9 @@ def save_state(
     for key in extra_json or {}:
         if not key.isidentifier() or key in ("accelerator", "scaler"):
             raise ValueError(f"save_state(extra_json=...): {key!r} cannot name a file; use a plain identifier")
+    for name in extra_torch or {}:
+        if Path(name).name != name or name.startswith(".") or name.endswith(".json") or name.startswith("rng_state_"):
+            raise ValueError(f"save_state(extra_torch=...): {name!r} is not a free file name; use a plain name")
     sharded = strategy.sharded_state  # each process writes its shards below (dcp_state.py); nothing gathered
     if writer is not None and sharded:
         raise ValueError(
@@ -150,7 +156,7 @@ def save_state(
         if main:
             if pre_hook is not None:
                 pre_hook(tmp, models)
-            small = _small_files(run, tmp, extra_json or {})
+            small = _small_files(run, tmp, extra_json or {}, extra_torch or {})
             small.append(lambda: save_torch(rng(), rng_file))
             if writer is None:
                 _write_big(tmp, models, optimizers, hasher, safe_serialization)
@@ -272,7 +278,9 @@ def _write_big(
             hasher.add(path)
 
 
-def _small_files(run: RunState, tmp: Path, extra_json: Mapping[str, Any]) -> list[Callable[[], Path]]:
+def _small_files(
+    run: RunState, tmp: Path, extra_json: Mapping[str, Any], extra_torch: Mapping[str, Any]
+) -> list[Callable[[], Path]]:
     """Everything but the models and optimizers, captured now (copies of the live objects' states) as
     writers to call now (a synchronous save) or on the writer thread (an asynchronous one)."""
     reg = run.registry
@@ -281,6 +289,7 @@ def _small_files(run: RunState, tmp: Path, extra_json: Mapping[str, Any]) -> lis
         *((save_torch, obj.state_dict(), f"custom_{i}.pt") for i, obj in enumerate(reg.custom)),
         (save_json, run.precision.state_dict(), "scaler.json"),
         *((save_json, value, f"{key}.json") for key, value in extra_json.items()),
+        *((save_torch, value, name) for name, value in extra_torch.items()),
         (save_json, _meta(run), META),
     ]
     return [functools.partial(write, copy.deepcopy(value), tmp / name) for write, value, name in files]

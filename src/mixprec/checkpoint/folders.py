@@ -165,22 +165,23 @@ class NumberedFolders:
             found = self.find_resumable(recover_first=recover_first)
             if found.checkpoint is None:
                 why = f" ({found.describe_skipped()})" if found.skipped else ""
-                raise ValueError(
-                    f"train(resume_from_checkpoint=True): no complete {self.prefix}N folder in {str(self.root)!r}"
-                    f"{why}; train without resume_from_checkpoint to start fresh"
+                raise ValueError(  # HF's words first: scripts and HF's tests match them
+                    f"No valid checkpoint found in output directory ({self.root}): train(resume_from_checkpoint="
+                    f"True) found no complete {self.prefix}N folder{why}; train without resume_from_checkpoint "
+                    "to start fresh"
                 )
             return found.checkpoint
         path = Path(resume)
         if recover_first:
             recover(path)
         if not path.is_dir():
-            raise ValueError(f"train(resume_from_checkpoint={str(path)!r}): no such folder")
+            raise ValueError(f"Can't find a valid checkpoint at {path}: no such folder (train(resume_from_checkpoint=...))")
         # the cheap check here (sizes); the load reads and verifies every byte (no third read of the folder)
         problem = None if self.is_complete(path) else (self.verify(path) or "it lacks the trainer's files")
         if problem is not None:
             raise CheckpointError(
-                f"train(resume_from_checkpoint={str(path)!r}): the folder is not a complete checkpoint ({problem}); "
-                "use resume_from_checkpoint=True for the newest one that is"
+                f"Can't find a valid checkpoint at {path}: the folder is not a complete checkpoint ({problem}); "
+                "use train(resume_from_checkpoint=True) for the newest one that is"
             )
         return path
 

@@ -156,6 +156,7 @@ class CheckpointManager:
         *,
         safe_serialization: bool = True,
         extra_json: Mapping[str, Any] | None = None,
+        extra_torch: Mapping[str, Any] | None = None,
         async_save: bool = False,
         keep: Keep | None = None,
     ) -> Path:
@@ -182,7 +183,14 @@ class CheckpointManager:
             self.wait()
         prune = keep.prune if keep is not None and keep.limit is not None and run.strategy.is_main_process else None
         path = save_state(
-            run, target, extra, safe_serialization=safe_serialization, pre_hook=hook, writer=writer, landed=prune
+            run,
+            target,
+            extra,
+            extra_torch=extra_torch,
+            safe_serialization=safe_serialization,
+            pre_hook=hook,
+            writer=writer,
+            landed=prune,
         )
         self.project.iteration += 1  # as accelerate: every save advances it
         if prune is not None and writer is None:  # committed: the writer deletes while training goes on

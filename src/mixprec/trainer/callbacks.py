@@ -185,8 +185,10 @@ class CallbackHandler:
         self.callbacks.append(cb)
 
     def pop_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
+        """Remove and return ``callback``, or given a class the first callback that is an instance of it (a
+        subclass's included, as HF's); None when there is none."""
         for i, cb in enumerate(self.callbacks):
-            if cb is callback or (isinstance(callback, type) and type(cb) is callback):
+            if cb is callback or (isinstance(callback, type) and isinstance(cb, callback)):
                 return self.callbacks.pop(i)
         return None
 

@@ -9,6 +9,8 @@ atomic folder (``extra_json``)::
     trainer_state.json      TrainerState (HF's file name and fields)
     trainer_extra.json      the trainer's data position and running-loss window (an exact resume)
     training_args.json      the arguments of the run (for people; never read back into the run)
+    training_args.bin       } HF's names, for HF's scripts and tools (mixprec.trainer.hf_files): the same
+    rng_state.pth           } arguments and generators, weights_only-loadable; never read back by mixprec
 
 Resuming, from the Trainer (``resume_from_checkpoint=True``) or from the command line (``--resume``), goes
 through one listing, ``trainer_folders(output_dir).find_resumable()``.
@@ -30,6 +32,8 @@ from mixprec.checkpoint.folders import TRAINER_ARGS, TRAINER_EXTRA, TRAINER_PREF
 from mixprec.checkpoint.manager import Keep
 from mixprec.strategies.restarts import agree_on_number, restarted_anywhere
 from mixprec.trainer.data import DataPosition
+from mixprec.trainer.hf_files import hf_files
+from mixprec.trainer.hf_loggers import hf_logger
 from mixprec.trainer.state import TrainerState
 from mixprec.trainer.weights import model_config_file
 
@@ -126,8 +130,11 @@ def save_trainer_checkpoint(run: RunContext, position: DataPosition) -> Path:
     args, state, acc = run.args, run.state, run.accelerator
     folders = trainer_folders(args.output_dir)
     path = folders.folder(state.global_step)
-    if state.best_global_step == state.global_step:
-        state.best_model_checkpoint = str(path)
+    best = folders.folder(state.best_global_step) if state.best_global_step else None
+    # HF's rule: each save points at the best step's checkpoint if it exists, this one included; an evaluation
+    # after that step's save (eval per epoch, save per step) is then recorded at the next save
+    if best is not None and (state.best_global_step == state.global_step or folders.is_complete(best)):
+        state.best_model_checkpoint = str(best)
     files = {
         TRAINER_STATE: state.to_dict(),
         TRAINER_EXTRA: {"data_position": position.to_dict(), "meter": run.meter.state_dict()},
@@ -135,8 +142,10 @@ def save_trainer_checkpoint(run: RunContext, position: DataPosition) -> Path:
         **model_config_file(acc.unwrap_model(run.model)),
     }
     keep = Keep(folders, args.save_total_limit, protect=state.best_model_checkpoint)
+    # HF's training_args.bin / rng_state.pth (hf_files.py) from the main process, in the folder and its manifest
+    hf = hf_files(args, acc.num_processes) if acc.is_main_process else None
     with _disk_full_explained(run, None if args.async_save else path.name):  # async: maybe the previous one
-        acc.checkpoints.save(path, extra_json=files, async_save=args.async_save, keep=keep)
+        acc.checkpoints.save(path, extra_json=files, extra_torch=hf, async_save=args.async_save, keep=keep)
     run.events.fire("on_save", checkpoint=str(path))
     return path
 
@@ -181,6 +190,7 @@ def load_trainer_checkpoint(run: RunContext, path: Path) -> DataPosition:
     trainer's own files are read and parsed first, so a damaged one fails before the Accelerator loads
     anything."""
     saved, extra = read_trainer_files(path)
+    _warn_changed_args(run.args, saved)
     loaded = TrainerState(**{k: v for k, v in saved.items() if k in TrainerState.__dataclass_fields__})
     position = DataPosition.from_dict(extra["data_position"])
     run.accelerator.load_state(path)
@@ -209,4 +219,19 @@ def _check_loader_agrees(loader: Any, position: DataPosition, path: Path) -> Non
             f"{path}: the trainer's data position (epoch {position.epoch}, {position.batches_consumed} batches) "
             f"and the data loader's (epoch {state['epoch']}, {state['batches']} batches) disagree; the "
             "checkpoint was written by an incompatible version"
+        )
+
+
+def _warn_changed_args(args: Any, saved: dict[str, Any]) -> None:
+    """HF's warning (its words, on its logger: scripts and HF's tests read them) when a resume's logging, eval
+    or save interval or per-device batch size differs from the checkpoint's: the run goes on with the new
+    values, which a user changing them by mistake should hear."""
+    pairs = [(k, getattr(args, k, None), saved.get(k)) for k in ("logging_steps", "eval_steps", "save_steps")]
+    pairs.append(("per_device_train_batch_size", args.per_device_train_batch_size, saved.get("train_batch_size")))
+    changed = [f"\n\t{k}: {new} (from args) != {old} (from trainer_state.json)"
+               for k, new, old in pairs if new is not None and old is not None and new != old]  # fmt: skip
+    if changed:
+        hf_logger("trainer").warning(
+            "Warning: The following arguments do not match the ones in the `trainer_state.json` within the "
+            "checkpoint directory: %s", "".join(changed)
         )

@@ -361,7 +361,7 @@ class Trainer(ScriptEndings):
         handler.optimizer, handler.lr_scheduler, handler.train_dataloader = self.optimizer, self.lr_scheduler, loader
         run = RunContext(acc, args, self.events, self.meter, model, self.optimizer, self.lr_scheduler, loader,
                          compute_loss=self.compute_loss, training_step=self.training_step,
-                         evaluate=self.evaluate, log=self.log,
+                         evaluate=lambda: self._evaluate(None, None), log=self.log,
                          resume_command=self.resume_command, diagnosis=self.diagnosis,
                          memory=self._memory)  # fmt: skip
         examples = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None  # a stream has none
@@ -411,6 +411,13 @@ class Trainer(ScriptEndings):
         if self.state.epoch is not None:
             metrics["epoch"] = self.state.epoch  # as HF's, whose log() adds it to the dict it is given
         return metrics
+
+    def _evaluate(self, trial: Any, ignore_keys_for_eval: Any, skip_scheduler: bool = False) -> dict[str, float]:
+        """The evaluation training runs when the callbacks ask for one; its metrics choose the best checkpoint
+        (``metric_for_best_model``). HF's name and signature: HF's tests patch it to plant metrics. ``trial``
+        (hyperparameter search) and ``skip_scheduler`` are accepted and unused: mixprec has no HP search
+        and no metric-driven scheduler."""
+        return self.evaluate(ignore_keys=ignore_keys_for_eval)
 
     def predict(self, test_dataset: Any, ignore_keys: Any = None, metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (everything the model returns but the loss), labels and metrics, as HF's."""
