@@ -29,7 +29,7 @@ class NumericsChecks:
     def __init__(self, model: nn.Module, config: WatchConfig) -> None:
         self.stagnation = StagnationProbe(model)
         self.precursors = PrecursorProbe(model)
-        self.judge = PrecursorJudge(config.attn_logit_warn, config.log_z_drift_warn)
+        self.judge = PrecursorJudge(config.attn_logit_warn, config.log_z_drift_warn, self.precursors.z_loss)
         self.stagnation_warn = config.stagnation_warn
         self.stagnant_warned: set[str] = set()
 
