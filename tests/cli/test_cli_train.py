@@ -262,3 +262,15 @@ def test_z_loss_flag_adds_the_term_to_the_built_in_gpts_loss(tmp_path, corpus, c
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--z-loss" in err[0]
+
+
+def test_comm_dtype_is_shown_beside_the_precision(tmp_path, corpus, capsys):
+    # issue 34: --comm-dtype was recorded only in config.toml; in one process it does nothing, said so
+    run = tmp_path / "run"
+    assert main(["train", "--data", corpus, *FAST, "--max-steps", "1", "--comm-dtype", "bf16",
+                 "--output-dir", str(run)]) == 0  # fmt: skip
+    captured = capsys.readouterr()
+    said = "comm_dtype bf16 unused (one process: no gradients travel)"
+    header = next(line for line in captured.err.splitlines() if line.startswith("mixprec: fp32 on cpu"))
+    assert said in header and f"fp32: fp32 was asked for; {said}" in captured.out
+    assert json.loads((run / "train_summary.json").read_text())["comm"] == said
