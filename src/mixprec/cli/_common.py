@@ -40,6 +40,7 @@ __all__ = [
     "DataModelInfo",
     "add_data_model_args",
     "build_model",
+    "check_output_file",
     "parse_precision",
     "load_model_and_data",
     "nonnegative_int",
@@ -76,6 +77,22 @@ def positive_float(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
     return value
+
+
+def check_output_file(flag: str, path: str) -> None:
+    """Refuse, before any work, an output file that cannot be written: its folder missing or not writable, or
+    the path itself a folder (a diagnosis or a bench is minutes of work to lose at the end)."""
+    import os
+
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise CliError(f"{flag} {path}: that is a folder; name a file in it, e.g. {flag} {target / 'plot.png'}")
+    if not folder.is_dir():
+        raise CliError(f"{flag} {path}: the folder {folder} does not exist; create it first, or name a file in an "
+                       "existing folder")  # fmt: skip
+    if not os.access(folder, os.W_OK):
+        raise CliError(f"{flag} {path}: the folder {folder} is not writable; name a file in a folder you can write")
 
 
 def _seq_len(text: str) -> int:

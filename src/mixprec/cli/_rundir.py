@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -120,11 +121,27 @@ def resume_checkpoint(run_dir: Path, checkpoint: Path | None) -> Path | None:
                 f"{checkpoint.parent} to resume from its newest intact checkpoint"
             )
         return checkpoint
-    found = find_resumable(run_dir)
+    # the listing's own warning held back: with no checkpoint left, the error line says why, once (issue 34:
+    # the reason was said twice, as a warning and again in the error)
+    logger = logging.getLogger("mixprec.trainer")
+    quiet = _DropSkippedWarning()
+    logger.addFilter(quiet)
+    try:
+        found = find_resumable(run_dir)
+    finally:
+        logger.removeFilter(quiet)
     if found.checkpoint is None:
-        why = f" ({found.describe_skipped()})" if found.skipped else ""
-        raise CliError(f"--resume: {run_dir} has no intact checkpoint-N folder to continue from{why}")
+        why = "; ".join(f"{path.name}: {problem}" for path, problem in found.skipped)
+        raise CliError(f"--resume: {run_dir} has no intact checkpoint-N folder to continue from"
+                       + (f" ({why})" if why else ""))  # fmt: skip
+    if found.skipped:
+        logger.warning("%s", found.describe_skipped())
     return found.checkpoint
+
+
+class _DropSkippedWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("skipped damaged or incomplete checkpoints")
 
 
 def check_new_run_dir(run_dir: Path) -> None:
