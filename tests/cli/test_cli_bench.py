@@ -77,3 +77,12 @@ def test_a_measured_policy_row_comes_with_its_timings(capsys):
     chosen = next(line for line in captured.out.splitlines() if "--policy measured ->" in line)
     policy = chosen.split("-> ")[1].split()[0]
     assert [policy, policy] in [line.split()[:2] for line in captured.out.splitlines() if line.split()]
+
+
+def test_one_process_for_the_communication_comparison_is_refused(capsys):
+    # issue 34: --nproc-per-node 1 ran a plain one-process bench though the help says N >= 2
+    with pytest.raises(SystemExit) as stop:
+        main([*FAST, "--nproc-per-node", "1"])
+    assert stop.value.code == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
+    assert "--nproc-per-node: 1 process has no gradients to communicate: give N >= 2" in line

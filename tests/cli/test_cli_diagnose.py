@@ -63,3 +63,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert err.startswith("mixprec diagnose: error:") and "missing.txt" in err and "\n" not in err
     assert main(["diagnose", "--precision", "fp17", *FAST, "--no-plot"]) == 2
     assert "fp17" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("plot", ["missing/x.png", "."])
+def test_an_unwritable_plot_path_is_refused_before_the_diagnosis(corpus, tmp_path, capsys, monkeypatch, plot):
+    # issue 34: --plot /nonexistent/x.png failed only after the whole diagnosis had run
+    monkeypatch.chdir(tmp_path)
+    assert main(["diagnose", "--data", str(corpus), *FAST, "--plot", plot]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith(f"mixprec diagnose: error: --plot {plot}: ")
+    assert "diagnosing" not in captured.out + captured.err  # nothing ran

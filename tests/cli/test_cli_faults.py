@@ -235,3 +235,13 @@ def test_9_a_resume_into_another_precision_warns_on_stderr(tmp_path, finished, c
         line.startswith("mixprec: warning: ") and "saved under fp32" in line and "into bf16" in line
         for line in err.splitlines()
     ), err
+
+
+def test_6_no_intact_checkpoint_left_says_each_reason_once(tmp_path, finished, capsys):
+    # issue 34: the reason came twice, as a warning and again inside the error
+    run = _copy(finished, tmp_path / "run")
+    for name in ("checkpoint-2", "checkpoint-4"):
+        (run / name / "accelerator.json").write_bytes(b"\xff\xfe")
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("checkpoint-4: accelerator.json") == 1 and err.count("checkpoint-2: accelerator.json") == 1, err

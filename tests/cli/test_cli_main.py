@@ -137,3 +137,12 @@ def test_a_bad_flag_is_one_line_naming_it_without_the_usage_block(capsys, argv, 
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and flag in err and "usage:" not in err
     assert "--help" in err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "many"])
+def test_mixprec_torchrun_refuses_a_bad_process_count_in_one_line(value, capsys) -> None:
+    # issue 34: torch's launcher ended --nproc-per-node 0 in an AssertionError traceback
+    assert main(["torchrun", "--nproc-per-node", value, "-m", "mixprec.cli.main", "train"]) == 2
+    err = capsys.readouterr().err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"mixprec torchrun: error: --nproc-per-node {value}: expected ") and "Traceback" not in err

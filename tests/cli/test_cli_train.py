@@ -262,3 +262,28 @@ def test_z_loss_flag_adds_the_term_to_the_built_in_gpts_loss(tmp_path, corpus, c
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--z-loss" in err[0]
+
+
+def test_comm_dtype_is_shown_beside_the_precision(tmp_path, corpus, capsys):
+    # issue 34: --comm-dtype was recorded only in config.toml; in one process it does nothing, said so
+    run = tmp_path / "run"
+    assert main(["train", "--data", corpus, *FAST, "--max-steps", "1", "--comm-dtype", "bf16",
+                 "--output-dir", str(run)]) == 0  # fmt: skip
+    captured = capsys.readouterr()
+    said = "comm_dtype bf16 unused (one process: no gradients travel)"
+    header = next(line for line in captured.err.splitlines() if line.startswith("mixprec: fp32 on cpu"))
+    assert said in header and f"fp32: fp32 was asked for; {said}" in captured.out
+    assert json.loads((run / "train_summary.json").read_text())["comm"] == said
+
+
+@pytest.mark.parametrize("precision", ["bf16-pure", "bf16-pure-kahan"])
+def test_an_optimizer_the_pure_mode_cannot_step_is_refused_in_flags(tmp_path, capsys, precision):
+    # issue 34: refused with Python advice ("pass torch.optim.AdamW or Adam") on a command line
+    argv = ["train", "--model", "tiny", "--precision", precision, "--optim", "adamw_anyprecision",
+            "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    assert main(argv) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("mixprec train: error:")]
+    assert line.startswith(f"mixprec train: error: --precision {precision} --optim adamw_anyprecision: ")
+    assert "use --optim adamw_torch or adamw_torch_fused" in line and "--precision bf16 to keep" in line
+    assert "torch.optim" not in line and "precision='" not in line
+    assert not (tmp_path / "run").exists()  # refused before anything was written

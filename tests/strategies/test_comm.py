@@ -114,3 +114,11 @@ def test_bf16_and_fp16_on_the_wire_halve_the_bytes_all_reduced_per_step() -> Non
             acc.end_training()
     elements = 16 * 32 + 32 + 32 * 4 + 4
     assert measured == {"fp32": 4 * elements, "bf16": 2 * elements, "fp16": 2 * elements}
+
+
+def test_the_wire_dtype_is_described_for_the_run_header_and_summary() -> None:
+    # issue 34: --comm-dtype was recorded in config files only; header and summary show it beside the precision
+    assert make_comm("bf16").describe(2) == "gradients travel in bf16"
+    assert make_comm(None).describe(4) == "gradients travel in fp32"
+    assert make_comm("fp16").describe(1) == "comm_dtype fp16 unused (one process: no gradients travel)"
+    assert make_comm(None).describe(1) == ""  # one process, the default: nothing to say

@@ -50,3 +50,38 @@ def test_the_open_window_survives_a_checkpoint():
     again = _meter()
     again.load_state_dict(m.state_dict(), torch.device("cpu"))
     assert again.take_window() == (pytest.approx(2.0), 1)
+
+
+def test_a_resumed_runs_mean_loss_is_over_its_own_steps():
+    # issue 34: a resumed 10-step run printed the uninterrupted 20-step mean as "the mean over the 10 steps
+    # this run took"; the logged windows still continue the whole run's
+    m = _meter()
+    for loss in (10.0, 20.0):
+        m.add(torch.tensor(loss), samples=1, tokens=0)
+    m.take_window()
+    m.add(torch.tensor(30.0), samples=1, tokens=0)  # left in the open window at the checkpoint
+    resumed = _meter()
+    resumed.load_state_dict(m.state_dict(), torch.device("cpu"))
+    for loss in (1.0, 3.0):
+        resumed.add(torch.tensor(loss), samples=1, tokens=0)
+    assert resumed.take_window() == (pytest.approx(34.0 / 3), 0)  # the window the checkpoint cut, whole
+    assert resumed.mean_loss() == pytest.approx(2.0)  # (1 + 3) / 2: this run's steps only
+
+
+def test_a_resumed_trainers_train_loss_is_the_mean_of_the_steps_it_took(tmp_path, one_thread):
+    from mixprec import Trainer, TrainingArguments
+    from trainer_utils import make_examples, make_model
+
+    def args(out, **kw):
+        return TrainingArguments(output_dir=str(tmp_path / out), disable_tqdm=True, save_plots=False, logging_steps=1,
+                                 learning_rate=1e-2, per_device_train_batch_size=4, max_steps=6, precision="fp32",
+                                 **kw)  # fmt: skip
+
+    full = Trainer(make_model(), args("full", save_steps=2), train_dataset=make_examples(20))
+    full.train()
+    resumed = Trainer(make_model(seed=1), args("resumed", save_strategy="no"), train_dataset=make_examples(20))
+    output = resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-4"))
+    losses = {e["step"]: e["loss"] for e in full.state.log_history if "loss" in e}  # one step per log entry
+    assert output.metrics["train_loss_steps"] == 2
+    assert output.training_loss == pytest.approx((losses[5] + losses[6]) / 2, rel=1e-6)
+    assert full.state.log_history[-1]["train_loss"] == pytest.approx(sum(losses.values()) / 6, rel=1e-6)

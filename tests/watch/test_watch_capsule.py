@@ -197,3 +197,15 @@ def test_mixprec_replay_names_a_bad_flag_or_folder(tmp_path, capsys):
     assert "--tol 0.0: the relative distance must be > 0" in capsys.readouterr().err
     assert main(["replay", str(tmp_path)]) == 2
     assert "no capsule.json here; pass a capsule folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["foo", "cuda:0"])
+def test_mixprec_replay_refuses_a_bad_device_in_one_line(tmp_path, capsys, device):
+    # issue 34: --device foo ended in torch's RuntimeError traceback
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: cuda:0 is a good device here")
+    watch, _ = _run(tmp_path, "fp16", steps=2, plant_at=0)
+    capsys.readouterr()  # the run's own warnings
+    assert main(["replay", watch.capsules[0]["path"], "--device", device]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"mixprec replay: error: --device {device}: ")

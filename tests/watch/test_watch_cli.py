@@ -34,3 +34,26 @@ def test_watch_flag_writes_samples_summary_and_plot(tmp_path, capsys):
 def test_a_bad_watch_value_is_a_one_line_error(tmp_path, capsys):
     assert main(["train", "--watch", "sometimes", "--output-dir", str(tmp_path / "r")]) == 2
     assert "precision_watch" in capsys.readouterr().err
+
+
+def test_a_scale_backoff_replays_as_one_and_the_capsule_limit_is_said(tmp_path, corpus, capsys):
+    # issue 34: replay called a routine fp16 backoff "float32 holds |x| <= 3.4e38"; after 8 capsules writing
+    # stopped without a word
+    run = tmp_path / "run"
+    argv = ["train", "--data", corpus, "--model", "tiny", "--precision", "fp16", "--lr", "1.0", "--watch", "5",
+            "--max-steps", "20", "--output-dir", str(run)]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    summary = json.loads((run / "train_summary.json").read_text())["precision_watch"]
+    backoffs = [c for c in summary["capsules"] if "loss-scale backoff" in c["reason"]]
+    assert len(backoffs) == 1 and summary["capsules_not_written"]["backoff"] >= 1  # one stands for the rest
+    assert len(summary["capsules"]) == 1 + summary["max_capsules"] and summary["capsules_not_written"]["limit"] >= 1
+    assert "the limit of 8 per run is reached" in err and "per run was reached (WatchConfig.max_capsules)" in err
+
+    assert main(["replay", backoffs[0]["path"], "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)["first"]
+    assert first["phase"] == "backward" and first["kind"] == "scale" and first["fp32_finite"] is True
+    assert first["loss_scale"] == 65536.0
+    assert main(["replay", backoffs[0]["path"]]) == 0
+    out = capsys.readouterr().out
+    assert "only at the loss scale 65536" in out and "in fp32 too" in out and "float32 holds" not in out

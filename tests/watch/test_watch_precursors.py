@@ -166,3 +166,28 @@ def test_the_attention_logit_max_skips_the_keys_padding_hides():
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
     visible = GPT._attention_bias(mask, 2, 16)
     torch.testing.assert_close(attn.logit_max, scores.masked_fill(~visible, float("-inf")).amax())
+
+
+def test_a_log_partition_falling_towards_0_is_not_a_precursor_but_one_moving_away_is():
+    # issue 34: at --lr 0.1 log Z fell from 10.4 to 5.5 while the loss improved, and the watch warned
+    falling = PrecursorJudge(attn_logit_warn=100, log_z_drift_warn=3)
+    samples = [(5, 10.38), (10, 8.3), (15, 5.47), (20, 0.5)]
+    assert [falling.update(step, {"log_z": z}) for step, z in samples] == [[]] * 4
+    below = PrecursorJudge(attn_logit_warn=100, log_z_drift_warn=3)
+    assert below.update(5, {"log_z": 5.5}) == [] and below.update(10, {"log_z": -2.0}) == []
+    (warning,) = below.update(15, {"log_z": -9.0})  # very negative logits: Wortsman et al.'s divergence
+    assert (warning.signal, warning.value) == ("log_partition", -9.0)
+
+
+def test_the_log_partition_advice_follows_the_models_z_loss():
+    # issue 34: with --z-loss 1e-4 set the warning still said "add a z-loss of 1e-4 (GPTConfig(...))"
+    def warning_for(model):
+        checks = NumericsChecks(model, WatchConfig())
+        assert checks.judge.update(5, {"log_z": 5.5}) == []
+        (warning,) = checks.judge.update(10, {"log_z": 12.0})
+        return warning.message()
+
+    with_z = warning_for(GPT.from_preset("tiny", z_loss=1e-4))
+    assert "already on (0.0001)" in with_z and "--z-loss 0.001" in with_z and "add a z-loss" not in with_z
+    without = warning_for(GPT.from_preset("tiny"))
+    assert "add a z-loss of 1e-4" in without and "mixprec train --z-loss 1e-4" in without

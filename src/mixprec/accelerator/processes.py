@@ -168,10 +168,11 @@ class ProcessMethods:
         if self._precision.pending:  # said once, when decided (issue 29: one story per run)
             logger.info("mixprec: auto on %s, %s: %s", d["device"], self._strategy.describe(), d["reason"])
             return
+        comm = self.config.comm_dtype.describe(self.num_processes)
         line = (
             f"mixprec: {d['precision']} on {d['device']} (compute {d['compute_dtype']}, master weights "
             f"{d['param_dtype']}, loss scaling {'on' if d['loss_scaling'] else 'off'}), "
-            f"{self._strategy.describe()}: {d['reason']}"
+            f"{self._strategy.describe()}{', ' + comm if comm else ''}: {d['reason']}"
         )
         if self.config.step_in_backward:
             line += "; optimizer steps in backward (each gradient freed once applied)"

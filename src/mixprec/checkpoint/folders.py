@@ -136,10 +136,11 @@ class NumberedFolders:
         missing = [name for name in self.required if not (path / name).is_file()]
         return f"{missing[0]} is missing (it is not a checkpoint the Trainer wrote)" if missing else None
 
-    def find_resumable(self, *, recover_first: bool = True) -> Resumable:
+    def find_resumable(self, *, recover_first: bool = True, warn: bool = True) -> Resumable:
         """THE listing for a resume: finish interrupted commits (``recover_first=False`` on processes other
         than the main one, which does it), then the newest numbered folder :meth:`verify` passes. Logs a
-        warning naming each newer one skipped and why. Reads every file of the folders it checks."""
+        warning naming each newer one skipped and why (``warn=False``: the caller says it). Reads every file
+        of the folders it checks."""
         if recover_first:
             self.recover()
         result = Resumable(None)
@@ -149,7 +150,7 @@ class NumberedFolders:
                 result.checkpoint = path
                 break
             result.skipped.append((path, problem))
-        if result.skipped:
+        if result.skipped and warn:
             logger.warning("%s", result.describe_skipped())
         return result
 

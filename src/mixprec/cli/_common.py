@@ -32,6 +32,7 @@ from mixprec.models import GPT, GPT_PRESETS
 from mixprec.precision.base import Precision
 from mixprec.precision.op_policy import OP_KINDS
 from mixprec.precision.registry import available_precisions, make_precision, policy_name
+from mixprec.trainer.optimizers import OPTIMIZER_NAMES, TORCHAO_OPTIMIZERS
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -40,6 +41,8 @@ __all__ = [
     "DataModelInfo",
     "add_data_model_args",
     "build_model",
+    "check_optimizer_fits",
+    "check_output_file",
     "parse_precision",
     "load_model_and_data",
     "nonnegative_int",
@@ -76,6 +79,60 @@ def positive_float(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
     return value
+
+
+def check_output_file(flag: str, path: str) -> None:
+    """Refuse, before any work, an output file that cannot be written: its folder missing or not writable, or
+    the path itself a folder (a diagnosis or a bench is minutes of work to lose at the end)."""
+    import os
+
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise CliError(f"{flag} {path}: that is a folder; name a file in it, e.g. {flag} {target / 'plot.png'}")
+    if not folder.is_dir():
+        raise CliError(f"{flag} {path}: the folder {folder} does not exist; create it first, or name a file in an "
+                       "existing folder")  # fmt: skip
+    if not os.access(folder, os.W_OK):
+        raise CliError(f"{flag} {path}: the folder {folder} is not writable; name a file in a folder you can write")
+
+
+def check_optimizer_fits(precision: Precision, optim: str) -> None:
+    """Refuse an --optim the --precision cannot step with, before anything is loaded, in the command line's
+    words: the precision's own verdict (``convert_optimizer`` on a one-element probe of that optimizer), and
+    the flags that would fit (the Python refusal names classes and keyword arguments)."""
+    if precision.pending or _refusal(precision, optim) is None:  # auto: decided at the first step
+        return
+    # torchao's optimizers are not probed for the advice: importing it takes seconds and prints its own lines
+    offered = [name for name in OPTIMIZER_NAMES if name != optim and name not in TORCHAO_OPTIMIZERS]
+    fits = [name for name in offered if _refusal(precision, name) is None]
+    keep = [name for name in ("bf16", "fp32") if _refusal(make_precision(name, precision.device), optim) is None]
+    ways = [f"--optim {' or '.join(fits)}"] if fits else []
+    if keep:
+        ways.append(f"--precision {keep[0]} to keep --optim {optim}")
+    raise CliError(f"--precision {precision.name} --optim {optim}: {precision.name} steps the weights with its own "
+                   f"update, which {optim} cannot give; use " + ", or ".join(ways or ["another --optim"]))  # fmt: skip
+
+
+def _refusal(precision: Precision, optim: str) -> str | None:
+    """Why ``precision`` refuses the optimizer ``optim`` names (None: it takes it); one that cannot even be
+    built here (torchao missing) counts as refused."""
+    from types import SimpleNamespace
+
+    from mixprec.trainer.optimizers import make_optimizer
+
+    probe = torch.nn.Parameter(torch.zeros(1, device=precision.device))
+    cfg = SimpleNamespace(optim=optim, optim_args=None, learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.999,
+                          adam_epsilon=1e-8)  # fmt: skip
+    try:
+        optimizer = make_optimizer([{"params": [probe], "weight_decay": 0.0}], cfg)
+    except Exception as err:  # noqa: BLE001 - any failure to build it means it cannot be offered
+        return str(err)
+    try:
+        precision.convert_optimizer(optimizer)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _seq_len(text: str) -> int:

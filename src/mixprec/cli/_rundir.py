@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -115,10 +116,15 @@ def resume_checkpoint(run_dir: Path, checkpoint: Path | None) -> Path | None:
                 f"{checkpoint.parent} to resume from its newest intact checkpoint"
             )
         return checkpoint
-    found = trainer_folders(run_dir).find_resumable()
+    # the listing's warning held back: with no checkpoint left, the error line says why, once (it was said
+    # twice, as a warning and again in the error)
+    found = trainer_folders(run_dir).find_resumable(warn=False)
     if found.checkpoint is None:
-        why = f" ({found.describe_skipped()})" if found.skipped else ""
-        raise CliError(f"--resume: {run_dir} has no intact checkpoint-N folder to continue from{why}")
+        why = "; ".join(f"{path.name}: {problem}" for path, problem in found.skipped)
+        raise CliError(f"--resume: {run_dir} has no intact checkpoint-N folder to continue from"
+                       + (f" ({why})" if why else ""))  # fmt: skip
+    if found.skipped:
+        logging.getLogger("mixprec.checkpoint").warning("%s", found.describe_skipped())
     return found.checkpoint
 
 

@@ -72,7 +72,8 @@ def summary_rows(
     """The rows of the end-of-run table, from the Trainer's summary dict and log history (and the
     ``mixprec.diagnostics`` Report of ``--diagnose``, if one ran)."""
     rows: list[tuple[str, str]] = []
-    rows.append(("precision", f"{summary.get('precision')}: {summary.get('precision_reason') or '-'}"))
+    comm = f"; {summary['comm']}" if summary.get("comm") else ""  # --comm-dtype, beside the precision
+    rows.append(("precision", f"{summary.get('precision')}: {summary.get('precision_reason') or '-'}{comm}"))
     rows += auto_rows(summary.get("auto_precision"))
     if diagnosis is not None:
         rows.append(

@@ -10,7 +10,13 @@ from typing import Any
 import torch
 
 from mixprec.bench import BenchConfig, Workload, format_table, run_bench, to_json, workload_from_dataset, write_chart
-from mixprec.cli._common import add_data_model_args, load_model_and_data, nonnegative_int, positive_int
+from mixprec.cli._common import (
+    add_data_model_args,
+    check_output_file,
+    load_model_and_data,
+    nonnegative_int,
+    positive_int,
+)
 from mixprec.cli._config_file import explicit_flags
 from mixprec.cli._subcommand import Subcommand
 from mixprec.cli.main import CliError
@@ -86,8 +92,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--nproc-per-node",
         metavar="N",
-        type=positive_int,
-        default=1,
+        type=_two_or_more,
+        default=1,  # one process, no comparison of communication dtypes (the flag itself asks for N >= 2)
         help="N >= 2: DDP over N processes, comparing --comm-dtypes (the dtype gradients are all-reduced in)",
     )
     group.add_argument(
@@ -106,6 +112,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     group.add_argument("--json", action="store_true", help="print only the JSON document on stdout")
     group.add_argument("--output", metavar="PNG", default=None, help="write a chart of step time and memory")
+
+
+def _two_or_more(text: str) -> int:
+    """argparse type of --nproc-per-node: the comparison of communication dtypes needs two processes or more."""
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{value} process has no gradients to communicate: give N >= 2 to compare "
+                                         "--comm-dtypes, or leave the flag out for a one-process bench")  # fmt: skip
+    return value
 
 
 def _workload_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -235,6 +250,8 @@ def _run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
+    if args.output:
+        check_output_file("--output", args.output)  # up front: not after the whole bench
     precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
     measured_base = _measured_base(args.policy)
     if args.policy is not None and measured_base is None:

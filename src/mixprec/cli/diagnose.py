@@ -13,7 +13,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from mixprec.cli._common import add_data_model_args, load_model_and_data, parse_precision, positive_int
+from mixprec.cli._common import (
+    add_data_model_args,
+    check_output_file,
+    load_model_and_data,
+    parse_precision,
+    positive_int,
+)
 from mixprec.cli._subcommand import Subcommand
 from mixprec.precision.base import default_device
 from mixprec.precision.formats import FORMATS
@@ -91,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.diagnostics import diagnose  # heavy: only when this subcommand runs
 
     precision = parse_precision(args.precision, getattr(args, "fp32_ops", None))
+    if args.plot is not None and not args.no_plot:
+        check_output_file("--plot", args.plot)  # up front: not after the whole diagnosis
     model, train, _val, info = load_model_and_data(args, precision=precision)
     device = default_device()
     model.to(device)

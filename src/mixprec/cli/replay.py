@@ -36,9 +36,25 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tol is not None and not args.tol > 0:
         raise CliError(f"--tol {args.tol}: the relative distance must be > 0, e.g. --tol {DEFAULT_TOL}")
+    _check_device(args.device)
     result = replay(args.capsule, device=args.device, tol=DEFAULT_TOL if args.tol is None else args.tol)
     print(json.dumps(result.to_dict()) if args.json else result.message())
     return 0
+
+
+def _check_device(name: str) -> None:
+    """A device torch knows and this machine has, checked before the capsule is read (one line, not torch's
+    traceback at the first tensor moved)."""
+    import torch
+
+    from mixprec.cli.main import CliError
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise CliError(f"--device {name}: not a device torch knows; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {name}: torch sees no CUDA device here; replay with --device cpu")
 
 
 COMMAND = Subcommand(

@@ -32,6 +32,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    problem = _nproc_problem(str(args.nproc_per_node))
+    if problem is not None:  # torch's own check ends in a traceback (an AssertionError, or a ValueError)
+        print(f"mixprec torchrun: error: --nproc-per-node {args.nproc_per_node}: {problem}", file=sys.stderr)
+        return 2
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # one fresh store per round (see above)
     try:
         run(args)
@@ -49,6 +53,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"mixprec torchrun: rank {rank} failed ({why})", file=sys.stderr)
         return 1
     return 0
+
+
+def _nproc_problem(value: str) -> str | None:
+    """What is wrong with an --nproc-per-node value torch's launcher would fail on, or None: torch takes a
+    positive integer, or "auto", "cpu", "gpu" (torch.distributed.run)."""
+    if value in ("auto", "cpu", "gpu"):
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        return "expected a number of processes (e.g. 2), or auto, cpu, gpu"
+    return None if n >= 1 else "expected at least 1 process per node (e.g. --nproc-per-node 2)"
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from mixprec.cli import _rundir, _summary_table, _threads
 from mixprec.cli._common import (
     DataModelInfo,
     add_data_model_args,
+    check_optimizer_fits,
     load_model_and_data,
     nonnegative_int,
     parse_precision,
@@ -307,6 +308,7 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         threads = _threads.choose_threads()
         torch.set_num_threads(threads.threads)
     precision = parse_precision(args.precision, args.fp32_ops)  # the one parse of --precision / --fp32-ops
+    check_optimizer_fits(precision, args.optim)  # bf16-pure steps with its own AdamW: said in flags, up front
     lora = lora_plan(args, precision)  # a bad --lora-* flag fails before anything is loaded
     model, train_chunks, val_chunks, info = load_model_and_data(args, lora.base_dtype if lora else None, precision)
     if args.z_loss:

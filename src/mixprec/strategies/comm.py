@@ -70,6 +70,13 @@ class CommPrecision:
             return self.wire_dtype
         return torch.float32 if compute_dtype != torch.float32 else None
 
+    def describe(self, processes: int) -> str:
+        """How the run's gradients travel, for the run header and summary ("" for one process in fp32: nothing
+        to say); a compressed setting in a single process is named as unused, never passed over in silence."""
+        if processes > 1:
+            return f"gradients travel in {self.name}"
+        return f"comm_dtype {self.name} unused (one process: no gradients travel)" if self.compresses else ""
+
     def bytes_per_element(self) -> int:
         """Bytes each gradient element costs on the wire (per all-reduce, before the backend's own traffic)."""
         return torch.empty((), dtype=self.wire_dtype).element_size()

@@ -29,6 +29,9 @@ class StepMeter:
         self._window_count = 0
         self.total_loss = 0.0  # host sum of the windows already read
         self.total_count = 0
+        # the totals a resumed run started from (its checkpoint's, open window included): the summary's mean is
+        # over this run's steps, the logged means over the whole run's (as an uninterrupted run logs them)
+        self._run_base = (0.0, 0)
         self.samples = 0
         self.tokens = 0
         self.start()
@@ -85,10 +88,11 @@ class StepMeter:
         return self._mean(total, count), added - count
 
     def mean_loss(self) -> float:
-        """Mean loss over every micro-batch of the run (reads what is left in the window); nan when no finite
-        loss was seen."""
+        """Mean loss over every micro-batch this run took (a resumed run: since the resume; reads what is left
+        in the window); nan when no finite loss was seen."""
         self.take_window()
-        return self.total_loss / self.total_count if self.total_count else float("nan")
+        total, count = self.total_loss - self._run_base[0], self.total_count - self._run_base[1]
+        return total / count if count else float("nan")
 
     def state_dict(self) -> dict[str, float]:
         """JSON-ready, for checkpoints: the open window too (one host sync), so a resumed run logs the same
@@ -110,6 +114,9 @@ class StepMeter:
         self._window_count = int(state.get("window_count", 0))
         self.total_loss = float(state.get("total_loss", 0.0))
         self.total_count = int(state.get("total_count", 0))
+        window_sum, window_finite = state.get("window_sum"), state.get("window_finite")
+        counted = int(window_finite) if window_finite is not None else self._window_count
+        self._run_base = (self.total_loss + (window_sum or 0.0), self.total_count + counted)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start_time

@@ -60,6 +60,7 @@ def build_summary(
     best_model_checkpoint: str | None,
     metric_name: str | None,
     device: torch.device,
+    comm: str = "",
 ) -> dict[str, Any]:
     """HF's train_* metrics, then mixprec's. Rates are over this process's work in this run (a resumed run
     counts from the resume)."""
@@ -78,6 +79,7 @@ def build_summary(
         "precision": precision.get("precision"),
         "precision_reason": precision.get("reason"),
         "precision_loss_scaling": precision.get("loss_scaling"),
+        "comm": comm,  # how gradients travel between processes ("" for one process in fp32)
         "auto_precision": auto,
         "peak_memory_bytes": peak,
         "peak_memory_kind": peak_kind,
@@ -96,7 +98,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         # the precision's reason was said when it was decided (or asked for): here the name alone (issue 29:
         # the same sentence three times per run)
-        f"trained {summary['global_step']} steps in {summary['train_runtime']:.1f}s ({summary['precision']})",
+        f"trained {summary['global_step']} steps in {summary['train_runtime']:.1f}s ({summary['precision']}"
+        + (f"; {summary['comm']}" if summary.get("comm") else "") + ")",
         f"  train loss {summary['train_loss']:.4f} (the mean over the {summary.get('train_loss_steps', '')} steps "
         f"this run took); skipped steps {summary['skipped_steps']}"
         + (f"; final loss scale {summary['final_loss_scale']:g}" if summary.get("final_loss_scale") else ""),
@@ -142,6 +145,7 @@ def finish_run(run: RunContext, steps_before: int) -> TrainOutput:
         best_model_checkpoint=state.best_model_checkpoint,
         metric_name=args.evaluation.metric_key() if state.best_metric is not None else None,
         device=acc.device,
+        comm=acc.config.comm_dtype.describe(acc.num_processes),
     )
     memory: dict[str, int] = {}
     if run.memory is not None:  # HF's <stage>_mem_* metrics: in the returned metrics and the last log entry

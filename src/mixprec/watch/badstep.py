@@ -6,6 +6,12 @@ the optimizer's pre-step hook reads the step's loss (one scalar; the scaler or t
 this step's gradients, so the value is ready and the read does not stall the device) and compares it with
 the median of the last :data:`WINDOW` steps. It is caught there, before the update, so the capsule holds the
 weights the bad step started from.
+
+A routine fp16 scale backoff (a step whose gradients overflowed only in backward, at a loss scale above 1: the
+scaler halves the scale and skips it, many times in a run's first steps) gets one capsule, the first, to
+replay and see for what it is; the later ones get none and do not count against ``max_capsules``, which is
+kept for the steps that tell something. A bad step past the limit is said once in the log, and the summary
+counts the steps left without a capsule.
 """
 
 from __future__ import annotations
@@ -43,6 +49,10 @@ class BadSteps:
         self._describe = describe  # precision, loss scale, fallbacks: the watch's view, read when writing
         self.run_folder: Path | None = None
         self.written: list[dict[str, Any]] = []
+        self.not_written = {"limit": 0, "backoff": 0}
+        """Bad steps without a capsule: past ``max_capsules``, and scale backoffs after the first."""
+        self._budget_used = 0  # capsules counted against max_capsules (not the one backoff capsule)
+        self._backoff_capsule: int | None = None
         self._losses: list[torch.Tensor] = []
         self._recent: deque[float] = deque(maxlen=WINDOW)
 
@@ -75,14 +85,32 @@ class BadSteps:
         self._recent.append(loss)
         return self.write(step, reason, loss, loss_scale) if reason else None
 
-    def on_skipped(self, step: int, loss_scale: float) -> dict[str, Any] | None:
-        """A step whose gradients were non-finite (the scaler or the guard skipped it): write its capsule."""
-        return self.write(step, "non-finite gradients: the step was skipped", self.step_loss(), loss_scale)
+    def on_skipped(self, step: int, loss_scale: float, backoff_at: float | None = None) -> dict[str, Any] | None:
+        """A step whose gradients were non-finite (the scaler or the guard skipped it): write its capsule.
+        ``backoff_at``: the loss scale, when the step overflowed only in backward above scale 1 (a backoff)."""
+        if backoff_at is None:
+            return self.write(step, "non-finite gradients: the step was skipped", self.step_loss(), loss_scale)
+        if self._backoff_capsule is not None:
+            self.not_written["backoff"] += 1
+            return None
+        reason = f"gradients overflowed at loss scale {backoff_at:g}: a loss-scale backoff, the step was skipped"
+        record = self.write(step, reason, self.step_loss(), loss_scale, budget=False)
+        if record is not None:
+            self._backoff_capsule = step
+        return record
 
-    def write(self, step: int, reason: str, loss: float | None, loss_scale: float) -> dict[str, Any] | None:
+    def write(self, step: int, reason: str, loss: float | None, loss_scale: float,
+              budget: bool = True) -> dict[str, Any] | None:  # fmt: skip
         """Write the capsule of the current step (``loss_scale``: the one its backward used, divided by the
-        accumulation steps as the replay's backward needs)."""
-        if self.run_folder is None or len(self.written) >= self.max_capsules:
+        accumulation steps as the replay's backward needs); ``budget``: count it against ``max_capsules``."""
+        if self.run_folder is None:
+            return None
+        if budget and self._budget_used >= self.max_capsules:
+            if not self.not_written["limit"]:
+                logger.warning("precision watch: step %d (%s): no capsule, the limit of %d per run is reached "
+                               "(WatchConfig.max_capsules); later bad steps get none either",
+                               step, reason, self.max_capsules)  # fmt: skip
+            self.not_written["limit"] += 1
             return None
         batches = self.recorder.batches
         if not batches or any(b is None for b in batches) or self.recorder.rng is None:
@@ -97,6 +125,7 @@ class BadSteps:
             return None
         record = {"step": step, "reason": reason, "path": str(path)}
         self.written.append(record)
+        self._budget_used += budget
         logger.warning("precision watch: step %d: %s; capsule %s (replay it: mixprec replay %s)",
                        step, reason, path, path)  # fmt: skip
         return record

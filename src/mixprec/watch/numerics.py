@@ -31,7 +31,7 @@ class NumericsChecks:
         self.stagnation = StagnationProbe(model)
         self.fixes = fixes  # the stagnation fixes under the run's precision, asked when a warning is made
         self.precursors = PrecursorProbe(model)
-        self.judge = PrecursorJudge(config.attn_logit_warn, config.log_z_drift_warn)
+        self.judge = PrecursorJudge(config.attn_logit_warn, config.log_z_drift_warn, self.precursors.z_loss)
         self.stagnation_warn = config.stagnation_warn
         self.stagnant_warned: set[str] = set()
 

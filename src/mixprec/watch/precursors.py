@@ -5,9 +5,12 @@ Wortsman et al. 2023 ("Small-scale proxies for large-scale Transformer training 
 
 - **attention-logit growth**: the largest q . k / sqrt(d) grows until softmax attends to one key (entropy
   collapse); the remedy is qk-layernorm, or a lower learning rate;
-- **output-logit divergence**: the output log-partition log Z = logsumexp(logits) drifts away from where it
-  started (the logits stop being log-probabilities); the remedy is the z-loss (1e-4 x mean(log Z^2)), or a
-  lower learning rate.
+- **output-logit divergence**: the output log-partition log Z = logsumexp(logits) moves away from 0 (the
+  logits stop being log-probabilities: Wortsman et al. see them grow very negative, large ones risk overflow);
+  the remedy is the z-loss (1e-4 x mean(log Z^2), which pulls log Z to 0), or a lower learning rate. The drift
+  is measured as |log Z| growing past its first sample's: a log Z falling towards 0 (from log(vocab) at
+  initialisation, or from an early rise, as a healthy run's does) is the z-loss's own direction, not a
+  precursor; one rising, or falling far below 0, is.
 
 Both are read on the watch's sampled steps. The attention logit comes from modules that keep it themselves
 (``track_logit_max`` / ``logit_max``: the built-in GPT's attention, which recomputes q @ k^T in fp32 on those
@@ -28,8 +31,20 @@ from mixprec.diagnostics.hooks import HookRegistry, display_name
 
 REMEDIES = {
     "attention_logit": "add qk-layernorm, or lower the learning rate (or lengthen its warm-up)",
-    "log_partition": "add a z-loss of 1e-4 (GPTConfig(z_loss=1e-4) for the built-in GPT), or lower the learning rate",
+    "log_partition": "add a z-loss of 1e-4 (the built-in GPT: mixprec train --z-loss 1e-4, or GPTConfig(z_loss=1e-4) "
+    "in Python), or lower the learning rate",
 }
+
+
+def _log_partition_remedy(z_loss: float | None) -> str:
+    """What to do about a drifting log Z, given the z-loss the model already has (None: the model has no
+    z-loss setting; the built-in GPT's is named in both spellings, the command line's and Python's)."""
+    if not z_loss:
+        return REMEDIES["log_partition"]
+    raised = z_loss * 10
+    return (f"the z-loss already on ({z_loss:g}) does not hold it: raise it (e.g. mixprec train --z-loss "
+            f"{raised:g}, or GPTConfig(z_loss={raised:g}) in Python), or lower the learning rate (or lengthen "
+            "its warm-up)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -46,15 +61,19 @@ class InstabilityWarning:
     threshold: float
     baseline: float | None = None
     """For log_partition: the mean log Z on the first sample (the drift is measured from it)."""
+    z_loss: float | None = None
+    """For log_partition: the z-loss weight the model already trains with (None: it has no such setting)."""
 
     def message(self) -> str:
         if self.signal == "attention_logit":
             what = f"the largest attention logit in {self.where!r} reached {self.value:.1f} (> {self.threshold:g})"
+            remedy = REMEDIES[self.signal]
         else:
-            what = (f"the output log-partition drifted from {self.baseline:.2f} to {self.value:.2f} "
-                    f"(more than {self.threshold:g} nats)")  # fmt: skip
+            what = (f"the output log-partition moved from {self.baseline:.2f} to {self.value:.2f}, away from 0 "
+                    f"(|log Z| up by more than {self.threshold:g} nats)")  # fmt: skip
+            remedy = _log_partition_remedy(self.z_loss)
         return (f"precision watch: instability precursor at step {self.step}: {what}; a loss spike often follows "
-                f"(Wortsman et al. 2023): {REMEDIES[self.signal]}")  # fmt: skip
+                f"(Wortsman et al. 2023): {remedy}")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "instability", **asdict(self)}
@@ -68,6 +87,7 @@ class PrecursorProbe:
         self._attention = [(display_name(n), m) for n, m in model.named_modules() if hasattr(m, "track_logit_max")]
         self._hooks = HookRegistry()
         self._log_z: list[torch.Tensor] = []
+        self.z_loss = _z_loss_of(model)
 
     def arm(self) -> None:
         for _, m in self._attention:
@@ -100,7 +120,8 @@ class PrecursorProbe:
 class PrecursorJudge:
     """Decides from each sample's readings which precursors to warn about (each signal once per run)."""
 
-    def __init__(self, attn_logit_warn: float, log_z_drift_warn: float) -> None:
+    def __init__(self, attn_logit_warn: float, log_z_drift_warn: float, z_loss: float | None = None) -> None:
+        self.z_loss = z_loss
         self.attn_logit_warn = attn_logit_warn
         self.log_z_drift_warn = log_z_drift_warn
         self.log_z_baseline: float | None = None
@@ -117,9 +138,20 @@ class PrecursorJudge:
         if log_z is not None:
             if self.log_z_baseline is None:
                 self.log_z_baseline = log_z
-            drift = abs(log_z - self.log_z_baseline)
+            # away from 0 only: the z-loss pulls log Z to 0, and a healthy run's falls there from log(vocab)
+            drift = abs(log_z) - abs(self.log_z_baseline)
             if "log_partition" not in self.warned and (drift > self.log_z_drift_warn or log_z != log_z):
                 raised.append(InstabilityWarning("log_partition", display_name(""), step, log_z,
-                                                 self.log_z_drift_warn, self.log_z_baseline))  # fmt: skip
+                                                 self.log_z_drift_warn, self.log_z_baseline, self.z_loss))  # fmt: skip
         self.warned.update(w.signal for w in raised)
         return raised
+
+
+def _z_loss_of(model: nn.Module) -> float | None:
+    """The z-loss weight of the model's config (the built-in GPT's ``GPTConfig.z_loss``), found through any
+    wrapper; None for a model without one."""
+    for module in model.modules():
+        value = getattr(getattr(module, "config", None), "z_loss", None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None

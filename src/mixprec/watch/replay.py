@@ -7,7 +7,9 @@ included). Module outputs are compared in execution order; the first one that is
 precision, or whose relative distance to fp32's exceeds ``tol``, is named with its dtype's range and the
 largest magnitude it reached in each run. When the forward agrees, the backward of the run's precision (loss
 times the step's loss scale) is searched for the first non-finite gradient
-(:func:`mixprec.diagnostics.nonfinite.find_first_nonfinite`).
+(:func:`mixprec.diagnostics.nonfinite.find_first_nonfinite`); one found is checked against the same backward
+at loss scale 1 and fp32's, so a step that overflowed only at the loss scale (a routine fp16 scale backoff:
+the scaler skips the step and halves the scale) is reported as that, not as the gradient's dtype running out.
 
 Offline tool: it keeps every module output of both forwards (a model's activations, twice).
 """
@@ -42,7 +44,8 @@ class Divergence:
     phase: str
     """"forward" or "backward"."""
     kind: str
-    """"non-finite" or "diverged" (finite, but more than ``tol`` away from fp32)."""
+    """"non-finite", "diverged" (finite, but more than ``tol`` away from fp32) or "scale" (a backward non-finite
+    only at the step's loss scale: finite at scale 1 and in fp32)."""
     dtype: str
     """dtype of the output in the run's precision."""
     dtype_max: float
@@ -54,9 +57,16 @@ class Divergence:
     rel_error: float | None
     fp32_finite: bool | None
     """Whether fp32's output was finite: False means the data or the weights, not the precision."""
+    loss_scale: float | None = None
+    """The loss scale the backward was searched at (None for a forward finding)."""
 
     def message(self) -> str:
         where = f"{self.module} ({self.phase})"
+        if self.kind == "scale":
+            return (f"first non-finite: {where}, only at the loss scale {self.loss_scale:g}: at scale 1 the "
+                    "gradients are finite, and in fp32 too; a routine loss-scale backoff (the scaler skipped "
+                    "the step and lowered the scale), not the format's range running out: nothing to fix "
+                    "unless the scale keeps falling")  # fmt: skip
         rng = f"{self.dtype} holds |x| <= {self.dtype_max:.4g} (smallest normal {self.dtype_smallest_normal:.3g})"
         if self.kind == "non-finite":
             seen = f"; in fp32 it reached {self.max_abs_fp32:.4g}" if self.max_abs_fp32 is not None else ""
@@ -153,15 +163,26 @@ def _first_forward(run, ref, tol: float) -> Divergence | None:
 
 
 def _first_backward(base, cap: Capsule, device, fallbacks) -> Divergence | None:
-    model, precision = _prepared_copy(base, cap.precision, device, fallbacks)
-    cap.restore_rng(device)
-    batches = [_on_device(b, device) for b in cap.batches]
-    event, _ = find_first_nonfinite(model, batches, precision, float(cap.meta.get("loss_scale", 1.0)))
+    scale = float(cap.meta.get("loss_scale", 1.0))
+    event = _backward_event(base, cap, cap.precision, device, fallbacks, scale)
     if event is None:
         return None
+    # Where the overflow comes from: a gradient non-finite at the loss scale but finite at scale 1 (and in
+    # fp32) is the scale, which the scaler lowers; the dtype of the tensor that held the inf says nothing then
+    # (a tied embedding's fp32 gradient is the sum of an fp16 copy's, and reads "float32").
+    fp32_finite = _backward_event(base, cap, "fp32", device, [], 1.0) is None
+    at_one = event if scale == 1.0 else _backward_event(base, cap, cap.precision, device, fallbacks, 1.0)
+    kind = "scale" if at_one is None and fp32_finite else "non-finite"
     info = torch.finfo(getattr(torch, event.dtype))
-    return Divergence(event.module, "backward", "non-finite", event.dtype, info.max, info.tiny, None, None,
-                      None, None)  # fmt: skip
+    return Divergence(event.module, "backward", kind, event.dtype, info.max, info.tiny, None, None, None,
+                      fp32_finite, scale)  # fmt: skip
+
+
+def _backward_event(base, cap: Capsule, name: str, device, fallbacks, scale: float):
+    model, precision = _prepared_copy(base, name, device, fallbacks)
+    cap.restore_rng(device)
+    batches = [_on_device(b, device) for b in cap.batches]
+    return find_first_nonfinite(model, batches, precision, scale)[0]
 
 
 def _divergence(name, phase, kind, y, y_ref, rel, ref_finite) -> Divergence:

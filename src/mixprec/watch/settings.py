@@ -53,8 +53,8 @@ class WatchConfig:
     """Warn when the largest attention logit passes this (attention-logit growth, :mod:`mixprec.watch.precursors`;
     the built-in GPT's stay below ~20 in healthy runs)."""
     log_z_drift_warn: float = 3.0
-    """Warn when the output log-partition (mean logsumexp of the logits) drifts this many nats from its first
-    sample (output-logit divergence)."""
+    """Warn when the output log-partition (mean logsumexp of the logits) moves this many nats further from 0
+    than on its first sample (output-logit divergence; a log Z falling towards 0 is not warned about)."""
     capsules: bool = True
     """Write a replayable capsule of each bad step into the run folder (:mod:`mixprec.watch.capsule`)."""
     spike_factor: float | None = None

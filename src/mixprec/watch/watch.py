@@ -252,7 +252,9 @@ class PrecisionWatch:
                 att = attribute_skip(self.model, self._recorder, step, replay_scale, grads, self._can_replay)
                 self._on_skip(dataclasses.replace(att, loss_scale=scale))
                 if self._capsules:
-                    written = self._bad.on_skipped(step, self._replay_scale(scale))
+                    # a gradient that overflowed only in backward above scale 1: the scaler's routine backoff
+                    backoff = scale if att.phase == "backward" and scale > 1 else None
+                    written = self._bad.on_skipped(step, self._replay_scale(scale), backoff)
                     if written is not None:
                         self._emit("capsule", step, written)
         finally:
@@ -350,6 +352,8 @@ class PrecisionWatch:
             "lowest_headroom": dict(tightest),
             "numerics_warnings": [w.to_dict() for w in self.numerics_warnings],
             "capsules": self.capsules,
+            "capsules_not_written": dict(self._bad.not_written) if self.model is not None else {},
+            "max_capsules": self.config.max_capsules,
         }
 
     def summary_lines(self) -> list[str]:
@@ -374,6 +378,13 @@ class PrecisionWatch:
                 lines.append("    " + nw.message().removeprefix("precision watch: "))
         for c in self.capsules:
             lines.append(f"    bad step {c['step']} ({c['reason']}): mixprec replay {c['path']}")
+        missing = s["capsules_not_written"]
+        if missing.get("backoff"):
+            lines.append(f"    {missing['backoff']} later loss-scale backoffs have no capsule (the first one "
+                         "above stands for them)")  # fmt: skip
+        if missing.get("limit"):
+            lines.append(f"    {missing['limit']} later bad steps have no capsule: the limit of {s['max_capsules']} "
+                         "per run was reached (WatchConfig.max_capsules)")  # fmt: skip
         return lines
 
     def plot(self, path: str | Path) -> Path:
