@@ -9,16 +9,18 @@ planted (every step takes 1 ms), so which step runs in which mode does not depen
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
 import pytest
 import torch
 
 from conftest import make_batches, make_tiny_lm
-from mixprec import Accelerator
+from mixprec import Accelerator, Trainer, TrainingArguments
 from mixprec.precision import auto, registry
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
+from trainer_utils import make_examples
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
@@ -183,3 +185,21 @@ def test_a_race_step_whose_mode_raises_leaves_the_state_as_before(in_run_race, m
     decision = accelerator.auto_decision  # the race went on without bf16, and decided
     assert decision is not None and decision.chosen == "fp32" and "planted" in decision.excluded["bf16"]
     assert model.modes[2:] == [None, None]  # the steps after it ran in fp32
+
+
+def test_the_trainer_reports_a_race_steps_skip_at_the_scale_it_ran_with(in_run_race, tmp_path):
+    in_run_race(FullPrecision, Fp16MixedPrecision)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), disable_tqdm=True, save_plots=False, save_strategy="no", precision="auto",
+        max_steps=STEPS, per_device_train_batch_size=4, logging_steps=1000,
+    )  # fmt: skip
+    trainer = Trainer(Planted(overflow="fp16"), args, train_dataset=make_examples(64))
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    skips = [e for e in records if e.get("event") == "skipped_step"]
+    fp16_steps = [i + 1 for i, mode in enumerate(trainer.model.modes) if mode == torch.float16]
+    assert [e["step"] for e in skips] == fp16_steps
+    # fp16's own scale, backed off each time (never "loss scale 0": the last logged scale was None in the race)
+    scales = [e["loss_scale"] for e in skips]
+    assert scales[0] == 65536.0 and all(s >= 1.0 for s in scales) and scales == sorted(scales, reverse=True)
+    assert trainer.skipped_steps == len(fp16_steps)  # the summary's count: the chosen fp32's record
