@@ -8,6 +8,8 @@ those steps' time over the chosen mode's. The protocol is the same generator (ra
 ``begin`` tells which mode the step starting now runs in and starts the clock; ``end`` stops it when the
 optimizer step is done, and sends the outcome. The price: the first steps mix the candidates, so the run is
 no longer bit-identical to one that named the chosen mode (``MIXPREC_AUTO_RACE=aside`` races aside instead).
+Each step is a transaction (race_step.py): one whose gradients are non-finite is a skipped batch of the chosen
+mode, its step record's included; one whose mode raises is undone and the mode leaves the race.
 
 A step cannot be stopped half-way, so a warm-up step over the race's time limit counts as stopped with no
 progress: a mode that many times slower than the safest is dropped after ``MAX_STALLS + 1`` such steps (in
