@@ -203,3 +203,21 @@ def test_the_trainer_reports_a_race_steps_skip_at_the_scale_it_ran_with(in_run_r
     scales = [e["loss_scale"] for e in skips]
     assert scales[0] == 65536.0 and all(s >= 1.0 for s in scales) and scales == sorted(scales, reverse=True)
     assert trainer.skipped_steps == len(fp16_steps)  # the summary's count: the chosen fp32's record
+
+
+def test_a_mode_that_raises_in_a_timed_round_leaves_the_race_and_cannot_win():
+    from mixprec.precision.race import Failed, decide_steps
+
+    steps = decide_steps(["fp32", "bf16", "fp16"], device="cpu", threads=1, in_run=True)
+    seconds = {"fp32": 0.030, "bf16": 0.020, "fp16": 0.010}  # fp16 the fastest, until it raises
+    trials, name = [], next(steps)[0]
+    try:
+        while True:
+            trials.append(name)
+            raised = name == "fp16" and trials.count("fp16") == 2  # its first timed round
+            outcome = Failed("its training step raised RuntimeError: boom") if raised else True
+            name = steps.send((outcome, seconds[name]))[0]
+    except StopIteration as stop:
+        decision = stop.value
+    assert "boom" in decision.excluded["fp16"] and decision.chosen == "bf16"
+    assert trials.count("fp16") == 2 and "fp16" not in decision.step_seconds
