@@ -33,8 +33,19 @@ GOAL_MAX = 0.01
 
 def run_once(seed: int, race: str, folder: Path, extra: list[str]) -> dict[str, Any]:
     env = dict(os.environ, MIXPREC_AUTO_CACHE="0", MIXPREC_AUTO_RACE=race, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "mixprec.cli.main", "train", "--epochs", "2", "--seed", str(seed),
-           "--output-dir", str(folder), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mixprec.cli.main",
+        "train",
+        "--epochs",
+        "2",
+        "--seed",
+        str(seed),
+        "--output-dir",
+        str(folder),
+        *extra,
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-2000:]}")
@@ -69,15 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; seeds {seeds}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
-        jobs = [(seed, race, pool.submit(run_once, seed, race, Path(tmp) / f"{race}-{seed}", extra))
-                for seed in seeds for race in ("in-run", "aside")]  # fmt: skip
+        jobs = [
+            (seed, race, pool.submit(run_once, seed, race, Path(tmp) / f"{race}-{seed}", extra))
+            for seed in seeds
+            for race in ("in-run", "aside")
+        ]
         results: dict[tuple[int, str], dict[str, Any]] = {}
         for seed, race, future in jobs:
             results[seed, race] = future.result()
             if race == "aside":
                 inrun, aside = results[seed, "in-run"], results[seed, "aside"]
-                row = {"seed": seed, "in_run": inrun, "aside": aside,
-                       "gap": inrun["eval_loss"] / aside["eval_loss"] - 1}  # fmt: skip
+                row = {
+                    "seed": seed,
+                    "in_run": inrun,
+                    "aside": aside,
+                    "gap": inrun["eval_loss"] / aside["eval_loss"] - 1,
+                }
                 rows.append(row)
                 print(
                     f"seed {seed:2d}: in-run {inrun['eval_loss']:.4f} ({inrun['chosen']}, {inrun['race_steps']} race "
@@ -88,13 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     gaps = [abs(r["gap"]) for r in rows]
     median, worst = statistics.median(gaps), max(gaps)
     held = median <= GOAL_MEDIAN and worst <= GOAL_MAX
-    print(f"median |gap| {median:.2%} (goal <= {GOAL_MEDIAN:.1%}), max {worst:.2%} (goal <= {GOAL_MAX:.0%}): "
-          f"{'met' if held else 'not met'}")  # fmt: skip
+    print(
+        f"median |gap| {median:.2%} (goal <= {GOAL_MEDIAN:.1%}), max {worst:.2%} (goal <= {GOAL_MAX:.0%}): "
+        f"{'met' if held else 'not met'}"
+    )
     same = [abs(r["gap"]) for r in rows if r["in_run"]["chosen"] == r["aside"]["chosen"]]
     # where the two races chose different modes (the op timing's policy differs under load), the gap is partly
     # the modes' own: the seeds where both chose alike isolate what racing in-run costs
-    print(f"same mode chosen in {len(same)} of {len(rows)} seeds"
-          + (f"; among them median |gap| {statistics.median(same):.2%}, max {max(same):.2%}" if same else ""))
+    print(
+        f"same mode chosen in {len(same)} of {len(rows)} seeds"
+        + (f"; among them median |gap| {statistics.median(same):.2%}, max {max(same):.2%}" if same else "")
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "median_gap": median, "max_gap": worst}, indent=2))
     return 0 if held else 1

@@ -30,8 +30,12 @@ STEPS = 12
 @pytest.fixture
 def in_run_race(monkeypatch: pytest.MonkeyPatch) -> Any:
     """auto races in-run, every candidate (no cache, no prefilter, no policy), on a clock of 1 ms a step."""
-    for name, value in [("MIXPREC_AUTO_RACE", "in-run"), ("MIXPREC_AUTO_CACHE", "0"),
-                        ("MIXPREC_AUTO_PREFILTER", "0"), ("MIXPREC_AUTO_OP_POLICY", "0")]:  # fmt: skip
+    for name, value in [
+        ("MIXPREC_AUTO_RACE", "in-run"),
+        ("MIXPREC_AUTO_CACHE", "0"),
+        ("MIXPREC_AUTO_PREFILTER", "0"),
+        ("MIXPREC_AUTO_OP_POLICY", "0"),
+    ]:
         monkeypatch.setenv(name, value)
     ticks = itertools.count()
     monkeypatch.setattr(auto, "race_clock", lambda device: (lambda: next(ticks) * 1e-3, "planted clock"))
@@ -177,8 +181,10 @@ def test_a_race_step_whose_mode_raises_leaves_the_state_as_before(in_run_race, m
             assert all(p.grad is None for p in model.parameters())  # no half-accumulated gradient
             assert all(torch.equal(a, p) for a, p in zip(before["weights"], model.parameters()))
             moments = [{k: v.clone() for k, v in s.items()} for s in optimizer.optimizer.state.values()]
-            assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-                       for a, b in zip(moments, before["moments"]))  # fmt: skip
+            assert all(
+                a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+                for a, b in zip(moments, before["moments"])
+            )
             assert torch.equal(torch.random.get_rng_state(), before["rng"])
         optimizer.zero_grad()
     assert [i for i, _ in raised] == [1] and "planted" in raised[0][1]
@@ -190,9 +196,15 @@ def test_a_race_step_whose_mode_raises_leaves_the_state_as_before(in_run_race, m
 def test_the_trainer_reports_a_race_steps_skip_at_the_scale_it_ran_with(in_run_race, tmp_path):
     in_run_race(FullPrecision, Fp16MixedPrecision)
     args = TrainingArguments(
-        output_dir=str(tmp_path), disable_tqdm=True, save_plots=False, save_strategy="no", precision="auto",
-        max_steps=STEPS, per_device_train_batch_size=4, logging_steps=1000,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        disable_tqdm=True,
+        save_plots=False,
+        save_strategy="no",
+        precision="auto",
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        logging_steps=1000,
+    )
     trainer = Trainer(Planted(overflow="fp16"), args, train_dataset=make_examples(64))
     trainer.train()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -47,13 +47,17 @@ class StepSnapshot:
         device: torch.device,
     ) -> None:
         unique = {id(p): p for p in params}
-        self.params = [(p, p.detach().clone(), None if p.grad is None else p.grad.detach().clone())
-                       for p in unique.values()]  # fmt: skip
+        self.params = [
+            (p, p.detach().clone(), None if p.grad is None else p.grad.detach().clone()) for p in unique.values()
+        ]
         self.optimizers = [
-            (opt, {p: {k: _clone(v) for k, v in s.items()} for p, s in opt.state.items()},
-             [{k: _clone(v) for k, v in g.items() if k != "params"} for g in opt.param_groups])
+            (
+                opt,
+                {p: {k: _clone(v) for k, v in s.items()} for p, s in opt.state.items()},
+                [{k: _clone(v) for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            )
             for opt in optimizers
-        ]  # fmt: skip
+        ]
         self.scalers = [(p.scaler, p.scaler.state_dict()) for p in candidates]
         self.device = device
         self.cpu_rng = torch.random.get_rng_state()
