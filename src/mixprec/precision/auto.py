@@ -41,12 +41,12 @@ from mixprec.precision.race import (
     decide_steps,
     recheck,
 )
+from mixprec.precision.race_step import SCALE_BACKOFF, Optimizers, RaceSteps
 from mixprec.precision.trial import no_trace, race_clock, run_trial
 
 if TYPE_CHECKING:
     from mixprec.scaling.scaler import GradScaler
 
-_SCALE_BACKOFF = 2.0**-8  # an fp16 trial that overflows retries at 1/256 of the scale, down to 1
 # Per-op-kind timing before the race (issue 23, op_timing.py): where bf16 attention's backward costs 4x fp32's, a
 # policy keeping attention in fp32 can beat both uniform modes; it then races them on the whole step.
 # A run of this many optimizer steps or more races as its own first steps (inrun.py), not aside from them.
@@ -72,10 +72,9 @@ class AutoPrecision(Precision):
         self._is_main = True
         self._announce: Callable[[], None] | None = None
         self._param_names: list[tuple[str, torch.nn.Parameter]] = []
-        self._in_run: InRunRace | None = None
-        self._finish: Callable[[AutoDecision], None] | None = None
+        self._in_run: RaceSteps | None = None  # its steps are transactions (race_step.py)
+        self._optimizers = Optimizers()  # the converted ones: an in-run race step that raises puts them back
         self._stepped: Precision | None = None  # the mode that ran the last optimizer step
-        self._backoffs = 0  # in-run race steps an fp16 candidate skipped at a scale it then backed off from
         # a measured per-op policy joins the race where bf16 autocast is a candidate (op_timing.py)
         # (MIXPREC_AUTO_OP_POLICY=0 races the uniform modes only, as MIXPREC_AUTO_CACHE=0 turns the cache off)
         if op_policy is None:
@@ -193,31 +192,38 @@ class AutoPrecision(Precision):
 
     def convert_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         converted = self.current.convert_optimizer(optimizer)
+        self._optimizers.add(converted)
         # fp32 masters (master_weights.py) named to every candidate's scaler, whichever the race picks
         self.register_param_names(master_names(converted, list(self._param_names)))
         return converted
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self._in_run is not None and self._in_run.in_step:  # a race step's forward: undone if it raises
+            return self._undo_on_error(self.current.autocast())
         return self.current.autocast()
 
     def convert_output(self, data: Any) -> Any:
         return self.current.convert_output(data)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        self.current.backward(loss, **kwargs)
+        with self._undo_on_error():
+            self.current.backward(loss, **kwargs)
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        self.current.unscale(optimizer)
+        with self._undo_on_error():
+            self.current.unscale(optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         self._stepped = self.current
-        result = self.current.optimizer_step(optimizer, **kwargs)
+        with self._undo_on_error():
+            result = self.current.optimizer_step(optimizer, **kwargs)
         self._end_race_step()
         return result
 
     def end_step(self) -> None:
         self._stepped = self.current
-        self.current.end_step()
+        with self._undo_on_error():
+            self.current.end_step()
         self._end_race_step()
 
     @property
@@ -229,28 +235,26 @@ class AutoPrecision(Precision):
     def begin_step(self) -> None:
         """A training step begins (its first training forward): under the in-run race, run it in the mode the
         race names next. A no-op otherwise, or inside a step already begun."""
-        race = self._in_run
-        if race is not None and not race.in_step:
-            self._trying = {p.name: p for p in self.candidates}[race.begin()]
+        if self._in_run is not None and not self._in_run.in_step:
+            self._trying = self._in_run.begin()
 
     def _end_race_step(self) -> None:
-        race = self._in_run
-        if race is None or not race.in_step:
-            return
-        ran, self._trying = self.current, None
-        outcome: bool | Unfinished = not ran.step_was_skipped
-        scale = ran.scaler.get_scale() if ran.needs_loss_scaling else 1.0
-        if not outcome and scale > 1.0:
-            # an fp16 overflow at a large scale: back off as the aside race does, and let the step not count
-            # (progress: each one gets further), so a mode non-finite even unscaled is excluded within 3 steps
-            ran.scaler.update(new_scale=max(scale * _SCALE_BACKOFF, 1.0))
-            self._backoffs += 1
-            outcome = Unfinished(self._backoffs)
-        race.end(outcome)
-        if race.done:
-            self._in_run = None
-            assert self._finish is not None
-            self._finish(race.result)
+        if self._in_run is not None and self._in_run.in_step:
+            ran, self._trying = self.current, None
+            self._in_run.end(ran)
+
+    @contextlib.contextmanager
+    def _undo_on_error(self, inner: contextlib.AbstractContextManager[Any] | None = None) -> Iterator[None]:
+        """A hook of an in-run race step (inside ``inner``): if it raises, the step is undone and its mode leaves
+        the race (race_step.py); the error goes on."""
+        try:
+            with inner if inner is not None else contextlib.nullcontext():
+                yield
+        except Exception as err:
+            if self._in_run is not None and self._in_run.in_step:
+                failed, self._trying = self.current, None
+                self._in_run.abort(failed, err)
+            raise
 
     def state_dict(self) -> dict[str, Any]:
         return self.current.state_dict()
@@ -332,7 +336,7 @@ class AutoPrecision(Precision):
                     # and exclude fp16 only if it overflows unscaled.
                     if finite is not False or scales[name] <= 1.0:
                         return finite
-                    scales[name] = max(scales[name] * _SCALE_BACKOFF, 1.0)
+                    scales[name] = max(scales[name] * SCALE_BACKOFF, 1.0)
 
             stale = ""
             if hit:
@@ -382,7 +386,7 @@ class AutoPrecision(Precision):
                 agree=self._agree, excluded=excluded, run_steps=steps_left if in_run else run_steps,
             )  # fmt: skip
 
-            def finish(decision: AutoDecision) -> None:
+            def finish(decision: AutoDecision) -> Precision:
                 if stale:
                     decision = AutoDecision(**{**decision.to_dict(), "checked": stale})
                 if op_report:
@@ -392,12 +396,14 @@ class AutoPrecision(Precision):
                 if use_cache and decision.source == "measured":
                     auto_cache.store(key, decision)
                 self.adopt(decision)
+                return self.resolved
 
             if in_run:
                 measured = "the run's first training steps (forward, backward and optimizer step, each in one mode)"
                 steps = decide_steps(names, in_run=True, measured=measured, **race)
-                self._finish = finish
-                self._in_run = InRunRace(steps, clock, self.device, alone=alone)
+                race_steps = InRunRace(steps, clock, self.device, alone=alone)
+                params = lambda: (p for _, p in self._param_names)  # noqa: E731
+                self._in_run = RaceSteps(race_steps, self.candidates, params, self._optimizers, finish)
                 return None
             finish(decide(names, run, clock=clock, **race))
         return self.decision
@@ -427,15 +433,8 @@ class AutoPrecision(Precision):
         if record:
             self.adopt(AutoDecision.from_dict(dict(record)).with_source("checkpoint"))
         else:
-            self.adopt(
-                AutoDecision(
-                    saved_name,
-                    {},
-                    device=self.device.type,
-                    source="checkpoint",
-                    measured=f"the checkpoint's precision ({saved_name})",
-                )  # fmt: skip
-            )
+            measured = f"the checkpoint's precision ({saved_name})"
+            self.adopt(AutoDecision(saved_name, {}, device=self.device.type, source="checkpoint", measured=measured))
 
     @contextlib.contextmanager
     def _selecting(self, precision: Precision) -> Iterator[None]:

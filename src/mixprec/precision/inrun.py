@@ -8,6 +8,8 @@ those steps' time over the chosen mode's. The protocol is the same generator (ra
 ``begin`` tells which mode the step starting now runs in and starts the clock; ``end`` stops it when the
 optimizer step is done, and sends the outcome. The price: the first steps mix the candidates, so the run is
 no longer bit-identical to one that named the chosen mode (``MIXPREC_AUTO_RACE=aside`` races aside instead).
+Each step is a transaction (race_step.py): one whose gradients are non-finite is a skipped batch of the chosen
+mode, its step record's included; one whose mode raises is undone and the mode leaves the race.
 
 A step cannot be stopped half-way, so a warm-up step over the race's time limit counts as stopped with no
 progress: a mode that many times slower than the safest is dropped after ``MAX_STALLS + 1`` such steps (in
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mixprec.precision.race import Outcome, Steps, Trial, Unfinished
+from mixprec.precision.race import Failed, Outcome, Steps, Trial, Unfinished
 from mixprec.precision.trial import synchronize
 
 
@@ -33,7 +35,7 @@ class InRunRace:
         self._steps = steps
         self._alone = alone  # several processes: no step is judged by its own clock alone (they must agree)
         self._clock = clock
-        self._device = device
+        self.device = device
         self._started: float | None = None
         self._next: Trial | None = None
         self.result: Any = None
@@ -60,22 +62,23 @@ class InRunRace:
         """The mode the training step starting now runs in; its clock starts (after a device sync)."""
         if self._next is None:
             raise RuntimeError("InRunRace.begin(): the race has already decided")
-        synchronize(self._device)
+        synchronize(self.device)
         self._started = self._clock()
         return self._next[0]
 
-    def end(self, outcome: bool | Unfinished) -> None:
+    def end(self, outcome: bool | Unfinished | Failed) -> None:
         """The step's optimizer update is done: stop its clock and hand the race the outcome: whether its loss
-        and gradients were finite, or :class:`Unfinished` for a step that does not count as a trial (a loss
-        scale backing off). A step over the race's time limit is handed as stopped, with no progress."""
+        and gradients were finite, :class:`Unfinished` for a step that does not count as a trial (a loss
+        scale backing off), or :class:`Failed` for one that raised (undone; the mode leaves the race). A
+        step over the race's time limit is handed as stopped, with no progress."""
         if self._started is None:
             return
-        synchronize(self._device)
+        synchronize(self.device)
         elapsed = self._clock() - self._started
         self._started = None
         self.steps += 1
         assert self._next is not None
         limit = self._next[1]
-        if self._alone and limit is not None and elapsed > limit and not isinstance(outcome, Unfinished):
+        if self._alone and limit is not None and elapsed > limit and isinstance(outcome, bool):
             outcome = Unfinished(0)
         self._send((outcome, elapsed))

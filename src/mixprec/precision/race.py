@@ -82,12 +82,20 @@ class Unfinished:
     progress: int
 
 
+@dataclass(frozen=True)
+class Failed:
+    """What an in-run race step hands the race when its candidate raised (inrun.py): the step was undone
+    and the mode leaves the race, ``reason`` saying why."""
+
+    reason: str
+
+
 Run = Callable[[str, "float | None"], "bool | Unfinished"]
 
 
 Trial = tuple[str, "float | None"]
 """What a race asks for next: one trial of a mode, and how long it may take (``None``: no limit)."""
-Outcome = tuple["bool | Unfinished", float]
+Outcome = tuple["bool | Unfinished | Failed", float]
 """How that trial ended (finite, or stopped unfinished) and how long it took on the race's clock."""
 Steps = Generator[Trial, Outcome, Any]
 """A race written as steps: it yields the trials it wants and is sent each one's outcome. :func:`drive` runs
@@ -162,6 +170,9 @@ def race_steps(
     finite: dict[str, bool] = {}
     for name in racing:
         warm = yield from warm_up_steps(name, limit, same, spent, once=in_run)
+        if isinstance(warm, Failed):
+            out[name] = warm.reason
+            continue
         if warm is None:
             dropped[name] = 0
             continue
@@ -177,9 +188,14 @@ def race_steps(
     racing = same([c for c in racing if c not in out and c not in dropped])
     for r in range(rounds):
         for name in racing[r % len(racing) :] + racing[: r % len(racing)]:
-            _, elapsed = yield (name, None)
-            samples[name].append(elapsed)
+            outcome, elapsed = yield (name, None)
             spent.add(elapsed, name)
+            if isinstance(outcome, Failed):  # raised in a timed round: out, its samples with it
+                out[name] = outcome.reason
+                samples[name] = []
+                continue
+            samples[name].append(elapsed)
+        racing = [c for c in racing if c not in out]  # (Failed comes in-run only, where one process races)
         if len(racing) < 2:
             break
         if r + 1 < EARLY_ROUNDS:
@@ -225,7 +241,7 @@ def race(
 
 def warm_up_steps(
     name: str, limit: float | None, same: Agree, spent: Spent | None = None, once: bool = False
-) -> Generator[Trial, Outcome, tuple[bool, float] | None]:
+) -> Generator[Trial, Outcome, tuple[bool, float] | Failed | None]:
     """Untimed trials of ``name`` until its trial time settles (at most ``MAX_WARMUP`` whole trials): whether
     it was finite and its last trial's time. None when it is dropped: ``MAX_STALLS`` trials in a row stopped
     at their deadline no further (by ``PROGRESS_STEP``) than the furthest one before (slow, not setting
@@ -233,7 +249,8 @@ def warm_up_steps(
     stopped trials. Several processes agree after each trial whether to go on (they run the same trials;
     their trials are never stopped). ``once``: one finished trial is enough (a race run as the training
     steps, after the per-op-kind replays ran every kernel on these shapes: a step takes its mode's
-    one-time setup, and any left shows as noise that the paired rounds' intervals absorb)."""
+    one-time setup, and any left shows as noise that the paired rounds' intervals absorb). A trial that
+    raised (:class:`Failed`, in-run only) ends the warm-up with it."""
     times: list[float] = []
     furthest, stalls, stopped = -1, 0, 0
     finite = True
@@ -241,6 +258,8 @@ def warm_up_steps(
         outcome, elapsed = yield (name, limit)
         if spent is not None:
             spent.add(elapsed, name)
+        if isinstance(outcome, Failed):
+            return outcome
         if isinstance(outcome, Unfinished):
             stopped += 1
             if outcome.progress >= furthest + max(1, furthest * PROGRESS_STEP):
@@ -258,7 +277,9 @@ def warm_up_steps(
     return finite, times[-1]
 
 
-def warm_up(name: str, run: Run, clock: Clock, limit: float | None, same: Agree) -> tuple[bool, float] | None:
+def warm_up(
+    name: str, run: Run, clock: Clock, limit: float | None, same: Agree
+) -> tuple[bool, float] | Failed | None:
     """:func:`warm_up_steps` run back to back."""
     return drive(warm_up_steps(name, limit, same), run, clock)
 

@@ -297,7 +297,9 @@ class TrainingLoop:
         if args.max_grad_norm:
             self._grad_norm = acc.clip_grad_norm_(ctx.model.parameters(), args.max_grad_norm)
         events.fire("on_pre_optimizer_step")
-        scale_used = self._last_scale
+        # the scale this step runs with (under auto's in-run race, its mode's): a host mirror, no sync. Not the last
+        # logged one, which is None until a scaling mode is decided ("loss scale 0" on a race step, issue 34)
+        scale_used = acc.scaler.get_scale()
         try:
             ctx.optimizer.step()
         except ConsecutiveSkipsError as err:
@@ -317,7 +319,7 @@ class TrainingLoop:
                 self._last_scale = scale
                 events.record("loss_scale", ctx.state.global_step + 1, scale=scale)
 
-    def _record_skip(self, scale_used: float | None) -> None:
+    def _record_skip(self, scale_used: float) -> None:
         """Log which parameters held non-finite gradients. One host sync, on skipped steps only, before
         zero_grad clears the evidence."""
         ctx = self.run_ctx
@@ -327,7 +329,7 @@ class TrainingLoop:
         logger.warning(
             "step %d: optimizer step skipped (loss scale %g): non-finite gradients in %s",
             step,
-            scale_used or 0.0,
+            scale_used,
             shown or "no parameter (a gradient hook or another process?)",
         )
         ctx.events.record("skipped_step", step, loss_scale=scale_used, nonfinite_grads=names)

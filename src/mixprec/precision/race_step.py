@@ -1,0 +1,181 @@
+"""A step of auto's in-run race (inrun.py) as a transaction (issue 34).
+
+The in-run race's trials are real training steps, each in one candidate mode. One that fails must leave the
+run as the chosen mode would have: a step whose loss or gradients are non-finite is a skipped batch (the
+scaler skipped the update: weights, moments and optimizer step counts are untouched, the prepared LR
+scheduler holds still), and the chosen mode's step record counts it as one (:func:`carry_record`: its
+skipped-step and consecutive-skip counters, which the summary and the breaker read). A step whose candidate
+raises is undone (:class:`StepSnapshot`): weights, gradients, optimizer state, every candidate's scaler and
+the RNG are put back as they were when the step began, the mode leaves the race, and the error goes on to
+the caller. Costs one copy of the parameters, their gradients and the optimizer state per race step, taken
+before the race's clock starts (so no mode is charged for it), and nothing once the race has decided.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mixprec.precision.inrun import InRunRace
+from mixprec.precision.race import Failed, Unfinished
+from mixprec.scaling.record import ScaleRecord
+
+if TYPE_CHECKING:
+    from mixprec.precision.base import Precision
+
+SCALE_BACKOFF = 2.0**-8  # an fp16 trial that overflows retries at 1/256 of the scale, down to 1
+
+RaceStep = tuple[str, float, bool]
+"""One race step as its mode's scaler recorded it: the mode, the loss scale it ran with, whether it skipped."""
+
+
+def _clone(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+class StepSnapshot:
+    """What a race step may change, as it was when the step began; :meth:`restore` puts it back."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        optimizers: Iterable[torch.optim.Optimizer],
+        candidates: Sequence[Precision],
+        device: torch.device,
+    ) -> None:
+        unique = {id(p): p for p in params}
+        self.params = [
+            (p, p.detach().clone(), None if p.grad is None else p.grad.detach().clone()) for p in unique.values()
+        ]
+        self.optimizers = [
+            (
+                opt,
+                {p: {k: _clone(v) for k, v in s.items()} for p, s in opt.state.items()},
+                [{k: _clone(v) for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            )
+            for opt in optimizers
+        ]
+        self.scalers = [(p.scaler, p.scaler.state_dict()) for p in candidates]
+        self.device = device
+        self.cpu_rng = torch.random.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for p, value, grad in self.params:
+                p.copy_(value)
+                p.grad = None if grad is None else grad.clone()
+        for opt, state, groups in self.optimizers:
+            opt.state.clear()
+            opt.state.update({p: {k: _clone(v) for k, v in s.items()} for p, s in state.items()})
+            for group, saved in zip(opt.param_groups, groups):
+                group.update({k: _clone(v) for k, v in saved.items()})
+        for scaler, saved in self.scalers:
+            scaler.load_state_dict(saved)  # the guard's state is its step record alone
+            if scaler.is_enabled():
+                scaler.update(new_scale=scaler.get_scale())  # back to READY: no unscale or step half done
+        torch.random.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state(self.cuda_rng, self.device)
+
+
+class Optimizers:
+    """The optimizers a precision converted (weakly held: a Trainer's are rebuilt by ``model_init``)."""
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref[torch.optim.Optimizer]] = []
+
+    def add(self, optimizer: torch.optim.Optimizer) -> None:
+        self._refs.append(weakref.ref(optimizer))
+
+    def __iter__(self) -> Any:
+        live = [opt for opt in (ref() for ref in self._refs) if opt is not None]
+        return iter(live)
+
+
+def carry_record(record: ScaleRecord, before: dict[str, Any], steps: Sequence[RaceStep], chosen: Precision) -> None:
+    """Rewrite ``record`` (the chosen mode's) as if the chosen mode had taken every race step: ``before`` (the
+    record the run had when the race began) followed by one entry per step, skipped where the step was. A
+    step another mode ran is entered at the chosen mode's own scale (1 where it does not scale)."""
+    own = record.scale
+    carried = ScaleRecord(history_size=record.history_size)
+    carried.load_state_dict(before)
+    for name, scale, skipped in steps:
+        used = scale if name == chosen.name else own
+        carried.add(used, skipped, used)
+    carried.scale = own
+    record.load_state_dict(carried.state_dict())
+
+
+class RaceSteps:
+    """auto's in-run race (:class:`~mixprec.precision.inrun.InRunRace`) driven a training step at a time, each
+    step a transaction: :meth:`begin` snapshots and names the step's mode, :meth:`end` hands the race its
+    outcome, :meth:`abort` undoes a step whose mode raised. ``finish`` gets the race's decision and returns
+    the mode it chose, whose step record then counts the race's steps (:func:`carry_record`)."""
+
+    def __init__(
+        self,
+        race: InRunRace,
+        candidates: Sequence[Precision],
+        params: Callable[[], Iterable[torch.nn.Parameter]],
+        optimizers: Optimizers,
+        finish: Callable[[Any], Precision],
+    ) -> None:
+        self._race = race
+        self._candidates = list(candidates)
+        self._params = params
+        self._optimizers = optimizers
+        self._finish = finish
+        self._snapshot: StepSnapshot | None = None
+        self._backoffs = 0  # steps an fp16 candidate skipped at a scale it then backed off from
+        self._steps: list[RaceStep] = []
+        self._before = self._candidates[0].scaler.record.state_dict()  # the run's record as the race begins
+
+    @property
+    def in_step(self) -> bool:
+        return self._race.in_step
+
+    @property
+    def steps(self) -> int:
+        return self._race.steps
+
+    def begin(self) -> Precision:
+        """The mode the training step starting now runs in. The snapshot is taken before the step's clock
+        starts: no mode is charged for it."""
+        self._snapshot = StepSnapshot(self._params(), self._optimizers, self._candidates, self._race.device)
+        name = self._race.begin()
+        return next(p for p in self._candidates if p.name == name)
+
+    def end(self, ran: Precision) -> None:
+        """``ran``'s optimizer step is done (applied, or skipped as non-finite: a skipped batch)."""
+        self._snapshot = None
+        record = ran.scaler.record
+        if record.history:
+            entry = record.history[-1]
+            self._steps.append((ran.name, entry.scale, entry.skipped))
+        outcome: bool | Unfinished = not ran.step_was_skipped
+        scale = ran.scaler.get_scale() if ran.needs_loss_scaling else 1.0
+        if not outcome and scale > 1.0:
+            # an fp16 overflow at a large scale: back off as the aside race does, and let the step not count
+            # (progress: each one gets further), so a mode non-finite even unscaled is excluded within 3 steps
+            ran.scaler.update(new_scale=max(scale * SCALE_BACKOFF, 1.0))
+            self._backoffs += 1
+            outcome = Unfinished(self._backoffs)
+        self._send(outcome)
+
+    def abort(self, failed: Precision, err: Exception) -> None:
+        """``failed`` raised ``err`` during the step: put back the state the step began from; the mode leaves
+        the race."""
+        if self._snapshot is not None:
+            self._snapshot.restore()
+            self._snapshot = None
+        self._send(Failed(f"its training step raised {type(err).__name__}: {err}"))
+
+    def _send(self, outcome: bool | Unfinished | Failed) -> None:
+        self._race.end(outcome)
+        if self._race.done:
+            chosen = self._finish(self._race.result)
+            carry_record(chosen.scaler.record, self._before, self._steps, chosen)
