@@ -13,9 +13,12 @@ on the host every 10 steps (logging):
   split (evaluation, saves and start-up left out; on a mixprec without the split: ``train_runtime`` less the
   evaluations' ``eval_runtime``).
 
-In-process variants advance in interleaved rounds (rotating order) on one torch thread, wall clock; the CLI runs
-once per round. Reported: each variant's median ms per step, and its overhead over the hand-written loop as the
-median of the per-round differences (the CLI's against the hand loop's rounds of the same size).
+In-process variants advance in interleaved rounds (rotating order) on one torch thread, timed in the process's
+CPU time by default (``--clock cpu``: steadier on a shared box, where wall time measures the neighbours; one
+variant runs at a time, so the process's CPU time is that variant's); the CLI runs once per round and is timed
+by its own summary, in wall time. Reported: each variant's median ms per step, and its overhead over the
+hand-written loop as the median of the per-round differences (the CLI's against the hand loop's rounds of the
+same size).
 
     python -m benchmarks.bench_overhead --rounds 5
 """
@@ -134,10 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="in-process timing (default cpu)")
     p.add_argument("--no-cli", action="store_true", help="leave out the CLI's subprocess runs")
     p.add_argument("--json", metavar="PATH", default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
     device = torch.device("cpu")
     torch.manual_seed(a.seed)
     init = GPT.from_preset("tiny").state_dict()
@@ -164,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "CLI":
                     times[name].append(cli_step_ms(a, a.steps))
                     continue
-                t0 = time.perf_counter()
+                t0 = clock()
                 steppers[name].steps(a.steps)
-                times[name].append(1000 * (time.perf_counter() - t0) / a.steps)
+                times[name].append(1000 * (clock() - t0) / a.steps)
             print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{n} {times[n][-1]:.2f}" for n in names), file=sys.stderr)
     finally:
         for st in steppers.values():
@@ -180,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                           [t / f for t, f in zip(times[name], floor, strict=True)])}  # fmt: skip
     load = os.getloadavg()[0]
     print(f"\nbench_overhead: tiny GPT, {a.batch_size} x {a.seq_len}, {a.precision}, {a.threads} thread(s), "
-          f"{a.rounds} rounds of {a.steps} steps, torch {torch.__version__}, load average {load:.1f}")  # fmt: skip
+          f"{a.rounds} rounds of {a.steps} steps, {a.clock} clock (CLI: wall), torch {torch.__version__}, "
+          f"load average {load:.1f}")  # fmt: skip
     print(f"{'variant':<12} {'ms/step':>9} {'range':>17} {'vs hand':>8} {'overhead':>10}")
     for name, row in rows.items():
         lo, hi = row["range"]
