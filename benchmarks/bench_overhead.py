@@ -9,16 +9,14 @@ on the host every 10 steps (logging):
 - ``by hand``: torch.autocast + torch.amp.GradScaler, written out (the floor);
 - ``Accelerator``: the same loop through ``mixprec.Accelerator`` (prepare, backward, clip_grad_norm_);
 - ``Trainer``: ``mixprec.Trainer`` at its defaults, logging every 10 steps, no evaluation or saves;
-- ``CLI``: ``mixprec train --model tiny`` as a subprocess per round, its steps' time read from the summary's time
-  split (evaluation, saves and start-up left out; on a mixprec without the split: ``train_runtime`` less the
-  evaluations' ``eval_runtime``).
+- ``CLI``: ``mixprec train --model tiny`` as subprocesses: per round, the CPU time of a run of ``--steps`` + 20
+  steps less that of a 20-step run (start-up, the final evaluation, sample and plots cancel), over ``--steps``;
+  with ``--clock wall``, the summary's training-steps time.
 
 In-process variants advance in interleaved rounds (rotating order) on one torch thread, timed in the process's
 CPU time by default (``--clock cpu``: steadier on a shared box, where wall time measures the neighbours; one
-variant runs at a time, so the process's CPU time is that variant's); the CLI runs once per round and is timed
-by its own summary, in wall time. Reported: each variant's median ms per step, and its overhead over the
-hand-written loop as the median of the per-round differences (the CLI's against the hand loop's rounds of the
-same size).
+variant runs at a time, so the process's CPU time is that variant's). Reported: each variant's median ms per
+step, and its overhead over the hand-written loop as the median of the per-round differences.
 
     python -m benchmarks.bench_overhead --rounds 5
 """
@@ -28,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -111,20 +110,35 @@ def trainer(s: _loops.Setup, model: torch.nn.Module, max_steps: int, gate: _loop
     return mixprec.Trainer(model=model, args=args, train_dataset=s.dataset, callbacks=[Park()]).train
 
 
-def cli_step_ms(a: argparse.Namespace, steps: int) -> float:
-    """One ``mixprec train --model tiny`` run: its training steps' ms per step."""
+def _cli_run(a: argparse.Namespace, steps: int) -> tuple[float, float]:
+    """One ``mixprec train --model tiny`` run of ``steps`` steps: (its CPU seconds in all, its training steps'
+    wall seconds from its summary)."""
     with tempfile.TemporaryDirectory(prefix="bench_overhead_") as tmp:
         cmd = [sys.executable, "-m", "mixprec", "train", "--model", "tiny", "--seq-len", str(a.seq_len),
                "--batch-size", str(a.batch_size), "--max-steps", str(steps), "--precision", a.precision,
                "--output-dir", str(Path(tmp) / "run"), "--seed", str(a.seed)]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MIXPREC_AUTO_CACHE": "0"}
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run(cmd, check=True, capture_output=True, env=env)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         run = Path(tmp) / "run"
         summary = json.loads((run / "train_summary.json").read_text())
         if "time" in summary:
-            return 1000 * summary["time"]["run_seconds"]["training_steps"] / steps
+            return cpu, summary["time"]["run_seconds"]["training_steps"]
         evals = [json.loads(line).get("eval_runtime", 0.0) for line in (run / "metrics.jsonl").open()]
-        return 1000 * (summary["train_runtime"] - sum(evals)) / steps
+        return cpu, summary["train_runtime"] - sum(evals)
+
+
+def cli_step_ms(a: argparse.Namespace) -> float:
+    """The CLI's ms per step. CPU clock: the difference of two whole runs' CPU time (``--steps`` + 20 steps and
+    20 steps: start-up, the evaluation at the end, the sample and the plots cancel out) over ``--steps``. Wall
+    clock: the summary's training-steps time of the longer run."""
+    cpu_long, wall_long = _cli_run(a, a.steps + 20)
+    if a.clock == "wall":
+        return 1000 * wall_long / (a.steps + 20)
+    cpu_short, _ = _cli_run(a, 20)
+    return 1000 * (cpu_long - cpu_short) / a.steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 if name == "CLI":
-                    times[name].append(cli_step_ms(a, a.steps))
+                    times[name].append(cli_step_ms(a))
                     continue
                 t0 = clock()
                 steppers[name].steps(a.steps)
@@ -185,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                           [t / f for t, f in zip(times[name], floor, strict=True)])}  # fmt: skip
     load = os.getloadavg()[0]
     print(f"\nbench_overhead: tiny GPT, {a.batch_size} x {a.seq_len}, {a.precision}, {a.threads} thread(s), "
-          f"{a.rounds} rounds of {a.steps} steps, {a.clock} clock (CLI: wall), torch {torch.__version__}, "
+          f"{a.rounds} rounds of {a.steps} steps, {a.clock} clock, torch {torch.__version__}, "
           f"load average {load:.1f}")  # fmt: skip
     print(f"{'variant':<12} {'ms/step':>9} {'range':>17} {'vs hand':>8} {'overhead':>10}")
     for name, row in rows.items():
