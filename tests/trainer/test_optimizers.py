@@ -41,7 +41,8 @@ def test_hf_names_build_the_optimizers_they_name(tmp_path):
         "adamw_anyprecision": "AnyPrecisionAdamW",
         "sgd": "SGD",
     }
-    assert built["adamw_torch_fused"].defaults["fused"] and not built["adamw_torch"].defaults["fused"]
+    # issue 36: torch's fused kernel by default where it has one (here, the CPU), not its single-tensor loop
+    assert built["adamw_torch_fused"].defaults["fused"] and built["adamw_torch"].defaults["fused"]
     # HF's block size for both torchao optimizers (HF passes 256 to AdamW4bit too, over torchao's own 128)
     assert built["adamw_torch_8bit"].block_size == built["adamw_torch_4bit"].block_size == 256
     # the same decay rule everywhere: matrices decayed, biases not
@@ -81,13 +82,49 @@ def test_optim_args_take_hfs_string_form_and_defaults():
         ("adamw_anyprecision", "momentum_dtype=float8", r"momentum_dtype='float8' must be one of float32, bfloat16"),
         ("adamw_anyprecision", "use_kahan=True", r"takes no 'use_kahan'; valid keys: use_kahan_summation, "),
         ("adamw_torch_8bit", "block_size=0", r"block_size='0' must be a positive integer"),
-        ("adamw_torch", "foo=1", r"optim='adamw_torch' takes no 'foo'; valid keys: none"),
+        ("adamw_torch", "foo=1", r"optim='adamw_torch' takes no 'foo'; valid keys: fused"),
+        ("adamw_torch_fused", "foo=1", r"optim='adamw_torch_fused' takes no 'foo'; valid keys: none"),
+        ("adamw_torch", "fused=maybe", r"fused='maybe' must be True or False"),
         ("adamw_torch_4bit", "block_size", r"'block_size' is not key=value"),
     ],
 )
 def test_bad_optim_args_name_the_field_the_key_and_the_fix(tmp_path, optim, text, message):
     with pytest.raises(ValueError, match=rf"TrainingArguments\(optim_args=.*\): .*{message}"):
         args(tmp_path, optim=optim, optim_args=text)
+
+
+def test_adamw_torch_is_fused_where_torch_has_the_kernel_and_fused_false_keeps_its_default(tmp_path):
+    model = make_model(width=32)
+    assert build_optimizer(model, args(tmp_path).optimization).defaults["fused"]  # the default optim, on a CPU
+    plain = build_optimizer(model, args(tmp_path, optim_args="fused=False").optimization)
+    assert not plain.defaults["fused"] and not plain.defaults["foreach"]  # torch's own choice: the loop on a CPU
+    # a tensor the kernel cannot take (an integer parameter, frozen or not) keeps torch's default, not an error
+    int_groups = [{"params": [torch.zeros(3, dtype=torch.int64)]}, {"params": [torch.zeros(3)]}]
+    from mixprec.trainer.optimizers import fused_kernel_takes
+
+    assert not fused_kernel_takes(int_groups) and fused_kernel_takes(int_groups[1:])
+
+
+def test_the_fused_default_trains_like_the_loop_and_skips_an_overflowing_fp16_step_alike(tmp_path):
+    """The fused kernel under mixprec's scaler (its grad_scale / found_inf, fp32 weights, fp16 autocast on a
+    CPU): the same skipped steps and scales as the single-tensor loop, weights within the kernel's rounding
+    (it is not bit-identical: lr * m / (sqrt(v) + eps) in another order; 1e-5 relative over 8 steps)."""
+
+    def run(optim_args: str | None) -> tuple[list[torch.Tensor], dict]:
+        torch.manual_seed(0)
+        model = make_model(width=32)
+        trainer = Trainer(model, args(tmp_path / str(optim_args), max_steps=8, precision="fp16",
+                                      optim_args=optim_args, learning_rate=1e-2, per_device_train_batch_size=4,
+                                      init_loss_scale=2.0**40),
+                          train_dataset=make_examples(64))  # fmt: skip
+        out = trainer.train()
+        return [p.detach().clone() for p in model.parameters()], out.metrics
+
+    (fused_w, fused_m), (loop_w, loop_m) = run(None), run("fused=False")
+    assert fused_m["skipped_steps"] == loop_m["skipped_steps"] >= 1  # a first scale of 2**40 overflows fp16
+    assert fused_m["final_loss_scale"] == loop_m["final_loss_scale"]
+    for a, b in zip(fused_w, loop_w, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 # -- torchao missing ------------------------------------------------------------------------------------

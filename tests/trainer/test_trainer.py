@@ -283,6 +283,28 @@ def test_progress_bar_shows_loss_lr_scale_and_throughput(tmp_path):
     assert set(shown) == {"loss", "lr", "scale", "tok/s"} and shown["scale"] == "65536"
 
 
+def test_the_last_progress_line_shows_what_metrics_jsonl_logged_at_the_last_step(tmp_path, capsys, monkeypatch):
+    """Issue 34: the bar refreshes its loss and lr at most once a second, so a short run ended on a line of
+    values from an earlier step (loss=15.68, lr=4.59e-01 at 80/80 where metrics.jsonl had 3.28 and lr 0.0)."""
+    from mixprec.trainer.callbacks import TrainerCallback
+    from mixprec.trainer.events import ProgressCallback
+    from mixprec.trainer.logging import read_metrics
+
+    class SlowRefresh(TrainerCallback):  # the bar refreshes at step 1 only, as on a run of ~1 s steps
+        def on_step_end(self, args, state, control, **kwargs):
+            trainer.events.progress.refresh_seconds = 3600.0
+
+    monkeypatch.setattr(ProgressCallback, "refresh_seconds", 0.0)
+    args = quiet_args(tmp_path, disable_tqdm=False, max_steps=6, logging_steps=3, learning_rate=0.5,
+                      lr_scheduler_type="linear", report_to="none")  # fmt: skip
+    trainer = Trainer(make_model(), args, train_dataset=make_examples(48), callbacks=[SlowRefresh()])
+    trainer.train()
+    last = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train: 6/6 steps")][-1]
+    logged = [e for e in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in e][-1]
+    assert logged["step"] == 6
+    assert f"loss={logged['loss']:.4f}" in last and f"lr={logged['learning_rate']:.2e}" in last, last
+
+
 def test_metrics_jsonl_keeps_earlier_runs_and_reads_the_latest(tmp_path):
     from mixprec.trainer.logging import read_metrics
 

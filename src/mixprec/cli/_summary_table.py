@@ -13,6 +13,7 @@ from typing import Any
 
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.registry import needs_loss_scaling
+from mixprec.trainer.phase_clock import breakdown_rows
 
 __all__ = ["auto_rows", "format_duration", "format_table", "last_value", "perplexity", "printable", "summary_rows"]
 
@@ -118,6 +119,8 @@ def summary_rows(
     rows.append(
         ("time", f"{format_duration(wall_seconds)} in all, {format_duration(summary.get('train_runtime', 0))} training")
     )
+    if "time" in summary:  # issue 36: where the training time went
+        rows.extend(breakdown_rows(summary["time"]))
     rows.append(("run folder", run_dir))
     return rows
 

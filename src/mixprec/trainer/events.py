@@ -191,6 +191,8 @@ class ProgressCallback(TrainerCallback):
 
     def __init__(self) -> None:
         self.bar: Any = None
+        self._meter: Any = None  # the run's StepMeter, for the last line
+        self._shown: dict[str, str] = {}
         self._last_refresh = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -207,10 +209,25 @@ class ProgressCallback(TrainerCallback):
         if self.bar is None:
             return
         self.bar.update(state.global_step - self.bar.n)
+        self._meter = meter
         now = time.perf_counter()
         if meter is not None and now - self._last_refresh >= self.refresh_seconds:
             self._last_refresh = now
-            self.bar.set_postfix(meter.postfix(), refresh=False)
+            self._show(meter.postfix())
+
+    def _show(self, shown: dict[str, str]) -> None:
+        self._shown = shown  # kept here: tqdm keeps its postfix as one formatted string
+        self.bar.set_postfix(shown, refresh=False)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # a logged loss and lr are the run's values at this step: shown at once (no sync, they are host
+        # floats), so the last line matches metrics.jsonl instead of a refresh up to a second old (issue 34)
+        if self.bar is not None and logs and "loss" in logs:
+            shown = dict(self._shown, loss=f"{logs['loss']:.4f}")
+            if "learning_rate" in logs:
+                shown["lr"] = f"{logs['learning_rate']:.2e}"
+            self._show(shown)
+            self._last_refresh = time.perf_counter()
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if self.bar is not None and metrics:
@@ -221,6 +238,11 @@ class ProgressCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:
+            if self._meter is not None:  # the end's lr, loss scale and rate; the loss of steps not logged yet
+                shown = self._meter.postfix()
+                if "loss" not in shown and "loss" in self._shown:  # every step logged: the last logged loss
+                    shown = {"loss": self._shown["loss"], **shown}
+                self._show(shown)
             self.bar.close()
             self.bar = None
 

@@ -192,10 +192,12 @@ class TrainingLoop:
                 # the epoch's end still has to happen, as it did in the uninterrupted run.
                 batches = ctx.train_loader if micro < plan.batches_per_epoch else ()
                 for batch in batches:
+                    ctx.meter.phases.lap("data")  # the loader's next batch (and the device copy it makes)
                     micro += 1
                     stepped = self._micro_batch(batch)
                     if not stepped:
                         events.fire("on_substep_end")
+                        ctx.meter.phases.lap("callbacks_logging")
                         continue
                     ctx.state.global_step += 1
                     ctx.state.epoch = epoch + micro / plan.batches_per_epoch
@@ -233,9 +235,12 @@ class TrainingLoop:
         if self._micro_in_step == 0:
             ctx.control.new_step()
             ctx.events.fire("on_step_begin")
+            ctx.meter.phases.lap("callbacks_logging")
         self._micro_in_step += 1
         if acc.precision_pending:
+            ctx.meter.phases.lap("callbacks_logging")
             self._settle_precision(batch)
+            ctx.meter.phases.lap("race")  # a race aside (a run's own first steps count as forward+backward)
         with acc.accumulate(ctx.model):
             # training_step returns the loss divided by the accumulation steps (HF's); the meter averages the
             # micro-batches' own losses
@@ -245,6 +250,7 @@ class TrainingLoop:
             ctx.meter.add(loss, count_samples(batch), count_tokens(batch))
             if ctx.args.include_num_input_tokens_seen != "no":
                 self._count_input_tokens(batch)
+            ctx.meter.phases.lap("forward_backward")
             if not acc.sync_gradients:
                 return False
             self._optimizer_step()
@@ -296,6 +302,7 @@ class TrainingLoop:
         acc, args, events = ctx.accelerator, ctx.args, ctx.events
         if args.max_grad_norm:
             self._grad_norm = acc.clip_grad_norm_(ctx.model.parameters(), args.max_grad_norm)
+        ctx.meter.phases.lap("clip")
         events.fire("on_pre_optimizer_step")
         # the scale this step runs with (under auto's in-run race, its mode's): a host mirror, no sync. Not the last
         # logged one, which is None until a scaling mode is decided ("loss scale 0" on a race step, issue 34)
@@ -310,6 +317,7 @@ class TrainingLoop:
         events.fire("on_optimizer_step", skipped=skipped)
         ctx.lr_scheduler.step()  # the prepared scheduler holds still after a skipped step
         ctx.optimizer.zero_grad()
+        ctx.meter.phases.lap("optimizer")
         if self._racing and not acc.precision_racing:  # "auto"'s in-run race decided at this step
             self._racing = False
             self._precision_decided(steps_done=1)
@@ -354,13 +362,16 @@ class TrainingLoop:
 
     def _log_save_evaluate(self) -> None:
         ctx = self.run_ctx
-        control = ctx.control
+        control, clock = ctx.control, ctx.meter.phases
+        clock.lap("callbacks_logging")  # the step's end: on_step_end and its callbacks
         if control.should_log:
             control.should_log = False
             self._log_training()
+            clock.lap("callbacks_logging")
         if control.should_evaluate:
             control.should_evaluate = False
             metrics = ctx.evaluate()
+            clock.lap("evaluation")
             new_best = track_best(ctx.args, ctx.state, metrics)
             if ctx.args.save_strategy == "best":  # HF: save exactly when an evaluation finds a new best
                 ctx.control.should_save = new_best
@@ -369,6 +380,7 @@ class TrainingLoop:
             control.should_save = False
             ctx.state.stateful_callbacks = export_callback_states(ctx.events.handler.callbacks, control)
             ckpt.save_trainer_checkpoint(ctx, self.position)
+            clock.lap("save")
 
     def _log_training(self) -> None:
         ctx = self.run_ctx

@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from mixprec.trainer.phase_clock import PhaseClock
+
 
 class StepMeter:
     """Loss since the last log, throughput since the last look, and totals for the summary."""
@@ -34,11 +36,14 @@ class StepMeter:
         self._run_base = (0.0, 0)
         self.samples = 0
         self.tokens = 0
+        self.phases = PhaseClock()
+        """Where the run's time goes, phase by phase (the loop laps it; the summary reads it)."""
         self.start()
 
     def start(self) -> None:
         """Start the clock (at the first step, not at construction: setup is not throughput)."""
         self.start_time = time.perf_counter()
+        self.phases.start()
         self._rate_mark = (self.start_time, self.samples, self.tokens)
 
     def add(self, loss: torch.Tensor, samples: int, tokens: int) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec.trainer.phase_clock import format_breakdown
 from mixprec.trainer.state import STATE_FILE, TrainOutput
 
 if TYPE_CHECKING:
@@ -107,6 +108,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         + (f", {summary['train_tokens_per_second']:.0f} tokens/s" if "train_tokens_per_second" in summary else ""),
         f"  peak memory {summary['peak_memory_bytes'] / 2**20:.0f} MiB ({summary['peak_memory_kind']})",
     ]
+    if "time" in summary:
+        lines.append(format_breakdown(summary["time"]))
     if "best_metric" in summary:
         lines.append(
             f"  best {summary['best_metric_name']} {summary['best_metric']:.4g} at {summary['best_model_checkpoint']}"
@@ -146,6 +149,10 @@ def finish_run(run: RunContext, steps_before: int) -> TrainOutput:
         metric_name=args.evaluation.metric_key() if state.best_metric is not None else None,
         device=acc.device,
         comm=acc.config.comm_dtype.describe(acc.num_processes),
+    )
+    decision = acc.auto_decision
+    summary["time"] = meter.phases.breakdown(  # issue 36: where the run's time went
+        summary["train_runtime"], summary["train_loss_steps"], decision.cost_seconds if decision is not None else 0.0
     )
     memory: dict[str, int] = {}
     if run.memory is not None:  # HF's <stage>_mem_* metrics: in the returned metrics and the last log entry
