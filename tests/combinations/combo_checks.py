@@ -85,8 +85,9 @@ class Said:
     def add_text(self, text: str) -> None:
         self.lines.extend(line for line in text.splitlines() if line.strip())
 
-    def formats_named(self, precision: str, findings: Findings) -> None:
-        allowed = computes_in(precision)
+    def formats_named(self, precision: str, findings: Findings, also: frozenset[str] = frozenset()) -> None:
+        """Each line names only formats the run computes in (or ``also``: the one its gradients travel in)."""
+        allowed = computes_in(precision) | also
         for line in self.lines:
             for fmt, pattern in FORMAT_NAMES.items():
                 if fmt not in allowed and pattern.search(line):

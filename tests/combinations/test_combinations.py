@@ -148,7 +148,7 @@ def test_cell(precision, level, feature, tmp_path, monkeypatch, request, capsys)
             {"watch": trainer_watch, "hf-parser": trainer_hf_parser, "z-loss": trainer_z_loss,
              "resume": trainer_resume}[feature](precision, run, findings)  # fmt: skip
         else:
-            cli_cell(precision, feature, run, corpus, hf, findings, said, capsys)
+            cli_cell(precision, feature, run, corpus, hf, findings, said, capsys, monkeypatch)
     printed = capsys.readouterr()
     said.add_text(printed.out + printed.err)
     said.formats_named(precision, findings)
@@ -161,7 +161,12 @@ def test_cell(precision, level, feature, tmp_path, monkeypatch, request, capsys)
 FAST = ["--seq-len", "32", "--batch-size", "4", "--epoch-tokens", "256"]
 
 
-def cli_cell(precision, feature, run, corpus, hf_folder, findings, said, capsys) -> None:
+def cli_cell(precision, feature, run, corpus, hf_folder, findings, said, capsys, monkeypatch) -> None:
+    from mixprec.cli import train as train_cli
+
+    monkeypatch.setattr(train_cli, "SAMPLE_BYTES", 8)  # the closing sample: a byte per forward pass
+    if feature != "watch":  # the plots take half a cell's time: drawn (and their files checked) in the watch cells
+        monkeypatch.setattr("mixprec.trainer.plots.plot_run", lambda *args, **kwargs: None)
     model = ["--model", hf_folder, "--lora-r", "4"] if feature == "lora" else ["--model", "tiny"]
     extra = {"watch": ["--watch", "1"], "z-loss": ["--z-loss", "0.01"]}.get(feature, [])
     argv = ["train", "--data", corpus, *model, *FAST, "--precision", precision_name(precision), *extra]
