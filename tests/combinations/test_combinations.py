@@ -15,8 +15,9 @@ Not every triple: a covering design. Each precision meets each level, and each f
   checkpoint taken while it races resumes by racing again, by design, so no bit-identical twin exists)
 - command line: one feature per precision (CLI_FEATURE)
 
-That is 8 + 24 + 31 + 8 = 71 cells here, 8 in test_combinations_comm.py (each precision with one comm dtype,
-two processes: one launch), and REFUSED's cells that cannot combine: 79 + len(REFUSED) in all.
+That is 8 + 24 + 31 + 8 = 71 cells here, 8 in test_combinations_comm.py (each precision with one comm dtype, two
+processes, one launch), and 7 that cannot combine (REFUSED: 6 on the command line, 1 at the Accelerator),
+refused at the edge with one line naming the argument and the fix: 86 cells in all, about 40 s on 2 busy cores.
 
 The invariants every cell checks (combo_checks.py, each its own AssertionError kind, so an expected failure
 names the one invariant a known defect breaks): no warning, log record or printed line names a 16-bit format
@@ -292,6 +293,7 @@ def test_refused_cell(flags, fragments, request, capsys, tmp_path, monkeypatch):
 def test_a_policy_on_pure_bf16_is_refused_by_the_accelerator_naming_fp32_ops():
     from mixprec import Accelerator
 
-    with pytest.raises(ValueError, match=r"^Accelerator\(fp32_ops='attention'\): fp32_ops=\['attention'\] needs an autocast mode to refine") as refused:
+    needs = r"^Accelerator\(fp32_ops='attention'\): fp32_ops=\['attention'\] needs an autocast mode to refine"
+    with pytest.raises(ValueError, match=needs) as refused:
         Accelerator(mixed_precision="bf16-pure", fp32_ops="attention", cpu=True, verbose=False)
     assert "use precision='bf16' or 'fp16'" in str(refused.value) and "\n" not in str(refused.value)
