@@ -133,3 +133,22 @@ def test_sparse_gradients_are_refused_by_name():
     p.grad = torch.zeros(4).to_sparse()
     with pytest.raises(RuntimeError, match="AnyPrecisionAdamW does not support sparse gradients"):
         AnyPrecisionAdamW([p]).step()
+
+
+def test_a_loaded_state_keeps_the_groups_a_scheduler_on_the_replaced_optimizer_steers():
+    """Pure bf16 swaps the user's AdamW for a Bf16AdamW sharing its group dicts, so the LR scheduler built on
+    the AdamW steers it. torch's load_state_dict put new dicts in their place: after a resume the learning
+    rate stayed at the checkpoint's (issue 34's combination matrix: bf16-pure resumed runs parted)."""
+    from mixprec.precision.pure import PureBf16Precision
+
+    model = PureBf16Precision("cpu").convert_module(torch.nn.Linear(4, 4))
+    original = torch.optim.AdamW(model.parameters(), lr=1.0)
+    optimizer = PureBf16Precision("cpu").convert_optimizer(original)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(original, lambda step: 0.5**step)
+    model(torch.ones(2, 4, dtype=torch.bfloat16)).sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    optimizer.load_state_dict(saved)
+    scheduler.step()
+    assert [g["lr"] for g in optimizer.param_groups] == [0.5] and scheduler.get_last_lr() == [0.5]
+    assert optimizer.param_groups is original.param_groups and optimizer.state_dict()["state"].keys() == {0, 1}

@@ -38,7 +38,7 @@ from mixprec.cli._lora import add_lora_args, apply_lora, lora_plan
 from mixprec.cli._subcommand import Subcommand
 from mixprec.cli.main import CliError
 from mixprec.data import decode, encode, unigram_entropy
-from mixprec.models import GPT
+from mixprec.models import GPT, GPT_PRESETS
 from mixprec.precision.base import Precision
 from mixprec.strategies.comm import COMM_NAMES
 from mixprec.strategies.launch_env import LaunchEnv
@@ -310,12 +310,13 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     precision = parse_precision(args.precision, args.fp32_ops)  # the one parse of --precision / --fp32-ops
     check_optimizer_fits(precision, args.optim)  # bf16-pure steps with its own AdamW: said in flags, up front
     lora = lora_plan(args, precision)  # a bad --lora-* flag fails before anything is loaded
+    if args.z_loss:  # so does --z-loss on a model without one (a Hugging Face model's weights load for minutes)
+        if args.model not in GPT_PRESETS:
+            raise CliError(f"--z-loss {args.z_loss:g}: only the built-in GPT has a z-loss; drop --z-loss for --model")
+        if GPT_PRESETS[args.model].loss_chunk_size:
+            raise CliError(f"--z-loss {args.z_loss:g}: the {args.model!r} preset's chunked loss has no z-loss term")
     model, train_chunks, val_chunks, info = load_model_and_data(args, lora.base_dtype if lora else None, precision)
     if args.z_loss:
-        if not isinstance(model, GPT):
-            raise CliError(f"--z-loss {args.z_loss:g}: only the built-in GPT has a z-loss; drop --z-loss for --model")
-        if model.config.loss_chunk_size:
-            raise CliError(f"--z-loss {args.z_loss:g}: the {args.model!r} preset's chunked loss has no z-loss term")
         model.config.z_loss = args.z_loss  # read by each forward
     if lora is not None:
         model, lora_line = apply_lora(model, lora)

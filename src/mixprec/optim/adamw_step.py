@@ -66,6 +66,17 @@ class AdamWStep(torch.optim.Optimizer):
         """How ``group``'s parameters are stepped."""
         raise NotImplementedError
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, but into the group dicts this optimizer already holds: pure bf16 shares them with the
+        optimizer it replaced (``PureBf16Precision.convert_optimizer``), on which the user's LR scheduler was
+        built. torch's version puts new dicts in their place, so after a resume the scheduler steered an
+        optimizer that no longer steps and the learning rate stayed at the checkpoint's (issue 34's matrix)."""
+        groups = self.param_groups
+        super().load_state_dict(state_dict)
+        for held, loaded in zip(groups, self.param_groups, strict=True):
+            held.update(loaded)
+        self.param_groups = groups
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One update. No host sync (step counts are host floats)."""
