@@ -72,24 +72,9 @@ CLI_FEATURE = {
     "bf16:fp32_ops=attention": "watch", "auto-inrun": "lora", "auto-aside": "resume",
 }  # fmt: skip
 
-# Known defects of issue 34 that other helpers are fixing now: each mark names the invariant it breaks
-# (raises=...), so the cell still fails on anything else; strict, so a fix flips it to a failure to unmark.
-WATCH_RANGE = "issue 34: the watch measures a bf16 policy / bf16-pure / fp32 run against fp16's range (facts)"
-HF_PARSER = "issue 34: HfArgumentParser crashes on --precision ('Invalid device string') (facts)"
-RESUME_MEAN = "issue 34: a resumed run's summary loss is not the mean over its own steps (defects)"
-RACE_SKIP = ("issue 34: a step skipped during the in-run race is recorded by the trial mode's scaler only: the "
-             "run's skip count and the watch (no capsule) miss it (race)")  # fmt: skip
-_WATCHED = {"capsule": "accelerator", "watch": "trainer"}
-KNOWN: dict[tuple[str, str, str], tuple[type[BaseException], str]] = {
-    **{(p, "trainer", "hf-parser"): (RuntimeError, HF_PARSER) for p in PRECISIONS},
-    **{(p, "trainer", "resume"): (FigureMismatch, RESUME_MEAN) for p in PRECISIONS if p != "auto-inrun"},
-    **{(p, "cli", "resume"): (FigureMismatch, RESUME_MEAN) for p in PRECISIONS if CLI_FEATURE[p] == "resume"},
-    **{(p, level, f): (FormatNamed, WATCH_RANGE) for f, level in _WATCHED.items()
-       for p in ("fp32", "bf16-pure", "bf16-pure-kahan", "bf16:fp32_ops=attention")},  # fmt: skip
-    ("bf16:fp32_ops=attention", "cli", "watch"): (FormatNamed, WATCH_RANGE),
-    ("auto-inrun", "accelerator", "capsule"): (SkipLeaked, RACE_SKIP),
-    ("auto-inrun", "trainer", "watch"): (SkipLeaked, RACE_SKIP),
-}
+# Known defects: each mark names the invariant it breaks (raises=...), so the cell still fails on anything
+# else; strict, so a fix flips it to a failure to unmark. None is left.
+KNOWN: dict[tuple[str, str, str], tuple[type[BaseException], str]] = {}
 
 
 def _cells() -> list:
@@ -240,10 +225,6 @@ def check_cli_figures(out: str, run: Path, findings: Findings) -> dict:
 
 # -- the cells that cannot combine: refused at the edge, one line naming the argument and the fix ------------
 
-OPTIM_ADVICE = "issue 34: bf16-pure refuses --optim with Python advice ('pass torch.optim.AdamW') naming no flag"
-STEP_IN_BACKWARD = ("issue 34 (found by the matrix): --step-in-backward under fp16/auto is refused as "
-                    "'TrainingArguments(step_in_backward=True): with precision=Fp16MixedPrecision(...)', a Python "
-                    "repr naming no flag (trainer/args.py formats the parsed object, not its name)")  # fmt: skip
 # (flags, what the one line must hold): each a real limitation, said in the comment
 REFUSED = [
     # pure bf16 holds bf16 weights: an op kept in fp32 would need fp32 weights, which is what "bf16" keeps
@@ -260,12 +241,10 @@ REFUSED = [
                  ["--lora-r 4", "pass --model"], id="lora-built-in-gpt"),  # fmt: skip
     # fp16's skip is decided after the whole backward; a parameter updated during it cannot be taken back
     pytest.param(["--model", "tiny", "--precision", "fp16", "--step-in-backward"],
-                 ["--step-in-backward", "use bf16, bf16-pure or fp32"], id="fp16-step-in-backward",
-                 marks=pytest.mark.xfail(strict=True, reason=STEP_IN_BACKWARD)),  # fmt: skip
+                 ["--step-in-backward", "use bf16, bf16-pure or fp32"], id="fp16-step-in-backward"),  # fmt: skip
     # pure bf16 steps with its own Adam (rounding the bf16 weights); another optimizer would round to nearest
     pytest.param(["--model", "tiny", "--precision", "bf16-pure", "--optim", "adamw_anyprecision"],
-                 ["--optim", "adamw_torch"], id="bf16-pure-optim",
-                 marks=pytest.mark.xfail(strict=True, reason=OPTIM_ADVICE)),  # fmt: skip
+                 ["--optim", "adamw_torch"], id="bf16-pure-optim"),  # fmt: skip
 ]
 
 

@@ -164,6 +164,10 @@ class RaceSteps:
             ran.scaler.update(new_scale=max(scale * SCALE_BACKOFF, 1.0))
             self._backoffs += 1
             outcome = Unfinished(self._backoffs)
+        # every candidate's record counts the race's steps so far, whichever mode is current when the run's
+        # step count, its skipped steps or the watch read it (an undecided race: a short run ends in one)
+        for candidate in self._candidates:
+            carry_record(candidate.scaler.record, self._before, self._steps, candidate)
         self._send(outcome)
 
     def abort(self, failed: Precision, err: Exception) -> None:

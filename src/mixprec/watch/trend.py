@@ -30,12 +30,17 @@ class HeadroomWarning:
     """Binades of headroom lost per step over the recent samples (None: too few samples for a trend)."""
     steps_left: int | None
     """Estimated steps until the layer overflows (None: no shrinking trend, only low headroom)."""
+    computes_in: str | None = None
+    """The format the run computes in when it is not ``fmt`` (an fp32 run watched against fp16: a what-if)."""
 
     def message(self) -> str:
         when = f"about {self.steps_left} steps left" if self.steps_left is not None else "no trend yet"
         rate = f", losing {self.slope:.3g} binades/step" if self.slope else ""
+        what_if = self.computes_in is not None and self.computes_in != self.fmt
+        verb = f"would run out of {self.fmt} range" if what_if else f"is running out of {self.fmt} range"
+        aside = f" (the run computes in {self.computes_in}: a what-if)" if what_if else ""
         return (
-            f"precision watch: layer {self.layer!r} is running out of {self.fmt} range at step {self.step}: "
+            f"precision watch: layer {self.layer!r} {verb} at step {self.step}{aside}: "
             f"{self.headroom:.2f} binades below the max{rate} ({when})"
         )
 

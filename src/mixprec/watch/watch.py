@@ -117,7 +117,7 @@ class PrecisionWatch:
                             type(self.model).__name__, type(model).__name__)  # fmt: skip
             return
         self.model = model
-        self._scaler = accelerator.scaler
+        self._host = accelerator  # its scaler is asked each time: "auto"'s is the current mode's
         self._device = accelerator.device
         self._precision = accelerator.precision
         self.fmt = self._run_format()
@@ -206,6 +206,10 @@ class PrecisionWatch:
     def _replay_scale(self, scale: float | None = None) -> float:
         return (self._scaler.get_scale() if scale is None else scale) / self._replay_divisor
 
+    @property
+    def _scaler(self) -> Any:
+        return self._host.scaler
+
     def _run_format(self) -> FloatFormat:
         """The config's format, else the narrowest the run may compute in (the precision's own answer; an
         undecided "auto"'s narrowest candidate), and fp16's for an fp32 run: does fp16 hold?"""
@@ -213,6 +217,10 @@ class PrecisionWatch:
             return FORMATS[self.config.fmt]
         fmt = self._precision.narrowest_format()
         return FP16 if fmt is FP32 else fmt
+
+    def _computes_in(self) -> str:
+        """The format the run computes in (its narrowest), which the summary names beside a what-if format."""
+        return self._precision.narrowest_format().name
 
     def _capsule_context(self) -> dict[str, Any]:
         return {"precision": self._precision_name(), "fallbacks": [f["module"] for f in self.fallbacks],
@@ -281,6 +289,7 @@ class PrecisionWatch:
         self._emit("watch_sample", sample.step, sample.log_entry())
         fallen = frozenset(f["module"] for f in self.fallbacks)
         for w in self._trend.update(sample, exclude=fallen):
+            w.computes_in = self._computes_in()
             self.warnings.append(w)
             logger.warning(w.message())
             self._emit("precision_warning", sample.step, w.to_dict())
@@ -344,6 +353,7 @@ class PrecisionWatch:
         return {
             "every": self.config.every,
             "format": self.fmt.name,
+            "computes_in": self._computes_in(),
             "samples": len(self.samples),
             "warnings": [w.to_dict() for w in self.warnings],
             "skipped_steps_by_module": dict(self.skip_counts.most_common()),
@@ -358,7 +368,8 @@ class PrecisionWatch:
 
     def summary_lines(self) -> list[str]:
         s = self.summary()
-        lines = [f"  precision watch: {s['samples']} samples every {s['every']} steps against {s['format']}"]
+        what_if = f" (the run computes in {s['computes_in']}: a what-if)" if s["computes_in"] != s["format"] else ""
+        lines = [f"  precision watch: {s['samples']} samples every {s['every']} steps against {s['format']}{what_if}"]
         if s["lowest_headroom"]:
             tight = ", ".join(f"{k} {v:.1f}" for k, v in list(s["lowest_headroom"].items())[:3])
             lines.append(f"    least headroom (binades below the max): {tight}")
