@@ -115,8 +115,8 @@ def check_optimizer_fits(precision: Precision, optim: str) -> None:
 
 
 def _refusal(precision: Precision, optim: str) -> str | None:
-    """Why ``precision`` refuses the optimizer ``optim`` names (None: it takes it); one that cannot even be
-    built here (torchao missing) counts as refused."""
+    """Why ``precision`` refuses the optimizer ``optim`` names (None: it takes it, or it cannot be built here,
+    e.g. torchao missing, which building it for the run then says in its own words)."""
     from types import SimpleNamespace
 
     from mixprec.trainer.optimizers import make_optimizer
@@ -126,8 +126,8 @@ def _refusal(precision: Precision, optim: str) -> str | None:
                           adam_epsilon=1e-8)  # fmt: skip
     try:
         optimizer = make_optimizer([{"params": [probe], "weight_decay": 0.0}], cfg)
-    except Exception as err:  # noqa: BLE001 - any failure to build it means it cannot be offered
-        return str(err)
+    except Exception:  # noqa: BLE001 - not the precision's refusal: the run's own build reports it
+        return None
     try:
         precision.convert_optimizer(optimizer)
     except ValueError as err:

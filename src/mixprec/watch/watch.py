@@ -41,7 +41,8 @@ from mixprec.watch.badstep import BadSteps
 from mixprec.watch.headroom import HeadroomSampler, Sample
 from mixprec.watch.numerics import NumericsChecks, NumericsWarning
 from mixprec.watch.settings import WatchConfig
-from mixprec.watch.stagnation import StagnationWarning, stagnation_fixes, stagnation_message
+from mixprec.watch.stagnation import stagnation_fixes
+from mixprec.watch.summary_text import summary_lines
 from mixprec.watch.trend import HeadroomWarning, TrendWatch
 
 if TYPE_CHECKING:
@@ -289,7 +290,7 @@ class PrecisionWatch:
         self._emit("watch_sample", sample.step, sample.log_entry())
         fallen = frozenset(f["module"] for f in self.fallbacks)
         for w in self._trend.update(sample, exclude=fallen):
-            w.computes_in = self._computes_in()
+            w = dataclasses.replace(w, computes_in=self._computes_in())
             self.warnings.append(w)
             logger.warning(w.message())
             self._emit("precision_warning", sample.step, w.to_dict())
@@ -367,36 +368,8 @@ class PrecisionWatch:
         }
 
     def summary_lines(self) -> list[str]:
-        s = self.summary()
-        what_if = f" (the run computes in {s['computes_in']}: a what-if)" if s["computes_in"] != s["format"] else ""
-        lines = [f"  precision watch: {s['samples']} samples every {s['every']} steps against {s['format']}{what_if}"]
-        if s["lowest_headroom"]:
-            tight = ", ".join(f"{k} {v:.1f}" for k, v in list(s["lowest_headroom"].items())[:3])
-            lines.append(f"    least headroom (binades below the max): {tight}")
-        for w in self.warnings:
-            left = f", ~{w.steps_left} steps left" if w.steps_left is not None else ""
-            lines.append(f"    warning at step {w.step}: {w.layer} {w.headroom:.1f} binades{left}")
-        if self.skip_counts:
-            traced = ", ".join(f"{m} x{n}" for m, n in self.skip_counts.most_common(5))
-            lines.append(f"    skipped steps traced to: {traced}")
-        for f in self.fallbacks:
-            lines.append(f"    fp32 fallback: {f['module']} from step {f['step'] + 1} ({f['reason']})")
-        stagnant = [w for w in self.numerics_warnings if isinstance(w, StagnationWarning)]
-        if stagnant:
-            lines.append("    " + stagnation_message(stagnant).removeprefix("precision watch: "))
-        for nw in self.numerics_warnings:
-            if not isinstance(nw, StagnationWarning):
-                lines.append("    " + nw.message().removeprefix("precision watch: "))
-        for c in self.capsules:
-            lines.append(f"    bad step {c['step']} ({c['reason']}): mixprec replay {c['path']}")
-        missing = s["capsules_not_written"]
-        if missing.get("backoff"):
-            lines.append(f"    {missing['backoff']} later loss-scale backoffs have no capsule (the first one "
-                         "above stands for them)")  # fmt: skip
-        if missing.get("limit"):
-            lines.append(f"    {missing['limit']} later bad steps have no capsule: the limit of {s['max_capsules']} "
-                         "per run was reached (WatchConfig.max_capsules)")  # fmt: skip
-        return lines
+        """The watch's lines in the run's summary (:func:`~mixprec.watch.summary_text.summary_lines`)."""
+        return summary_lines(self.summary(), self.warnings, self.skip_counts, self.fallbacks, self.numerics_warnings)
 
     def plot(self, path: str | Path) -> Path:
         """Write the per-layer headroom plot of the samples kept in memory (see :mod:`mixprec.watch.plot`)."""
