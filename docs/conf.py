@@ -6,7 +6,6 @@ Build it with ``pip install -e ".[docs]"`` and ``python -m sphinx -W -b html doc
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -64,7 +63,10 @@ nitpick_ignore_regex = [
 # unqualified names in docstrings, resolved by a reader but not by Sphinx (each one documented elsewhere here)
 nitpick_ignore = [
     ("py:class", name)
-    for name in ("PrecisionNotSupportedError", "DiagnoseConfig", "WatchHost", "DistributedStrategy", "nn.Module", "F", "default")
+    for name in ("PrecisionNotSupportedError", "DiagnoseConfig", "WatchHost", "DistributedStrategy", "nn.Module")
+] + [
+    ("py:class", "F"),  # PartialState.on_main_process's type variable
+    ("py:class", "default"),  # a napoleon "Returns:" phrase
 ] + [
     ("py:func", "make_precision"),
     ("py:func", "diagnose"),
