@@ -29,6 +29,7 @@ extensions = [
     "myst_parser",
     "cli_help",
     "hf_fields_table",
+    "example_diff",
 ]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 exclude_patterns = ["_build", "_ext", "ARCHITECTURE.md"]
