@@ -97,3 +97,80 @@ def test_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
     problems = [line for line in done.stderr.splitlines() if "WARNING" in line or "ERROR" in line]
     assert done.returncode == 0, "\n".join(problems or done.stderr.splitlines()[-20:])
     assert (tmp_path / "index.html").is_file() and (tmp_path / "api" / "training_arguments.html").is_file()
+
+
+# -- the guides' code blocks ------------------------------------------------------------------------------
+# Every code block in a guide is an example file included verbatim ({literalinclude}, {mixprec-diff}: the
+# build fails if the file is gone), or a shell block whose commands are checked here: `mixprec` commands
+# parse with the real parser, example scripts and benchmark modules exist and take the flags used.
+
+FENCE = re.compile(r"^```(\S*)[^\n]*\n(.*?)^```", re.M | re.S)
+INCLUDED = {"{literalinclude}", "{mixprec-diff}", "{toctree}"}
+
+
+def guide_blocks() -> list[tuple[str, str, str]]:
+    """(page, fence info, body) of every fenced block in docs/*.md and docs/guides/."""
+    pages = [*DOCS.glob("*.md"), *(DOCS / "guides").rglob("*.md")]
+    return [
+        (str(page.relative_to(DOCS)), info, body)
+        for page in pages
+        if page.name != "ARCHITECTURE.md"
+        for info, body in FENCE.findall(page.read_text())
+    ]
+
+
+def shell_commands() -> list[tuple[str, list[str]]]:
+    import shlex
+
+    out = []
+    for page, info, body in guide_blocks():
+        if info == "bash":
+            for line in body.replace("\\\n", " ").splitlines():
+                line = line.split("  #")[0].strip()
+                if line and not line.startswith("#"):
+                    out.append((page, shlex.split(line)))
+    return out
+
+
+def test_guide_code_blocks_are_included_files_or_shell_commands() -> None:
+    other = [(page, info) for page, info, _ in guide_blocks() if info not in INCLUDED | {"bash"}]
+    assert not other, f"code blocks neither included from examples/ nor checked shell commands: {other}"
+
+
+def _flags(words: list[str]) -> list[str]:
+    return [w.split("=")[0] for w in words if w.startswith("--")]
+
+
+def _check_script(script: Path, args: list[str], where: str) -> None:
+    assert script.is_file(), f"{where}: {script.relative_to(ROOT)} does not exist"
+    source = script.read_text()
+    unknown = [flag for flag in _flags(args) if f'"{flag}"' not in source]
+    assert not unknown, f"{where}: {script.relative_to(ROOT)} takes no {unknown}"
+
+
+@pytest.mark.parametrize("page,words", shell_commands(), ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_guide_shell_command_is_valid(page: str, words: list[str]) -> None:
+    from mixprec.cli.main import build_parser
+
+    where = f"{page}: {' '.join(words)}"
+    if words[:2] == ["mixprec", "torchrun"] or words[0] == "torchrun":
+        launcher = words[2:] if words[0] == "mixprec" else words[1:]
+        target = next(i for i, w in enumerate(launcher) if not w.startswith("--"))
+        if launcher[target] == "-m":
+            assert launcher[target + 1] == "mixprec.cli.main", where
+            words = ["mixprec", *launcher[target + 2 :]]
+        else:
+            return _check_script(ROOT / launcher[target], launcher[target + 1 :], where)
+    if words[0] == "mixprec":
+        try:
+            build_parser(words[1:2]).parse_args(words[1:])
+        except SystemExit as exit_:
+            pytest.fail(f"{where}: the parser refuses it (exit {exit_.code})")
+    elif words[:2] == ["python", "-m"]:
+        module = words[2]
+        assert module.startswith("benchmarks."), where
+        _check_script(ROOT / (module.replace(".", "/") + ".py"), words[3:], where)
+    elif words[0] == "python":
+        _check_script(ROOT / words[1], words[2:], where)
+    else:
+        pytest.fail(f"{where}: not a command this test knows how to check")
