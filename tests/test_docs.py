@@ -174,3 +174,10 @@ def test_guide_shell_command_is_valid(page: str, words: list[str]) -> None:
         _check_script(ROOT / words[1], words[2:], where)
     else:
         pytest.fail(f"{where}: not a command this test knows how to check")
+
+
+def test_readme_links_into_the_site_exist() -> None:
+    links = re.findall(r"\]\(((?:docs|examples|benchmarks)/[^)#]+)\)", (ROOT / "README.md").read_text())
+    assert links, "the README links into the documentation site"
+    missing = [link for link in links if not (ROOT / link).is_file()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
