@@ -41,6 +41,7 @@ myst_heading_anchors = 3
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_typehints_format = "short"
+autodoc_typehints_description_target = "documented"  # the signature already shows every type
 autodoc_class_signature = "separated"
 autodoc_default_options = {"members": True}
 autodoc_preserve_defaults = True

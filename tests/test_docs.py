@@ -181,3 +181,9 @@ def test_readme_links_into_the_site_exist() -> None:
     assert links, "the README links into the documentation site"
     missing = [link for link in links if not (ROOT / link).is_file()]
     assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+def test_every_public_name_has_a_docstring() -> None:
+    # autodoc shows an entry without a docstring as a bare signature: the reference would say nothing
+    bare = [name for name in mixprec.__all__ if name != "__version__" and not inspect.getdoc(getattr(mixprec, name))]
+    assert not bare, f"public names without a docstring: {bare}"
