@@ -367,6 +367,7 @@ class PrecisionWatch:
         }
 
     def summary_lines(self) -> list[str]:
+        """The watch's part of the end-of-run summary, as printed lines."""
         s = self.summary()
         what_if = f" (the run computes in {s['computes_in']}: a what-if)" if s["computes_in"] != s["format"] else ""
         lines = [f"  precision watch: {s['samples']} samples every {s['every']} steps against {s['format']}{what_if}"]
@@ -405,6 +406,7 @@ class PrecisionWatch:
         return plot_headroom(series_from_samples(self.samples), Path(path), self.fmt.name, self.marks())
 
     def marks(self) -> dict[str, list[tuple[int, str]]]:
+        """The steps to mark on the headroom plot: each warning, skip and fallback with its layer."""
         return {
             "warning": [(w.step, w.layer) for w in self.warnings],
             "skip": [(a.step, a.module or "?") for a in self.skips],
