@@ -8,7 +8,6 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 
 from mixprec import Accelerator, PrecisionWatch
 from mixprec.checkpoint import CheckpointError
+from mixprec.precision.registry import make_precision
 from mixprec.scaling.scaler import GradScaler
 from mixprec.strategies.launch_env import LaunchEnv
 from mixprec.strategies.registry import KINDS, make_strategy
@@ -95,7 +95,7 @@ class LoopHost:
 
     scaler: GradScaler
     device: torch.device = torch.device("cpu")
-    precision: Any = field(default_factory=lambda: SimpleNamespace(name="fp16"))
+    precision: Any = field(default_factory=lambda: make_precision("fp16", "cpu"))  # its facts: the range watched
     num_processes: int = 1
     project_dir: str | None = None
     gradient_accumulation_steps: int = 1
