@@ -74,14 +74,17 @@ class OutputMethods:
 
     @property
     def project_configuration(self) -> ProjectConfiguration:
+        """The ProjectConfiguration this Accelerator saves and logs by."""
         return self._checkpoints.project
 
     @property
     def project_dir(self) -> str | os.PathLike[str] | None:
+        """The project folder (the ProjectConfiguration's project_dir): where save_state() with no path writes."""
         return self._checkpoints.project.project_dir
 
     @property
     def logging_dir(self) -> str | os.PathLike[str] | None:
+        """Where trackers write their files (the ProjectConfiguration's logging_dir)."""
         return self._checkpoints.project.logging_dir
 
     @property
@@ -210,6 +213,7 @@ class OutputMethods:
 
     @property
     def trackers(self) -> list[Any]:
+        """The experiment trackers started by init_trackers (log_with), in order."""
         return list(self._trackers.active)
 
     def end_training(self) -> None:

@@ -49,22 +49,27 @@ class ProcessMethods:
 
     @property
     def num_processes(self) -> int:
+        """How many processes train together (torchrun's WORLD_SIZE; 1 alone)."""
         return self.state.num_processes
 
     @property
     def process_index(self) -> int:
+        """This process's index among all of them (torchrun's RANK; 0 alone)."""
         return self.state.process_index
 
     @property
     def local_process_index(self) -> int:
+        """This process's index on its machine (torchrun's LOCAL_RANK; 0 alone)."""
         return self.state.local_process_index
 
     @property
     def is_main_process(self) -> bool:
+        """Whether this is the main process (rank 0): the one that logs and writes shared files."""
         return self.state.is_main_process
 
     @property
     def is_local_main_process(self) -> bool:
+        """Whether this is the first process on its machine (local rank 0)."""
         return self.state.is_local_main_process
 
     def gather(self, data: Any) -> Any:
@@ -86,6 +91,7 @@ class ProcessMethods:
         return _map_tensors(data, lambda t: self._strategy.all_reduce(t.clone(), reduction), self.device)
 
     def wait_for_everyone(self) -> None:
+        """Block until every process reaches this call (a barrier; returns at once alone)."""
         self.state.wait_for_everyone()
 
     def explain_failure(self, err: BaseException) -> BaseException:
@@ -126,10 +132,12 @@ class ProcessMethods:
 
     @property
     def is_last_process(self) -> bool:
+        """Whether this is the process with the highest index."""
         return self.state.is_last_process
 
     @property
     def use_distributed(self) -> bool:
+        """Whether more than one process trains."""
         return self.state.use_distributed
 
     # -- a flag any process can raise (accelerate's trigger: stop every process together) ---------------

@@ -91,9 +91,11 @@ class NumberedFolders:
         return int(match.group(1)) if match else None
 
     def folder(self, number: int) -> Path:
+        """The path of folder ``number`` (which need not exist)."""
         return self.root / f"{self.prefix}{number}"
 
     def is_complete(self, path: str | os.PathLike[str]) -> bool:
+        """Whether ``path`` looks complete (sizes only; :meth:`verify` reads every byte)."""
         return looks_complete(path, self.required, self.legacy)
 
     def numbered(self) -> list[Path]:

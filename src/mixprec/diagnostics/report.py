@@ -169,6 +169,7 @@ class Report:
         }
 
     def worst_layers(self, top: int | None = None) -> list[LayerStats]:
+        """The layers worst first (by ``LayerStats.severity``: overflow, then underflow scaling cannot rescue, ...)."""
         ranked = sorted(self.layers, key=lambda s: s.severity(), reverse=True)
         return ranked[:top] if top is not None else ranked
 

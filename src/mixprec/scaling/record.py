@@ -26,12 +26,19 @@ class ScaleRecord:
     """Counters and a bounded history of recent steps (``history_size`` entries at most)."""
 
     history_size: int = 1000
+    """How many recent steps ``history`` keeps."""
     steps: int = 0
+    """Optimizer steps recorded, skipped ones included."""
     skipped_steps: int = 0
+    """Steps skipped because a gradient was inf or NaN."""
     consecutive_skips: int = 0
+    """Skipped steps in a row up to the last one (0 after a step that applied)."""
     last_step_skipped: bool = False
+    """Whether the last step was skipped: read it instead of comparing scales (no host sync)."""
     scale: float = 1.0
+    """The loss scale after the last update (a host copy: reading it never syncs)."""
     history: deque[StepEntry] = field(default_factory=deque)
+    """The last ``history_size`` steps: each its index, the scale it used and whether it was skipped."""
 
     def __post_init__(self) -> None:
         if self.history_size < 1:

@@ -66,34 +66,42 @@ class PartialState:
 
     @property
     def num_processes(self) -> int:
+        """How many processes train together (torchrun's WORLD_SIZE; 1 alone)."""
         return self._strategy.num_processes
 
     @property
     def process_index(self) -> int:
+        """This process's index among all of them (torchrun's RANK; 0 alone)."""
         return self._strategy.process_index
 
     @property
     def local_process_index(self) -> int:
+        """This process's index on its machine (torchrun's LOCAL_RANK; 0 alone)."""
         return self._strategy.local_process_index
 
     @property
     def is_main_process(self) -> bool:
+        """Whether this is the main process (rank 0)."""
         return self._strategy.is_main_process
 
     @property
     def is_local_main_process(self) -> bool:
+        """Whether this is the first process on its machine (local rank 0)."""
         return self._strategy.is_local_main_process
 
     @property
     def is_last_process(self) -> bool:
+        """Whether this is the process with the highest index."""
         return self.process_index == self.num_processes - 1
 
     @property
     def use_distributed(self) -> bool:
+        """Whether more than one process trains."""
         return self.num_processes > 1
 
     @property
     def device(self) -> torch.device:
+        """The device this process computes on (cuda:LOCAL_RANK on a GPU machine, else the CPU)."""
         return self._strategy.device
 
     # -- helpers -------------------------------------------------------------------------------------

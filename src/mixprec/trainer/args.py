@@ -1,21 +1,19 @@
 """TrainingArguments: Hugging Face's names and defaults, each field declared once; grouped views derived.
 
 A script moves over from ``transformers`` by changing its import: the fields that overlap with HF's
-``TrainingArguments`` keep HF's names and defaults (3 epochs, batch 8, lr 5e-5, linear schedule, Adam betas
-(0.9, 0.999), eps 1e-8, logging and saving every 500 steps, seed 42). ``evaluation_strategy``, which HF
-Transformers 5 rejects with a TypeError, is accepted as an alias of ``eval_strategy``.
+``TrainingArguments`` keep HF's names and defaults (3 epochs, batch 8, lr 5e-5, linear schedule, Adam betas (0.9,
+0.999), eps 1e-8, logging and saving every 500 steps, seed 42). ``evaluation_strategy``, which HF Transformers 5 rejects
+with a TypeError, is accepted as an alias of ``eval_strategy``.
 
-Every other field of HF's ``TrainingArguments`` is accepted too (:mod:`mixprec.trainer.hf_fields`): each
-one is implemented, or ignored where ignoring it is harmless (documented per field), or refused with a
-message naming it when set to anything but its default. HF's properties (``train_batch_size``,
-``eval_batch_size``, ``device``, ``n_gpu``, ``world_size``, ``process_index``, ...) come from
-:class:`~mixprec.trainer.process_helpers.ProcessHelpers`.
+Every other field of HF's ``TrainingArguments`` is accepted too (:mod:`mixprec.trainer.hf_fields`): each one is
+implemented, or ignored where ignoring it is harmless (documented per field), or refused with a message naming it when
+set to anything but its default. HF's properties (``train_batch_size``, ``eval_batch_size``, ``device``, ``n_gpu``,
+``world_size``, ``process_index``, ...) come from :class:`~mixprec.trainer.process_helpers.ProcessHelpers`.
 
 Each field is declared once, here, with its docstring. The Trainer reads grouped views of them
-(``args.precision_config``, ``args.optimization``, ``args.schedule``, ``args.evaluation``,
-``args.checkpointing``, ``args.logging``; :mod:`mixprec.trainer.configs`): frozen copies that name their fields
-and check them. They are built on access, so a script that edits ``args.num_train_epochs = 5`` after
-construction is still validated and still seen.
+(``args.precision_config``, ``args.optimization``, ``args.schedule``, ``args.evaluation``, ``args.checkpointing``,
+``args.logging``; :mod:`mixprec.trainer.configs`): frozen copies that name their fields and check them. They are built
+on access, so a script that edits ``args.num_train_epochs = 5`` after construction is still validated and still seen.
 """
 
 from __future__ import annotations
@@ -141,7 +139,7 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
     load_best_model_at_end: bool = False
     """Load the checkpoint with the best metric_for_best_model when training ends."""
     metric_for_best_model: str | None = None
-    """The metric that picks the best checkpoint ("loss" or a compute_metrics key; "eval_" is optional)."""
+    """The metric that picks the best checkpoint ("loss" or a compute_metrics key; the ``eval_`` prefix is optional)."""
     greater_is_better: bool | None = None
     """Whether a larger metric_for_best_model is better (default: False for a loss, else True)."""
     prediction_loss_only: bool = False
@@ -176,19 +174,23 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
     save_plots: bool = True
     """Write loss_curves.png and loss_scale.png into output_dir at the end of training."""
     run_name: str | None = None
+    """Name of the run in MLflow and Weights & Biases (report_to); None lets the tracker choose."""
 
     # -- data and runtime -----------------------------------------------------------------------------
     seed: int = 42
+    """Seed of the initial weights (model_init), dropout and every other random draw of the run."""
     data_seed: int | None = None
-    """Seed of the data order (None: ``seed``; read when ``train()`` starts, so a seed set after the Trainer
-    was built is the one used, as in HF)."""
+    """Seed of the data order (None: ``seed``; read when ``train()`` starts, as in HF, so a later edit counts)."""
     dataloader_num_workers: int = 0
+    """Worker processes that load batches (0: the training process loads them itself, as in torch)."""
     dataloader_drop_last: bool = False
+    """Drop the last incomplete training batch of each epoch."""
     remove_unused_columns: bool = True
     """Drop batch keys the model's forward does not accept (e.g. a dataset's "text" column)."""
     label_names: list[str] | None = None
     """Batch keys holding labels (default: "labels"); they become EvalPrediction.label_ids."""
     torch_compile: bool = False
+    """torch.compile the model before training (backend torch_compile_backend, default "inductor")."""
     use_cpu: bool = False
     """Train on the CPU even when a GPU is present."""
     distributed: str | None = None

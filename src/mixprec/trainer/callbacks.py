@@ -71,10 +71,15 @@ class TrainerControl(ExportableState):
     at every epoch; ``should_training_stop`` stays set."""
 
     should_training_stop: bool = False
+    """Stop training after this step (set by EarlyStoppingCallback, a SIGTERM or a callback)."""
     should_epoch_stop: bool = False
+    """End the current epoch after this step."""
     should_save: bool = False
+    """Save a checkpoint after this step."""
     should_evaluate: bool = False
+    """Evaluate after this step."""
     should_log: bool = False
+    """Log after this step."""
 
     def new_training(self) -> None:
         """Called by the training loop when a run begins."""

@@ -325,9 +325,11 @@ class ScriptEndings:
     accelerator: Any
 
     def is_world_process_zero(self) -> bool:
+        """Whether this is the main process, the one that saves and logs."""
         return self.accelerator.is_main_process
 
     def is_local_process_zero(self) -> bool:
+        """Whether this is the first process on its machine."""
         return self.accelerator.is_local_main_process
 
     def metrics_format(self, metrics: dict[str, Any]) -> dict[str, Any]:

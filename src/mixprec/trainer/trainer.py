@@ -138,6 +138,7 @@ class Trainer(ScriptEndings):
 
     @property
     def state(self) -> TrainerState:
+        """The run's TrainerState: steps, epoch, log history, best metric."""
         return self.events.state
 
     @state.setter
@@ -146,6 +147,7 @@ class Trainer(ScriptEndings):
 
     @property
     def control(self) -> TrainerControl:
+        """The TrainerControl callbacks set to steer the loop (save, evaluate, log, stop)."""
         return self.events.control
 
     @control.setter
@@ -154,15 +156,19 @@ class Trainer(ScriptEndings):
 
     @property
     def callback_handler(self) -> CallbackHandler:
+        """The object that calls each callback's events in order (HF's name)."""
         return self.events.handler
 
     def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        """Add a callback (an instance, or a class to instantiate) to the ones the Trainer calls."""
         self.callback_handler.add_callback(callback)
 
     def pop_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
+        """Remove a callback (an instance, or the first of a class) and return it (None if absent)."""
         return self.callback_handler.pop_callback(callback)
 
     def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        """Remove a callback (an instance, or the first of a class)."""
         self.callback_handler.remove_callback(callback)
 
     def _load_callback_state(self) -> None:
@@ -261,6 +267,7 @@ class Trainer(ScriptEndings):
     # -- data ----------------------------------------------------------------------------------------
 
     def get_train_dataloader(self) -> Any:
+        """The prepared training DataLoader (each process's share; resumable mid-epoch)."""
         if self._train_loader is None:
             raise ValueError("Trainer: training needs a train_dataset; pass Trainer(train_dataset=...)")
         return self._train_loader
@@ -274,6 +281,7 @@ class Trainer(ScriptEndings):
         return len(dataloader.dataset)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """The evaluation DataLoader over ``eval_dataset`` (or the Trainer's), split across processes."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer.evaluate() needs an eval_dataset: pass Trainer(eval_dataset=...) or evaluate(ds)")

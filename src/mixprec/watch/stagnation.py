@@ -66,7 +66,7 @@ class StagnationWarning:
     dtype: str
     """dtype the layer's weights are stored in."""
     fixes: str = FIXES
-    """What keeps the updates under the run's precision (:func:`stagnation_fixes`)."""
+    """What keeps the updates under the run's precision (``mixprec.watch.stagnation.stagnation_fixes``)."""
 
     def message(self) -> str:
         return (

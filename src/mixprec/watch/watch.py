@@ -378,6 +378,7 @@ class PrecisionWatch:
         return plot_headroom(series_from_samples(self.samples), Path(path), self.fmt.name, self.marks())
 
     def marks(self) -> dict[str, list[tuple[int, str]]]:
+        """The steps to mark on the headroom plot: each warning, skip and fallback with its layer."""
         return {
             "warning": [(w.step, w.layer) for w in self.warnings],
             "skip": [(a.step, a.module or "?") for a in self.skips],
