@@ -38,7 +38,6 @@ import torch
 from combo_checks import (
     FigureMismatch,
     Findings,
-    FormatNamed,
     ResumeDiffers,
     Sandbox,
     SkipLeaked,

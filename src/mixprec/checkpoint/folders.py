@@ -178,7 +178,7 @@ class NumberedFolders:
         if recover_first:
             recover(path)
         if not path.is_dir():
-            raise ValueError(f"Can't find a valid checkpoint at {path}: no such folder (train(resume_from_checkpoint=...))")
+            raise ValueError(f"Can't find a valid checkpoint at {path}: no such folder (resume_from_checkpoint=...)")
         # the cheap check here (sizes); the load reads and verifies every byte (no third read of the folder)
         problem = None if self.is_complete(path) else (self.verify(path) or "it lacks the trainer's files")
         if problem is not None:

@@ -447,6 +447,4 @@ def _not_a_multiple(save_steps: float, eval_steps: float) -> bool:
 
 
 def _plain_value(value: Any) -> Any:
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    return value
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 import torch
 
-
 ARGS_FILE = "training_args.bin"
 RNG_FILE = "rng_state.pth"
 
