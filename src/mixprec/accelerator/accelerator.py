@@ -11,11 +11,8 @@
         optimizer.step()
         optimizer.zero_grad()
 
-A facade over parts it owns, each with its own state, as Fabric's delegates to its strategy and precision:
-the precision strategy (``mixprec.precision``) and its scaler, a distributed strategy (one process, DDP,
-FSDP2), the accumulation schedule (``gradients``), ``prepare`` and its registry (``preparation``), processes
-and collectives (``processes``), checkpoints (``run_files``, asking the checkpoint manager), trackers
-(``mixprec.tracking``). The class body names each public member and the part that does it; none branches.
+A facade over parts it owns, each with its own state (as Fabric's over its strategy and precision): the class
+body names each public member and the part that does it (see :mod:`mixprec.accelerator`); none branches.
 
 Launch on several processes with ``torchrun --nproc_per_node=N script.py`` (or ``--nnodes``): the
 Accelerator reads the launcher's environment and joins the process group itself.
@@ -422,8 +419,7 @@ class Accelerator:
             self._trackers.finish()
             self._strategy.close(wait_for_peers=True)
 
-    # accelerate's names for what prepare() registered, which scripts and libraries written for it read
-    # (the lists themselves: free_memory empties them).
+    # accelerate's names for what prepare() registered, read by scripts written for it (free_memory empties them)
     _models = property(lambda self: self._registry.models)
     _optimizers = property(lambda self: self._registry.optimizers)
     _schedulers = property(lambda self: self._registry.schedulers)
