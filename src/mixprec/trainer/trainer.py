@@ -7,11 +7,10 @@
                       eval_dataset=dataset["validation"], compute_metrics=compute_metrics)
     trainer.train()
 
-Built on the :class:`~mixprec.accelerator.accelerator.Accelerator`: precision, loss scaling, gradient
-accumulation, processes and checkpoint files are all its work; the Trainer adds the loop and its
-bookkeeping (:mod:`~mixprec.trainer.loop`), evaluation (:mod:`~mixprec.trainer.evaluation`), checkpoint-N
-folders (:mod:`~mixprec.trainer.checkpointing`), logs, plots and the end summary. Under ``torchrun`` every
-process trains; the main one logs and writes files.
+Built on the :class:`~mixprec.accelerator.accelerator.Accelerator` (precision, loss scaling, accumulation,
+processes, checkpoint files); the Trainer adds the loop (:mod:`~mixprec.trainer.loop`), evaluation, checkpoint-N
+folders (:mod:`~mixprec.trainer.checkpointing`), logs, plots and the end summary, through parts it owns (its
+events, loaders, script endings). Under ``torchrun`` every process trains; the main one logs and writes files.
 """
 
 from __future__ import annotations
@@ -25,19 +24,20 @@ import torch
 from mixprec.accelerator.accelerator import Accelerator
 from mixprec.accelerator.delegation import delegate
 from mixprec.accelerator.prepared import is_prepared, release
+from mixprec.loaders.from_datasets import ColumnFilter, is_stream
+from mixprec.loaders.trainer_loaders import TrainerLoaders, check_datasets
 from mixprec.trainer import checkpointing as ckpt
 from mixprec.trainer import evaluation, weights
 from mixprec.trainer.activation_checkpointing import enable_activation_checkpointing
 from mixprec.trainer.args import TrainingArguments
+from mixprec.trainer.batches import loss_and_outputs
 from mixprec.trainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl
 from mixprec.trainer.configs import accelerator_kwargs
 from mixprec.trainer.context import RunContext
-from mixprec.trainer.data import ColumnFilter, is_stream, loss_and_outputs
 from mixprec.trainer.diagnosis import diagnose_at_start
 from mixprec.trainer.evaluation import EvalResult, check_compute_metrics, evaluation_loop
 from mixprec.trainer.events import RunEvents
 from mixprec.trainer.hf_loggers import set_library_log_level
-from mixprec.trainer.loaders import TrainerLoaders, check_datasets
 from mixprec.trainer.logging import make_reporters
 from mixprec.trainer.loop import Plan, fit
 from mixprec.trainer.memory_metrics import MemoryMetrics
