@@ -10,27 +10,27 @@ The part is an object the facade owns, with its own state: nothing here reaches 
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
 
 def delegate(part: str, member: Callable[..., Any] | property) -> Any:
     """A class-body member that forwards to the attribute ``part`` of the instance: the method ``member``
-    called on that part (one extra Python call, no host sync), or the property ``member`` read (and set)
-    on it."""
+    called on that part (one extra Python call, under a microsecond; no host sync), or the property ``member``
+    read (and set) on it."""
+    part_of = operator.attrgetter(part)  # C-level lookups: a delegated read costs about one extra getattr
     if isinstance(member, property):
         name = member.fget.__name__ if member.fget is not None else ""
 
-        def read(self: Any) -> Any:
-            return getattr(getattr(self, part), name)
-
         def write(self: Any, value: Any) -> None:
-            setattr(getattr(self, part), name, value)
+            setattr(part_of(self), name, value)
 
+        read = operator.attrgetter(f"{part}.{name}")
         return property(read, write if member.fset is not None else None, doc=member.__doc__)
 
     @functools.wraps(member)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return member(getattr(self, part), *args, **kwargs)
+        return member(part_of(self), *args, **kwargs)
 
     return forward
