@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from mixprec.diagnostics.formats import BF16, FP16
+from mixprec.precision.formats import BF16, FP16
 from mixprec.diagnostics.histogram import E_MIN, DeviceHistogram, to_host
 from mixprec.diagnostics.recommend import MAX_SCALE_EXP, choose_scale_exp
 

@@ -14,7 +14,7 @@ import torch
 from mixprec import GPT, EarlyStoppingCallback, Trainer, TrainerControl, TrainingArguments
 from mixprec.checkpoint import load_tensors
 from mixprec.checkpoint.folders import trainer_folders
-from mixprec.trainer.data import ShardedStream
+from mixprec.loaders.from_datasets import ShardedStream
 from trainer_utils import SEQ, VOCAB, flat_params, make_examples, make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread

@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mixprec import Trainer, TrainingArguments  # noqa: E402
-from mixprec.trainer.data import default_collator  # noqa: E402
+from mixprec.loaders.from_datasets import default_collator  # noqa: E402
 from trainer_utils import SEQ, VOCAB, leave, make_model  # noqa: E402
 
 

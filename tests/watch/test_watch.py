@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec import Accelerator, TrainingArguments
-from mixprec.diagnostics.formats import BF16, FP16
+from mixprec.precision.formats import BF16, FP16
 from mixprec.diagnostics.histogram import DeviceHistogram, to_host
 from mixprec.diagnostics.hooks import hooks_left
 from mixprec.watch import PrecisionWatch, WatchConfig, fp32_modules, restore, run_in_fp32

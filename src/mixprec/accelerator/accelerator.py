@@ -11,9 +11,8 @@
         optimizer.step()
         optimizer.zero_grad()
 
-A facade that delegates: precision behaviour lives in the precision strategy (``mixprec.precision``), loss
-scaling in the scaler, distribution in a distributed strategy (one process, DDP, FSDP2), the accumulation
-schedule in :class:`~mixprec.accelerator.gradients.GradientState`. No method branches on the mode.
+A facade over parts it owns, each with its own state (as Fabric's over its strategy and precision): the class
+body names each public member and the part that does it (see :mod:`mixprec.accelerator`); none branches.
 
 Launch on several processes with ``torchrun --nproc_per_node=N script.py`` (or ``--nnodes``): the
 Accelerator reads the launcher's environment and joins the process group itself.
@@ -28,29 +27,20 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from mixprec import wiring
 from mixprec.accelerator import accelerate_compat
 from mixprec.accelerator.accelerate_compat import SharedState, adopt, autocast_for, read_handlers
-from mixprec.accelerator.config import AcceleratorConfig, scheduler_rule
+from mixprec.accelerator.config import AcceleratorConfig
+from mixprec.accelerator.delegation import delegate
 from mixprec.accelerator.gradients import GradientAccumulationPlugin, GradientState
-from mixprec.accelerator.lifecycle import check_preparable, object_kind
-from mixprec.accelerator.outputs import OutputMethods
-from mixprec.accelerator.prepared import (
-    PreparedOptimizer,
-    PreparedScheduler,
-    is_prepared,
-    patch_forward,
-    prepared_with,
-    unwrap,
-)
-from mixprec.accelerator.processes import ProcessMethods
+from mixprec.accelerator.preparation import Preparation
+from mixprec.accelerator.processes import Processes, report_run
 from mixprec.accelerator.project import ProjectConfiguration
-from mixprec.accelerator.step_in_backward import REFUSALS, BackwardStepper
-from mixprec.checkpoint.folder_checks import Registry
+from mixprec.accelerator.run_files import RunFiles
+from mixprec.accelerator.step_in_backward import REFUSALS
+from mixprec.checkpoint.folder_checks import Registry, RunState
 from mixprec.checkpoint.manager import CheckpointManager
-from mixprec.loaders.data import PreparedDataLoader, prepare_dataloader, skip_first_batches
 from mixprec.loaders.data_config import DataLoaderConfiguration
 from mixprec.precision.base import Precision
 from mixprec.precision.decision import AutoDecision
@@ -65,7 +55,7 @@ from mixprec.tracking.trackers import Trackers
 logger = logging.getLogger("mixprec.accelerator")
 
 
-class Accelerator(ProcessMethods, OutputMethods):
+class Accelerator:
     """Mixed precision, loss scaling, gradient accumulation and distribution for a hand-written loop.
 
     Args: see :class:`~mixprec.accelerator.config.AcceleratorConfig` (``mixed_precision=None``: what
@@ -155,7 +145,6 @@ class Accelerator(ProcessMethods, OutputMethods):
             timeout=self.config.timeout,
             comm=self.config.comm_dtype,
         )
-        self._scheduler_rule = scheduler_rule(self.config, self._strategy.num_processes)
         if self.config.step_in_backward:
             if self._precision.pending or self._precision.needs_loss_scaling:
                 raise ValueError(
@@ -179,8 +168,19 @@ class Accelerator(ProcessMethods, OutputMethods):
             project.set_directories(project_dir)
         self._checkpoints = CheckpointManager(self._run_state, project)
         self._trackers = Trackers(log_with, project.logging_dir, self._strategy.is_main_process)
-        self._trigger = False
         self.state = AcceleratorState(self._strategy, self._precision)
+        self._processes = Processes(self.state, self._strategy)
+        self._files = RunFiles(self._checkpoints, self._registry, self._strategy, self._processes)
+        self._prepared = Preparation(
+            self._registry,
+            self._strategy,
+            self._precision,
+            self._gradients,
+            self.config,
+            self.dataloader_config,
+            fence=self._checkpoints.fence,  # an asynchronous save's copy of the weights: steps wait for it
+            host=self,  # the precision watch's host
+        )
         self._accelerate_state = SharedState.start(
             device=dev, accumulation=self._gradients.plugin_kwargs, timeout=self.config.timeout
         )
@@ -290,90 +290,21 @@ class Accelerator(ProcessMethods, OutputMethods):
         """The accumulation state (``sync_gradients``, ``end_of_dataloader``, ``num_steps``...)."""
         return self._gradients
 
-    @property
-    def optimizer_step_was_skipped(self) -> bool:
-        """Whether the last step of any prepared optimizer was skipped for inf/NaN gradients (no host sync)."""
-        return any(opt.step_was_skipped for opt in self._registry.optimizers)
+    optimizer_step_was_skipped = delegate("_prepared", Preparation.optimizer_step_was_skipped)
 
-    # -- prepare -------------------------------------------------------------------------------------
+    # -- prepare, and what it registered: the preparation part ----------------------------------------
 
-    def prepare(self, *objects: Any) -> Any:
-        """Prepare models, optimizers, DataLoaders and LR schedulers, in any order; returned in that order
-        (a single object when one is passed; None passes through in its place). Models go first, so
-        optimizers can follow their parameters."""
-        kinds = [object_kind(obj, i) for i, obj in enumerate(objects)]
-        result = list(objects)
-        steps = (("model", self.prepare_model), ("optimizer", self.prepare_optimizer),
-                 ("scheduler", self.prepare_scheduler), ("dataloader", self.prepare_data_loader))  # fmt: skip
-        for kind, prepare in steps:
-            for i, obj in enumerate(objects):
-                if kinds[i] == kind:
-                    result[i] = prepare(obj)
-        return result[0] if len(result) == 1 else tuple(result)
-
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The same module, on the device, its forward under autocast (and DDP/FSDP2 when distributed)."""
-        if is_prepared(model):
-            if any(m is model for m in self._registry.models):
-                return model
-            if prepared_with(model) is self._precision:  # prepared here, then dropped by free_memory
-                self._registry.models.append(model)
-                return model
-            raise ValueError(f"{type(model).__name__} was prepared by another Accelerator")
-        check_preparable(model)
-        model = self._strategy.wrap_model(model, self._precision)
-        # the forward under autocast, and through DDP's wrapper where the strategy has one (it arms the sync)
-        patch_forward(model, self._precision, self._strategy.training_forward(model))
-        self._precision.register_param_names(model.named_parameters())
-        self._registry.models.append(model)
-        if self.watch is not None:
-            self.watch.attach(self, model)
-        return model
-
-    def prepared_here(self, model: torch.nn.Module) -> bool:
-        """Whether ``model`` was prepared by this Accelerator (not another one, not at all)."""
-        return any(m is model for m in self._registry.models)
-
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
-        if isinstance(optimizer, PreparedOptimizer):
-            return optimizer
-        self._strategy.follow_replaced_parameters(optimizer)  # FSDP2: the sharded parameters
-        converted = self._precision.convert_optimizer(optimizer)
-        fence = self._checkpoints.fence  # an asynchronous save's copy of the weights: steps wait for it
-        stepper = BackwardStepper(converted, self._precision, fence) if self.config.step_in_backward else None
-        prepared = PreparedOptimizer(converted, self._gradients, source=optimizer, stepper=stepper, fence=fence)
-        if self.watch is not None:
-            self.watch.watch_optimizer(converted)
-        self._registry.optimizers.append(prepared)
-        self._gradients.optimizers.append(prepared)
-        self._gradients.forget_owners()
-        return prepared
-
-    def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
-        if isinstance(scheduler, PreparedScheduler):
-            return scheduler
-        target = getattr(scheduler, "optimizer", None)
-        owners = [o for o in self._registry.optimizers if target in (o, o.optimizer, o.source)]
-        rule = self._scheduler_rule
-        prepared = PreparedScheduler(scheduler, owners, self._gradients, fence=self._checkpoints.fence, **rule)
-        self._registry.schedulers.append(prepared)
-        return prepared
-
-    def prepare_data_loader(self, loader: DataLoader) -> PreparedDataLoader:
-        if isinstance(loader, PreparedDataLoader):
-            return loader
-        prepared = prepare_dataloader(
-            loader, self._strategy, self._gradients, self.config.non_blocking, self.dataloader_config.dispatch_batches
-        )
-        self._registry.dataloaders.append(prepared)
-        return prepared
-
-    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
-        """``dataloader``'s next epoch from batch ``num_batches`` (accelerate's mid-epoch resume). For a
-        prepared loader the count is from the epoch's start, so a script that calls this after ``load_state``
-        (which already restores the loader's position) does not skip twice. See
-        :func:`~mixprec.loaders.data.skip_first_batches`."""
-        return skip_first_batches(dataloader, num_batches)
+    prepare = delegate("_prepared", Preparation.prepare)
+    prepare_model = delegate("_prepared", Preparation.prepare_model)
+    prepare_optimizer = delegate("_prepared", Preparation.prepare_optimizer)
+    prepare_scheduler = delegate("_prepared", Preparation.prepare_scheduler)
+    prepare_data_loader = delegate("_prepared", Preparation.prepare_data_loader)
+    prepared_here = delegate("_prepared", Preparation.prepared_here)
+    unwrap_model = delegate("_prepared", Preparation.unwrap_model)
+    skip_first_batches = delegate("_prepared", Preparation.skip_first_batches)
+    free_memory = delegate("_prepared", Preparation.free_memory)
+    clear = free_memory
+    watch = delegate("_prepared", Preparation.watch)
 
     # -- the step ------------------------------------------------------------------------------------
 
@@ -420,19 +351,85 @@ class Accelerator(ProcessMethods, OutputMethods):
         if self.config.step_in_backward:
             raise ValueError(f"accelerator.{call}() with step_in_backward=True: {REFUSALS['clip']}")
 
-    def unwrap_model(
-        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
-    ) -> torch.nn.Module:
-        """The user's module (``prepare`` already returns it; this also unwraps DDP/DataParallel). With
-        ``keep_fp32_wrapper=False`` its forward loses the precision's autocast, in place, as in accelerate;
-        ``keep_torch_compile=False`` also unwraps ``torch.compile``."""
-        return unwrap(model, keep_fp32_wrapper, keep_torch_compile)
-
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Unscale the gradients of ``optimizer`` (a prepared one, or a list; default: every prepared one) for
         a custom clip or inspection; at most once per step, and the step then does not unscale again."""
         chosen = None if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
         self._gradients.unscale_optimizers(chosen)
+
+    # -- where this process stands, collectives, who runs what: the processes part --------------------
+
+    distributed_type = delegate("_processes", Processes.distributed_type)
+    num_processes = delegate("_processes", Processes.num_processes)
+    process_index = delegate("_processes", Processes.process_index)
+    local_process_index = delegate("_processes", Processes.local_process_index)
+    is_main_process = delegate("_processes", Processes.is_main_process)
+    is_local_main_process = delegate("_processes", Processes.is_local_main_process)
+    is_last_process = delegate("_processes", Processes.is_last_process)
+    use_distributed = delegate("_processes", Processes.use_distributed)
+    gather = delegate("_processes", Processes.gather)
+    gather_for_metrics = gather  # the prepared DataLoaders repeat no sample, so there is nothing to drop
+    pad_across_processes = delegate("_processes", Processes.pad_across_processes)
+    reduce = delegate("_processes", Processes.reduce)
+    wait_for_everyone = delegate("_processes", Processes.wait_for_everyone)
+    explain_failure = delegate("_processes", Processes.explain_failure)
+    main_process_first = delegate("_processes", Processes.main_process_first)
+    local_main_process_first = delegate("_processes", Processes.local_main_process_first)
+    split_between_processes = delegate("_processes", Processes.split_between_processes)
+    on_main_process = delegate("_processes", Processes.on_main_process)
+    on_local_main_process = delegate("_processes", Processes.on_local_main_process)
+    on_last_process = delegate("_processes", Processes.on_last_process)
+    on_process = delegate("_processes", Processes.on_process)
+    set_trigger = delegate("_processes", Processes.set_trigger)
+    check_trigger = delegate("_processes", Processes.check_trigger)
+    save = delegate("_processes", Processes.save)
+    print = delegate("_processes", Processes.print)
+
+    # -- checkpoints and weights on disk: the files part, which asks the checkpoint manager ------------
+
+    checkpoints = delegate("_files", RunFiles.checkpoints)
+    save_state = delegate("_files", RunFiles.save_state)
+    load_state = delegate("_files", RunFiles.load_state)
+    wait_for_checkpoint = delegate("_files", RunFiles.wait_for_checkpoint)
+    resume_after_restart = delegate("_files", RunFiles.resume_after_restart)
+    register_for_checkpointing = delegate("_files", RunFiles.register_for_checkpointing)
+    register_save_state_pre_hook = delegate("_files", RunFiles.register_save_state_pre_hook)
+    register_load_state_pre_hook = delegate("_files", RunFiles.register_load_state_pre_hook)
+    project_configuration = delegate("_files", RunFiles.project_configuration)
+    project_dir = delegate("_files", RunFiles.project_dir)
+    logging_dir = delegate("_files", RunFiles.logging_dir)
+    save_iteration = delegate("_files", RunFiles.save_iteration)
+    save_model = delegate("_files", RunFiles.save_model)
+    get_state_dict = delegate("_files", RunFiles.get_state_dict)
+
+    # -- experiment trackers (accelerate's log_with): the trackers part -------------------------------
+
+    init_trackers = delegate("_trackers", Trackers.init_trackers)
+    log = delegate("_trackers", Trackers.log)
+    get_tracker = delegate("_trackers", Trackers.get_tracker)
+    trackers = delegate("_trackers", Trackers.trackers)
+
+    def end_training(self) -> None:
+        """Finish the trackers, then leave the process group this Accelerator joined (call at the end of a
+        distributed script), once every process has reached this call. An asynchronous save still in flight
+        is finished first (its failure raised after the group is left)."""
+        try:
+            self._checkpoints.wait()
+        finally:
+            self._trackers.finish()
+            self._strategy.close(wait_for_peers=True)
+
+    # accelerate's names for what prepare() registered, read by scripts written for it (free_memory empties them)
+    _models = property(lambda self: self._registry.models)
+    _optimizers = property(lambda self: self._registry.optimizers)
+    _schedulers = property(lambda self: self._registry.schedulers)
+    _dataloaders = property(lambda self: self._registry.dataloaders)
+
+    def _run_state(self) -> RunState:
+        return RunState(self._registry, self._strategy, self._precision, self._gradients)
+
+    def _report(self) -> None:
+        report_run(self._precision, self._strategy, self.config)
 
     def __repr__(self) -> str:
         return (

@@ -1,9 +1,10 @@
-"""The Accelerator's process-side methods, with accelerate's names: where this process stands, collectives
-over nested tensors, which process runs a block, and a flag any process can raise.
+"""The Accelerator's processes part, with accelerate's names: where this process stands, collectives over
+nested tensors, which process runs a block, and a flag any process can raise.
 
-A part of :class:`~mixprec.accelerator.accelerator.Accelerator` (a base class of it), apart only to keep one
-file per concern: each method delegates to the distributed strategy or to ``accelerator.state``
-(:class:`~mixprec.strategies.process_state.AcceleratorState`), and none branches on the kind.
+:class:`Processes` is a part the :class:`~mixprec.accelerator.accelerator.Accelerator` owns and delegates to
+(``accelerator.gather(...)`` is ``accelerator._processes.gather(...)``): it holds the process state
+(:class:`~mixprec.strategies.process_state.AcceleratorState`), the distributed strategy and the trigger flag,
+and no method branches on the kind. :func:`report_run` says once what the run is.
 """
 
 from __future__ import annotations
@@ -31,15 +32,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger("mixprec.accelerator")
 
 
-class ProcessMethods:
+class Processes:
     """Topology, collectives and per-process decorators of an Accelerator (see the module doc)."""
 
-    state: AcceleratorState
-    device: torch.device
-    config: AcceleratorConfig
-    _precision: Precision
-    _strategy: DistributedStrategy
-    _trigger: bool
+    def __init__(self, state: AcceleratorState, strategy: DistributedStrategy) -> None:
+        self.state = state
+        self._strategy = strategy
+        self._trigger = False  # set_trigger's flag, lowered by check_trigger
+
+    @property
+    def device(self) -> torch.device:
+        return self._strategy.device
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -169,28 +172,27 @@ class ProcessMethods:
         """``print`` on the main process only."""
         self.state.print(*args, **kwargs)
 
-    # -- what this run is, said once by the main process --------------------------------------------
 
-    def _report(self) -> None:
-        d = self._precision.describe()
-        if self._precision.pending:  # said once, when decided (issue 29: one story per run)
-            logger.info("mixprec: auto on %s, %s: %s", d["device"], self._strategy.describe(), d["reason"])
-            return
-        comm = self.config.comm_dtype.describe(self.num_processes)
-        line = (
-            f"mixprec: {d['precision']} on {d['device']} (compute {d['compute_dtype']}, master weights "
-            f"{d['param_dtype']}, loss scaling {'on' if d['loss_scaling'] else 'off'}), "
-            f"{self._strategy.describe()}{', ' + comm if comm else ''}: {d['reason']}"
-        )
-        if self.config.step_in_backward:
-            line += "; optimizer steps in backward (each gradient freed once applied)"
-        self._say(line)
-
-    def _say(self, line: str) -> None:
-        if self.is_main_process:
-            logger.info(line)
-            if self.config.verbose:
-                _print_line(line)
+def report_run(precision: Precision, strategy: DistributedStrategy, config: AcceleratorConfig) -> None:
+    """What this run is (precision, device, distribution, comm dtype), said once by the main process: logged,
+    and printed too with ``verbose``. A pending "auto" says only that it will decide (issue 29: one story per
+    run); it calls this again once decided."""
+    d = precision.describe()
+    if precision.pending:
+        logger.info("mixprec: auto on %s, %s: %s", d["device"], strategy.describe(), d["reason"])
+        return
+    comm = config.comm_dtype.describe(strategy.num_processes)
+    line = (
+        f"mixprec: {d['precision']} on {d['device']} (compute {d['compute_dtype']}, master weights "
+        f"{d['param_dtype']}, loss scaling {'on' if d['loss_scaling'] else 'off'}), "
+        f"{strategy.describe()}{', ' + comm if comm else ''}: {d['reason']}"
+    )
+    if config.step_in_backward:
+        line += "; optimizer steps in backward (each gradient freed once applied)"
+    if strategy.is_main_process:
+        logger.info(line)
+        if config.verbose:
+            _print_line(line)
 
 
 def _print_line(line: str) -> None:

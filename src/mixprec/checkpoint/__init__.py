@@ -11,7 +11,7 @@
 """
 
 from mixprec.checkpoint.atomic import DiskFullError, abort, atomic_dir, begin, commit, recover, temp_path
-from mixprec.checkpoint.formats import (
+from mixprec.checkpoint.safe_files import (
     CheckpointError,
     UnsafeCheckpointError,
     load_json,

@@ -7,7 +7,7 @@ The protocol (one writer per target folder):
    those whose process is no longer running. A live process's folder is never touched, so two writers can
    no longer delete each other's work in progress (issue 14, fault 1); one run per folder is
    :mod:`mixprec.checkpoint.lock`'s job.
-2. The caller writes its files into it. Every writer in :mod:`mixprec.checkpoint.formats` writes each file
+2. The caller writes its files into it. Every writer in :mod:`mixprec.checkpoint.safe_files` writes each file
    atomically and fsyncs it.
 3. :func:`commit` fsyncs every file and folder, then renames the target aside to ``.<name>.old``, renames
    the temporary folder into place, fsyncs the parent and deletes the old folder.

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mixprec.checkpoint.formats import CheckpointError, load_json, load_tensors, load_torch
+from mixprec.checkpoint.safe_files import CheckpointError, load_json, load_tensors, load_torch
 from mixprec.checkpoint.manifest import NO_MANIFEST, verify_manifest
 from mixprec.checkpoint.model_part import saved_keys
 

@@ -43,7 +43,7 @@ from mixprec.checkpoint.background import BackgroundWriter
 from mixprec.checkpoint.folder_checks import MODEL_DIR, RunState, name_of
 from mixprec.checkpoint.folder_format import load_state, save_state
 from mixprec.checkpoint.folders import NumberedFolders, automatic_folders
-from mixprec.checkpoint.formats import CheckpointError, load_json, load_tensors
+from mixprec.checkpoint.safe_files import CheckpointError, load_json, load_tensors
 from mixprec.checkpoint.model_part import completed, saved_keys
 
 logger = logging.getLogger("mixprec.accelerator")

@@ -1,6 +1,6 @@
 """Capture and restore every global random generator a training step may draw from.
 
-The state is made of tensors, ints and floats only, so :func:`~mixprec.checkpoint.formats.save_torch`
+The state is made of tensors, ints and floats only, so :func:`~mixprec.checkpoint.safe_files.save_torch`
 writes it and ``torch.load(weights_only=True)`` reads it back (numpy's key array becomes a tensor).
 """
 

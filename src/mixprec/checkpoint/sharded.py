@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec.checkpoint.atomic import abort, begin, commit, recover, temp_path
-from mixprec.checkpoint.formats import CheckpointError, save_tensors
+from mixprec.checkpoint.safe_files import CheckpointError, save_tensors
 from mixprec.checkpoint.manifest import verify_manifest, write_manifest
 
 

@@ -202,8 +202,9 @@ def make_tracker(name: str, project_name: str, logging_dir: str | os.PathLike[st
 
 
 class Trackers:
-    """The Accelerator's trackers (accelerate's ``log_with``): made by ``init_trackers`` on the main process
-    only (elsewhere every call is a no-op, as accelerate), finished by ``end_training``."""
+    """The Accelerator's trackers part (accelerate's ``log_with``, and its method names: the Accelerator
+    delegates ``init_trackers``, ``log``, ``get_tracker`` and ``trackers`` here): made by ``init_trackers`` on
+    the main process only (elsewhere every call is a no-op, as accelerate), finished by ``end_training``."""
 
     def __init__(self, log_with: Any, logging_dir: Any, is_main: bool) -> None:
         self.names = resolve_log_with(log_with)
@@ -211,7 +212,12 @@ class Trackers:
         self.is_main = is_main
         self.active: list[Any] = []
 
-    def init(self, project_name: str, config: dict[str, Any] | None, init_kwargs: dict[str, Any] | None) -> None:
+    def init_trackers(
+        self, project_name: str, config: dict[str, Any] | None = None, init_kwargs: dict[str, Any] | None = None
+    ) -> None:
+        """Start the ``log_with`` trackers on the main process: TensorBoard under ``logging_dir/project_name``,
+        MLflow's experiment or W&B's project named ``project_name``; ``config`` is stored as the run's
+        hyperparameters; ``init_kwargs={"wandb": {...}}`` goes to that tracker."""
         if not self.is_main:
             return
         if self.names and self.logging_dir is None and "tensorboard" in self.names:
@@ -225,17 +231,25 @@ class Trackers:
             for tracker in self.active:
                 tracker.store_init_configuration(dict(config))
 
-    def log(self, values: dict[str, Any], step: int | None, log_kwargs: dict[str, Any] | None) -> None:
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
+        """Log ``values`` to every tracker (main process only)."""
         for tracker in self.active:
             tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
 
-    def get(self, name: str, unwrap: bool) -> Any:
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The tracker ``name`` ("tensorboard", "mlflow", "wandb"), or with ``unwrap`` what it wraps (the
+        SummaryWriter, the mlflow module, the wandb run)."""
         for tracker in self.active:
             if tracker.name == name:
                 return tracker.tracker if unwrap else tracker
         if not self.is_main:
             return None  # accelerate: the other processes hold no trackers
         raise ValueError(f"get_tracker({name!r}): no such tracker was initialised (log_with={self.names})")
+
+    @property
+    def trackers(self) -> list[Any]:
+        """The experiment trackers started by init_trackers (log_with), in order."""
+        return list(self.active)
 
     def finish(self) -> None:
         for tracker in self.active:

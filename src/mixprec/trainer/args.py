@@ -8,7 +8,8 @@ with a TypeError, is accepted as an alias of ``eval_strategy``.
 Every other field of HF's ``TrainingArguments`` is accepted too (:mod:`mixprec.trainer.hf_fields`): each one is
 implemented, or ignored where ignoring it is harmless (documented per field), or refused with a message naming it when
 set to anything but its default. HF's properties (``train_batch_size``, ``eval_batch_size``, ``device``, ``n_gpu``,
-``world_size``, ``process_index``, ...) come from :class:`~mixprec.trainer.process_helpers.ProcessHelpers`.
+``world_size``, ``process_index``, ...) are :class:`~mixprec.trainer.process_helpers.ProcessHelpers`' and what HF's
+fields mean is :class:`~mixprec.trainer.hf_field_rules.HFFieldRules`': parts the class body delegates each name to.
 
 Each field is declared once, here, with its docstring. The Trainer reads grouped views of them
 (``args.precision_config``, ``args.optimization``, ``args.schedule``, ``args.evaluation``, ``args.checkpointing``,
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from mixprec.accelerator.config import parse_state_dict_type
+from mixprec.accelerator.delegation import delegate
 from mixprec.precision.base import Precision
 from mixprec.precision.registry import canonical_name, hf_flags, may_scale_loss, policy_name
 from mixprec.strategies.comm import make_comm
@@ -44,6 +45,7 @@ from mixprec.trainer.configs import (
     check_positive_int,
     fail,
 )
+from mixprec.trainer.hf_field_rules import HFFieldRules
 from mixprec.trainer.hf_fields import HFCompatFields
 from mixprec.trainer.process_helpers import ProcessHelpers
 from mixprec.watch.settings import WatchConfig
@@ -52,7 +54,7 @@ from mixprec.watch.settings import WatchConfig
 
 
 @dataclass
-class TrainingArguments(HFCompatFields, ProcessHelpers):
+class TrainingArguments(HFCompatFields):
     """Everything a :class:`~mixprec.trainer.trainer.Trainer` run needs. Field names and defaults follow
     Hugging Face's ``TrainingArguments`` where they overlap; the loss-scaler fields are mixprec's own; HF's
     other fields come (keyword-only) from :class:`~mixprec.trainer.hf_fields.HFCompatFields`."""
@@ -216,11 +218,11 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
         self.output_dir = os.path.expanduser(self.output_dir)
         self._whole_steps()
         self.check_hf_fields()
-        self._merge_eval_alias()
+        self._hf_rules.merge_eval_alias()
         self._resolve_precision()
         if self.eval_steps is None:
             self.eval_steps = self.logging_steps  # HF's default
-        self._apply_hf_implied()
+        self._hf_rules.apply_implied()
         if self.max_grad_norm == 0:
             self.max_grad_norm = None
         if self.step_in_backward:
@@ -262,20 +264,6 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
             if isinstance(value, float) and value >= 1 and value.is_integer():
                 setattr(self, name, int(value))
 
-    def _merge_eval_alias(self) -> None:
-        alias = self.evaluation_strategy
-        if alias is None:
-            return
-        if self.eval_strategy != "no" and self.eval_strategy != alias:
-            fail(
-                "evaluation_strategy",
-                alias,
-                f"conflicts with eval_strategy={self.eval_strategy!r}; they are the same setting, set only "
-                "eval_strategy",
-            )
-        self.eval_strategy = alias
-        self.evaluation_strategy = None  # one source of truth from here on
-
     def _resolve_precision(self) -> None:
         if self.fp16 and self.bf16:
             fail("bf16", self.bf16, "fp16=True and bf16=True were both set; choose one (or set precision=...)")
@@ -303,46 +291,6 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
         """The strategy passed as ``precision=`` (as it is), else the name: the Accelerator parses it for its own
         device, a fresh strategy per run (one holds its run's scaler and decision)."""
         return self._strategy if self._strategy is not None else self.precision
-
-    def _apply_hf_implied(self) -> None:
-        """HF's derived settings, so scripts that rely on them behave the same."""
-        if self.eval_strategy != "no":
-            self.do_eval = True
-        # load_best_model_at_end compares checkpoints by a metric: HF picks the eval loss, minimised, and
-        # EarlyStoppingCallback needs both filled in.
-        if self.load_best_model_at_end and self.metric_for_best_model is None:
-            self.metric_for_best_model = "loss"
-        if self.greater_is_better is None and self.metric_for_best_model is not None:
-            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
-        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
-            self.torch_compile = True
-        if self.torch_compile and self.torch_compile_backend is None:
-            self.torch_compile_backend = "inductor"  # torch.compile's default, named as HF does
-        if self.use_cpu:
-            self.dataloader_pin_memory = False  # as HF: nothing to pin for on the CPU
-        if self.dataloader_prefetch_factor is not None and self.dataloader_num_workers == 0:
-            fail("dataloader_prefetch_factor", self.dataloader_prefetch_factor, "needs dataloader_num_workers > 0")
-        if self.fsdp_requested():
-            if self.distributed not in (None, "fsdp"):
-                fail("fsdp", self.fsdp, f"conflicts with distributed={self.distributed!r}; set one of them")
-            self.distributed = "fsdp"
-        self.dataloader_configuration()  # HF's accelerator_config: checked here, used by the Accelerator
-        from_config = self.fsdp_config_state_dict_type()  # HF's fsdp_config={"state_dict_type": ...}
-        if from_config is not None:
-            wanted = parse_state_dict_type(from_config, self.distributed, "TrainingArguments(fsdp_config=...)")
-            if self.fsdp_state_dict_type not in ("full", wanted):
-                fail(
-                    "fsdp_config",
-                    self.fsdp_config,
-                    f"conflicts with fsdp_state_dict_type={self.fsdp_state_dict_type!r}",
-                )
-            self.fsdp_state_dict_type = wanted
-        self.fsdp_state_dict_type = parse_state_dict_type(
-            self.fsdp_state_dict_type, self.distributed, "TrainingArguments"
-        )
-        if self.tf32 is not None:  # process-wide, as HF sets it (only CUDA matmuls read it)
-            torch.backends.cuda.matmul.allow_tf32 = bool(self.tf32)
-            torch.backends.cudnn.allow_tf32 = bool(self.tf32)
 
     @staticmethod
     def _normalise_report_to(value: str | list[str] | None) -> tuple[str, ...]:
@@ -383,6 +331,43 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
     def logging(self) -> LoggingConfig:
         return LoggingConfig(self)
 
+    # -- HF's fields and process helpers: parts built on access, each name delegated --------------------
+
+    @property
+    def _hf_rules(self) -> HFFieldRules:
+        return HFFieldRules(self)
+
+    @property
+    def _processes(self) -> ProcessHelpers:
+        return ProcessHelpers.of(self)
+
+    check_hf_fields = delegate("_hf_rules", HFFieldRules.check_hf_fields)
+    refuse_unsupported = delegate("_hf_rules", HFFieldRules.refuse_unsupported)
+    checkpointing_requested = delegate("_hf_rules", HFFieldRules.checkpointing_requested)
+    fsdp_requested = delegate("_hf_rules", HFFieldRules.fsdp_requested)
+    fsdp_config_state_dict_type = delegate("_hf_rules", HFFieldRules.fsdp_config_state_dict_type)
+    dataloader_configuration = delegate("_hf_rules", HFFieldRules.dataloader_configuration)
+    ddp_kwargs = delegate("_hf_rules", HFFieldRules.ddp_kwargs)
+    loader_kwargs = delegate("_hf_rules", HFFieldRules.loader_kwargs)
+
+    device = delegate("_processes", ProcessHelpers.device)
+    n_gpu = delegate("_processes", ProcessHelpers.n_gpu)
+    train_batch_size = delegate("_processes", ProcessHelpers.train_batch_size)
+    eval_batch_size = delegate("_processes", ProcessHelpers.eval_batch_size)
+    world_size = delegate("_processes", ProcessHelpers.world_size)
+    process_index = delegate("_processes", ProcessHelpers.process_index)
+    local_process_index = delegate("_processes", ProcessHelpers.local_process_index)
+    should_log = delegate("_processes", ProcessHelpers.should_log)
+    should_save = delegate("_processes", ProcessHelpers.should_save)
+    get_process_log_level = delegate("_processes", ProcessHelpers.get_process_log_level)
+    parallel_mode = delegate("_processes", ProcessHelpers.parallel_mode)
+    place_model_on_device = delegate("_processes", ProcessHelpers.place_model_on_device)
+    main_process_first = delegate("_processes", ProcessHelpers.main_process_first)
+
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        """Warmup in optimizer steps for a run of ``num_training_steps`` (``warmup_steps``, or the ratio)."""
+        return self.schedule.num_warmup_steps(num_training_steps)
+
     def validate(self) -> None:
         """Validate every group and the rules that span groups. Called at construction and by the Trainer."""
         self.refuse_unsupported()
@@ -420,6 +405,10 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: a torch.dtype (in a subclass's field) becomes its name, as in HF."""
         return {f.name: _plain_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def to_sanitized_dict(self) -> dict[str, Any]:
+        """The arguments for TensorBoard's hparams, as HF: numbers, strings and bools kept, the rest as str."""
+        return {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in self.to_dict().items()}
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

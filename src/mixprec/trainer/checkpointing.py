@@ -30,8 +30,8 @@ import torch
 from mixprec.checkpoint import CheckpointError, DiskFullError, FolderLock, load_json, lock_folder
 from mixprec.checkpoint.folders import TRAINER_ARGS, TRAINER_EXTRA, TRAINER_PREFIX, TRAINER_STATE, trainer_folders
 from mixprec.checkpoint.manager import Keep
+from mixprec.loaders.from_datasets import DataPosition
 from mixprec.strategies.restarts import agree_on_number, restarted_anywhere
-from mixprec.trainer.data import DataPosition
 from mixprec.trainer.hf_files import hf_files
 from mixprec.trainer.hf_loggers import hf_logger
 from mixprec.trainer.state import TrainerState

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from mixprec.loaders.from_datasets import make_loader
 from mixprec.precision.formats import FP16, FP32
-from mixprec.trainer.data import make_loader
 
 if TYPE_CHECKING:
     import torch

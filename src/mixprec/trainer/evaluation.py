@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from mixprec.models.outputs import extract_loss  # one loss rule, shared with the diagnosis
-from mixprec.trainer.data import call_model, count_samples
+from mixprec.trainer.batches import call_model, count_samples
 from mixprec.trainer.state import EvalPrediction
 
 

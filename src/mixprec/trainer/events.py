@@ -109,6 +109,18 @@ class RunEvents:
         if self.args.restore_callback_states_from_checkpoint:
             self.control = restore_callback_states(self.handler, self.control, self.state.stateful_callbacks)
 
+    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        """Add a callback (an instance, or a class to instantiate) to the ones the Trainer calls."""
+        self.handler.add_callback(callback)
+
+    def pop_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
+        """Remove a callback (an instance, or the first of a class) and return it (None if absent)."""
+        return self.handler.pop_callback(callback)
+
+    def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        """Remove a callback (an instance, or the first of a class)."""
+        self.handler.remove_callback(callback)
+
     def fire(self, name: str, **kwargs: Any) -> TrainerControl:
         """Run callback event ``name``; returns the (possibly replaced) control."""
         self.control = self.handler.call_event(name, self.args, self.state, self.control, **kwargs)

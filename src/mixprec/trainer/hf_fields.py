@@ -12,12 +12,14 @@ same, parsed, for the docs and the checks):
   ignoring it would train something other than what the script asked for.
 
 The fields are keyword-only, so ``TrainingArguments("out")`` still takes ``output_dir`` first, as HF's does.
+:class:`HFCompatFields` holds fields only, inherited by ``TrainingArguments`` because ``HfArgumentParser``,
+``dataclasses.fields`` and ``TrainingArguments(fsdp=...)`` see a dataclass's own and inherited fields, never
+those of an object it holds; what the fields mean is :mod:`mixprec.trainer.hf_field_rules`.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 IMPLEMENTED, IGNORED, REFUSED = "implemented", "ignored", "refused"
@@ -38,7 +40,7 @@ _LOADER = "passed to the DataLoader (needs dataloader_num_workers > 0, as in tor
 
 @dataclass(kw_only=True)
 class HFCompatFields:
-    """HF-only fields; see the module docstring for the three policies."""
+    """HF-only fields (fields only: see the module docstring for the three policies)."""
 
     # -- implemented -----------------------------------------------------------------------------------
     fsdp_config: dict[str, Any] | str | None = _f(
@@ -160,163 +162,6 @@ class HFCompatFields:
     ddp_backend: str | None = _f(None, REFUSED, "the backend follows the device (nccl on CUDA, gloo on CPU)")
     deepspeed: dict[str, Any] | str | None = _f(None, REFUSED, "DeepSpeed is not supported; use distributed='fsdp'")
     debug: str | list[str] = _f("", REFUSED, "run `mixprec diagnose` for underflow/overflow diagnosis")
-
-    def check_hf_fields(self) -> None:
-        """Refuse a non-default value of a ``refused`` field; apply HF's aliases and implied settings."""
-        from mixprec.trainer.configs import fail  # the one error format for TrainingArguments
-
-        for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs", "lr_scheduler_kwargs"):
-            value = getattr(self, name)
-            if isinstance(value, str) and value.startswith("{"):  # HF parses JSON strings (command lines)
-                setattr(self, name, json.loads(value))
-        if isinstance(self.include_num_input_tokens_seen, bool):
-            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
-        for name in ("log_level", "log_level_replica"):
-            if getattr(self, name) not in LOG_LEVELS:
-                fail(name, getattr(self, name), f"choose one of: {', '.join(map(repr, LOG_LEVELS))}")
-        if self.include_num_input_tokens_seen not in ("no", "all", "non_padding"):
-            fail("include_num_input_tokens_seen", self.include_num_input_tokens_seen,
-                 "choose 'all' (or True), 'non_padding' or 'no' (or False)")  # fmt: skip
-        steps = self.torch_empty_cache_steps
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-            fail("torch_empty_cache_steps", steps, "must be a positive integer or None")
-        self.refuse_unsupported()
-        for old, new in (
-            ("gradient_checkpointing", "activation_checkpointing"),
-            ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
-        ):  # HF 5: the old names are aliases; once resolved both read the same
-            if getattr(self, new) is None and getattr(self, old) is not None:
-                setattr(self, new, getattr(self, old))
-            setattr(self, old, getattr(self, new))
-        if self.activation_checkpointing is None:
-            self.activation_checkpointing = self.gradient_checkpointing = False
-        if self.train_sampling_strategy not in ("random", "sequential"):
-            fail(
-                "train_sampling_strategy",
-                self.train_sampling_strategy,
-                "choose 'random' or 'sequential' (group_by_length is not implemented)",
-            )
-        alpha = self.neftune_noise_alpha
-        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0):
-            fail("neftune_noise_alpha", alpha, "must be a number > 0 (HF's papers use 5 to 15), or None")
-        if not (isinstance(self.eval_delay, (int, float)) and self.eval_delay >= 0):
-            fail("eval_delay", self.eval_delay, "must be a number >= 0")
-
-    def refuse_unsupported(self) -> None:
-        """A ValueError naming the first ``refused`` field set to anything but its default (also run by
-        ``validate()``, so a field edited after construction is caught before training)."""
-        from mixprec.trainer.configs import fail
-
-        for f in fields(HFCompatFields):
-            if POLICY.get(f.name, ("",))[0] != REFUSED:
-                continue
-            default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
-            value = getattr(self, f.name)
-            if value != default and not (value in (None, "", []) and default in (None, "", [])):
-                fail(f.name, value, f"is not supported by mixprec ({POLICY[f.name][1]}); leave it at {default!r}")
-
-    def checkpointing_requested(self) -> tuple[bool, dict[str, Any] | None]:
-        """Whether to turn on activation checkpointing, and its kwargs. Either name counts, so a script that
-        sets ``args.gradient_checkpointing = True`` after construction is honoured (HF 5 would ignore it)."""
-        on = bool(self.activation_checkpointing or self.gradient_checkpointing)
-        return on, self.activation_checkpointing_kwargs or self.gradient_checkpointing_kwargs
-
-    def fsdp_requested(self) -> bool:
-        """Whether HF's ``fsdp`` field asks for plain full sharding (mixprec's distributed='fsdp')."""
-        value = self.fsdp
-        if value in (None, False, "", []):
-            return False
-        if value is True:
-            return True
-        options = value.split() if isinstance(value, str) else list(value)
-        unsupported = [o for o in options if o not in ("full_shard", "auto_wrap")]
-        if unsupported or "full_shard" not in options:
-            from mixprec.trainer.configs import fail
-
-            fail("fsdp", value, "mixprec shards fully (FSDP2): use 'full_shard' (optionally with 'auto_wrap')")
-        return True
-
-    def fsdp_config_state_dict_type(self) -> str | None:
-        """The checkpoint type HF's ``fsdp_config`` asks for (a dict, or the path of a JSON file holding one),
-        None when it names none. Its other keys (wrapping policies, prefetching, XLA) are refused by name."""
-        config = _config_dict("fsdp_config", self.fsdp_config)
-        if config is None:
-            return None
-        from mixprec.trainer.configs import fail
-
-        found = {k: v for k, v in config.items() if k in ("state_dict_type", "fsdp_state_dict_type")}
-        others = sorted(set(config) - set(found))
-        if others:
-            why = (f"mixprec reads only its state_dict_type; {', '.join(others)} is not supported (FSDP2 shards "
-                   "each ModuleList member and the root: Accelerator(fsdp_shard=...))")  # fmt: skip
-            fail("fsdp_config", config, why)
-        if len(set(found.values())) > 1:
-            fail("fsdp_config", config, "state_dict_type and fsdp_state_dict_type disagree")
-        return next(iter(found.values()), None)
-
-    def dataloader_configuration(self) -> Any:
-        """The :class:`~mixprec.loaders.data_config.DataLoaderConfiguration` HF's ``accelerator_config`` (a
-        dict, HF's AcceleratorConfig, or the path of a JSON file) asks for; None when it is unset."""
-        config = _config_dict("accelerator_config", self.accelerator_config)
-        if config is None:
-            return None
-        from mixprec.loaders.data_config import DataLoaderConfiguration
-        from mixprec.trainer.configs import fail
-
-        keys = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler", "non_blocking")
-        others = sorted(k for k, v in config.items() if k not in keys and v not in (None, False, {}))
-        if others:
-            fail(
-                "accelerator_config",
-                config,
-                f"mixprec reads only its DataLoader keys ({', '.join(keys)}); {', '.join(others)} is not supported",
-            )
-        try:
-            return DataLoaderConfiguration(**{k: config[k] for k in keys if k in config})
-        except ValueError as err:
-            fail("accelerator_config", config, str(err))
-
-    def ddp_kwargs(self) -> dict[str, Any]:
-        """The ``ddp_*`` fields that were set, as DistributedDataParallel's keyword arguments."""
-        names = {
-            "ddp_find_unused_parameters": "find_unused_parameters",
-            "ddp_bucket_cap_mb": "bucket_cap_mb",
-            "ddp_broadcast_buffers": "broadcast_buffers",
-            "ddp_static_graph": "static_graph",
-        }
-        return {kw: getattr(self, name) for name, kw in names.items() if getattr(self, name) is not None}
-
-    def loader_kwargs(self) -> dict[str, Any]:
-        """DataLoader keyword arguments from the ``dataloader_*`` fields (worker-only ones only with workers,
-        as torch refuses them otherwise)."""
-        import torch
-
-        kwargs: dict[str, Any] = {"pin_memory": bool(self.dataloader_pin_memory and torch.cuda.is_available())}
-        if self.dataloader_num_workers > 0:  # type: ignore[attr-defined]
-            kwargs["persistent_workers"] = self.dataloader_persistent_workers
-            kwargs["in_order"] = self.dataloader_in_order
-            if self.dataloader_prefetch_factor is not None:
-                kwargs["prefetch_factor"] = self.dataloader_prefetch_factor
-            if self.dataloader_multiprocessing_context is not None:
-                kwargs["multiprocessing_context"] = self.dataloader_multiprocessing_context
-        return kwargs
-
-
-def _config_dict(name: str, config: Any) -> dict[str, Any] | None:
-    """HF's config fields as a dict: given as one, as an HF config dataclass, or as the path of a JSON file
-    holding one; None when unset."""
-    if config in (None, {}, ""):
-        return None
-    if isinstance(config, str):
-        with open(config, encoding="utf-8") as f:
-            config = json.load(f)
-    elif not isinstance(config, dict) and hasattr(config, "__dataclass_fields__"):  # HF's AcceleratorConfig
-        config = {key: getattr(config, key) for key in config.__dataclass_fields__}
-    if not isinstance(config, dict):
-        from mixprec.trainer.configs import fail
-
-        fail(name, config, "must be a dict or the path of a JSON file holding one")
-    return config
 
 
 POLICY: dict[str, tuple[str, str]] = {

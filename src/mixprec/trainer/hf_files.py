@@ -5,7 +5,7 @@ under HF's names beside mixprec's, for the scripts and tools that look for them 
     rng_state.pth           python/numpy/torch(/CUDA) generators in HF's layout (one process only)
 
 HF's tests and tooling check that these exist and read them with ``torch.load(weights_only=True)``; both are
-written through :func:`~mixprec.checkpoint.formats.save_torch`, which refuses anything that load could not
+written through :func:`~mixprec.checkpoint.safe_files.save_torch`, which refuses anything that load could not
 read back, so no code runs when they are loaded. HF pickles the ``TrainingArguments`` object itself into
 ``training_args.bin``, which only ``weights_only=False`` can load; a dict of the same fields is what a script
 can read safely (``TrainingArguments(**d)`` rebuilds it). ``config.json`` (an HF model's config) is already
@@ -31,7 +31,7 @@ RNG_FILE = "rng_state.pth"
 
 def hf_files(args: Any, num_processes: int) -> dict[str, Any]:
     """HF's ``training_args.bin`` and (one process) ``rng_state.pth``, by file name, for the checkpoint's
-    ``extra_torch`` (written with :func:`~mixprec.checkpoint.formats.save_torch` into the unfinished folder).
+    ``extra_torch`` (written with :func:`~mixprec.checkpoint.safe_files.save_torch` into the unfinished folder).
     With several processes HF names one RNG file per process, which only that process could write: none is
     written, and HF's loader then resumes without restoring the generators (it says so). The generators are
     read, not advanced, so the run's own RNG file holds the same state."""

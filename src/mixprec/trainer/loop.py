@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec.loaders.from_datasets import DataPosition, is_stream
 from mixprec.scaling.scaler import ConsecutiveSkipsError
 from mixprec.trainer import checkpointing as ckpt  # by module: tests wrap save_trainer_checkpoint
 from mixprec.trainer import weights
+from mixprec.trainer.batches import count_input_tokens, count_samples, count_tokens
 from mixprec.trainer.callbacks import export_callback_states
-from mixprec.trainer.data import DataPosition, count_input_tokens, count_samples, count_tokens, is_stream
 from mixprec.trainer.hf_loggers import hf_logger
 from mixprec.trainer.neftune import neftune
 from mixprec.trainer.signals import GracefulStop, TrainingInterrupted

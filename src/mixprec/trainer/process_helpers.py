@@ -4,6 +4,10 @@ run_clm.py and its siblings read ``training_args.get_process_log_level()``, ``tr
 and wrap their dataset preprocessing in ``with training_args.main_process_first(desc=...)`` (issue 22). These
 are the same calls on mixprec's TrainingArguments, answered from torchrun's environment as its other derived
 properties (``world_size``, ``process_index``...) are.
+
+:class:`ProcessHelpers` is a part of :class:`~mixprec.trainer.args.TrainingArguments`, which delegates those
+names to it: a frozen copy of the few fields it reads, built on access (as the grouped views of
+:mod:`mixprec.trainer.configs`), so a field edited after construction is seen.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import contextlib
 import enum
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -31,16 +36,22 @@ class ParallelMode(enum.Enum):
     DISTRIBUTED = "distributed"
 
 
+@dataclass(frozen=True)
 class ProcessHelpers:
-    """Mixed into :class:`~mixprec.trainer.args.TrainingArguments`; reads its ``log_level``, ``log_level_replica``,
-    ``use_cpu``, the batch sizes and ``schedule``. HF's derived properties (``device``, ``world_size``...) too."""
+    """HF's process helpers and derived properties (``device``, ``world_size``...) of a TrainingArguments,
+    from its ``log_level``, ``log_level_replica``, ``use_cpu`` and batch sizes."""
 
     log_level: str
     log_level_replica: str
     use_cpu: bool
     per_device_train_batch_size: int
     per_device_eval_batch_size: int
-    schedule: Any
+
+    @classmethod
+    def of(cls, args: Any) -> ProcessHelpers:
+        """The helpers of ``args`` (a TrainingArguments), from its fields as they are now."""
+        names = [f.name for f in fields(cls)]
+        return cls(*(getattr(args, name) for name in names))
 
     @property
     def device(self) -> torch.device:
@@ -101,10 +112,6 @@ class ProcessHelpers:
         """Whether the Trainer moves the model to the device itself: always (FSDP2 shards it in place after)."""
         return True
 
-    def get_warmup_steps(self, num_training_steps: int) -> int:
-        """Warmup in optimizer steps for a run of ``num_training_steps`` (``warmup_steps``, or the ratio)."""
-        return self.schedule.num_warmup_steps(num_training_steps)
-
     @contextlib.contextmanager
     def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:
         """The main process (of each machine, with ``local``) runs the block first, then the others: dataset
@@ -119,8 +126,3 @@ class ProcessHelpers:
         first = state.local_main_process_first() if local else state.main_process_first()
         with first:
             yield
-
-    def to_sanitized_dict(self) -> dict[str, Any]:
-        """The arguments for TensorBoard's hparams, as HF: numbers, strings and bools kept, the rest as str."""
-        values = self.to_dict()  # type: ignore[attr-defined]
-        return {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in values.items()}

@@ -6,7 +6,8 @@ dict of ``TrainOutput`` (HF's ``train_runtime``, ``train_samples_per_second``, .
 
 HF's end-of-script reporting keeps HF's names and formats: ``log_metrics`` (a table on stdout),
 ``save_metrics`` (``<split>_results.json`` and ``all_results.json``) and ``create_model_card`` (``README.md`` in
-output_dir). The Trainer's methods of those names call these on the main process.
+output_dir). :class:`ScriptEndings`, a part the Trainer owns and delegates those methods to, calls these on the
+main process.
 
 The figures drawn from metrics.jsonl live apart, in :mod:`mixprec.trainer.plots` (matplotlib, loaded only when a
 run plots).
@@ -29,7 +30,11 @@ from mixprec.trainer.phase_clock import format_breakdown
 from mixprec.trainer.state import STATE_FILE, TrainOutput
 
 if TYPE_CHECKING:
+    from mixprec.accelerator.accelerator import Accelerator
+    from mixprec.trainer.args import TrainingArguments
     from mixprec.trainer.context import RunContext
+    from mixprec.trainer.events import RunEvents
+    from mixprec.trainer.state import TrainerState
 
 SUMMARY_FILE = "train_summary.json"
 
@@ -316,13 +321,19 @@ def _cell(value: Any) -> str:
 
 
 class ScriptEndings:
-    """HF's end-of-script methods on the Trainer (``log_metrics``, ``save_metrics``, ``save_state``,
-    ``create_model_card``...), mixed into :class:`~mixprec.trainer.trainer.Trainer`; they read its ``args``,
-    ``state`` and ``accelerator`` and write on the main process only."""
+    """HF's end-of-script methods of the Trainer (``log_metrics``, ``save_metrics``, ``save_state``,
+    ``create_model_card``...): a part :class:`~mixprec.trainer.trainer.Trainer` owns and delegates them to.
+    It reads the run's arguments, its state (through ``events``, which owns it: a state the Trainer replaces
+    is the one read) and its Accelerator, and writes on the main process only."""
 
-    args: Any
-    state: Any
-    accelerator: Any
+    def __init__(self, args: TrainingArguments, events: RunEvents, accelerator: Accelerator) -> None:
+        self.args = args
+        self._events = events
+        self.accelerator = accelerator
+
+    @property
+    def state(self) -> TrainerState:
+        return self._events.state
 
     def is_world_process_zero(self) -> bool:
         """Whether this is the main process, the one that saves and logs."""

@@ -7,11 +7,10 @@
                       eval_dataset=dataset["validation"], compute_metrics=compute_metrics)
     trainer.train()
 
-Built on the :class:`~mixprec.accelerator.accelerator.Accelerator`: precision, loss scaling, gradient
-accumulation, processes and checkpoint files are all its work; the Trainer adds the loop and its
-bookkeeping (:mod:`~mixprec.trainer.loop`), evaluation (:mod:`~mixprec.trainer.evaluation`), checkpoint-N
-folders (:mod:`~mixprec.trainer.checkpointing`), logs, plots and the end summary. Under ``torchrun`` every
-process trains; the main one logs and writes files.
+Built on the :class:`~mixprec.accelerator.accelerator.Accelerator` (precision, loss scaling, accumulation,
+processes, checkpoint files); the Trainer adds the loop (:mod:`~mixprec.trainer.loop`), evaluation, checkpoint-N
+folders (:mod:`~mixprec.trainer.checkpointing`), logs, plots and the end summary, through parts it owns (its
+events, loaders, script endings). Under ``torchrun`` every process trains; the main one logs and writes files.
 """
 
 from __future__ import annotations
@@ -23,20 +22,22 @@ from typing import Any
 import torch
 
 from mixprec.accelerator.accelerator import Accelerator
+from mixprec.accelerator.delegation import delegate
 from mixprec.accelerator.prepared import is_prepared, release
+from mixprec.loaders.from_datasets import ColumnFilter, is_stream
+from mixprec.loaders.trainer_loaders import TrainerLoaders, check_datasets
 from mixprec.trainer import checkpointing as ckpt
 from mixprec.trainer import evaluation, weights
 from mixprec.trainer.activation_checkpointing import enable_activation_checkpointing
 from mixprec.trainer.args import TrainingArguments
+from mixprec.trainer.batches import loss_and_outputs
 from mixprec.trainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl
 from mixprec.trainer.configs import accelerator_kwargs
 from mixprec.trainer.context import RunContext
-from mixprec.trainer.data import ColumnFilter, is_stream, loss_and_outputs
 from mixprec.trainer.diagnosis import diagnose_at_start
 from mixprec.trainer.evaluation import EvalResult, check_compute_metrics, evaluation_loop
 from mixprec.trainer.events import RunEvents
 from mixprec.trainer.hf_loggers import set_library_log_level
-from mixprec.trainer.loaders import TrainerLoaders, check_datasets
 from mixprec.trainer.logging import make_reporters
 from mixprec.trainer.loop import Plan, fit
 from mixprec.trainer.memory_metrics import MemoryMetrics
@@ -50,7 +51,7 @@ from mixprec.trainer.summary import ScriptEndings
 __all__ = ["Trainer", "enable_full_determinism", "set_seed"]
 
 
-class Trainer(ScriptEndings):
+class Trainer:
     """Train, evaluate and predict with any ``nn.Module`` whose forward takes the batch's keys and returns
     a loss (``.loss``, a dict's "loss", or a tuple's first item), HF transformers models included."""
 
@@ -130,6 +131,7 @@ class Trainer(ScriptEndings):
         self.meter = StepMeter(self._current_lr, self._current_scale, args.logging_nan_inf_filter)
         self.events = RunEvents(args, self.accelerator, reporters, list(callbacks or []))
         """Callbacks, log_history, metrics.jsonl and the progress bar; owns ``state`` and ``control``."""
+        self._endings = ScriptEndings(args, self.events, self.accelerator)
         self.callback_handler.model = self.model
         self.event("on_init_end")
         self._memory.stop("init")
@@ -159,17 +161,9 @@ class Trainer(ScriptEndings):
         """The object that calls each callback's events in order (HF's name)."""
         return self.events.handler
 
-    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
-        """Add a callback (an instance, or a class to instantiate) to the ones the Trainer calls."""
-        self.callback_handler.add_callback(callback)
-
-    def pop_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
-        """Remove a callback (an instance, or the first of a class) and return it (None if absent)."""
-        return self.callback_handler.pop_callback(callback)
-
-    def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
-        """Remove a callback (an instance, or the first of a class)."""
-        self.callback_handler.remove_callback(callback)
+    add_callback = delegate("events", RunEvents.add_callback)
+    pop_callback = delegate("events", RunEvents.pop_callback)
+    remove_callback = delegate("events", RunEvents.remove_callback)
 
     def _load_callback_state(self) -> None:
         """With ``restore_callback_states_from_checkpoint``, rebuild the stateful callbacks and the control from
@@ -231,6 +225,7 @@ class Trainer(ScriptEndings):
         model = self.model_init()
         if self._model_prepared or self.optimizer is not None:
             self.accelerator = self._build_accelerator()
+            self._endings = ScriptEndings(self.args, self.events, self.accelerator)
             self._loaders = TrainerLoaders(self.accelerator, self.args, self.data_collator)
             self._train_loader = self._loaders.train(self.train_dataset) if self.train_dataset is not None else None
         self.model = model.to(self.accelerator.device)
@@ -442,3 +437,13 @@ class Trainer(ScriptEndings):
         tokenizer/processor when one was given. Main process only."""
         out = Path(output_dir or self.args.output_dir)
         return weights.save_model(self.accelerator, self.model, out, self.args, self.processing_class)
+
+    # -- what HF's example scripts call at their end: the endings part (main process only) -------------
+
+    is_world_process_zero = delegate("_endings", ScriptEndings.is_world_process_zero)
+    is_local_process_zero = delegate("_endings", ScriptEndings.is_local_process_zero)
+    metrics_format = delegate("_endings", ScriptEndings.metrics_format)
+    log_metrics = delegate("_endings", ScriptEndings.log_metrics)
+    save_metrics = delegate("_endings", ScriptEndings.save_metrics)
+    save_state = delegate("_endings", ScriptEndings.save_state)
+    create_model_card = delegate("_endings", ScriptEndings.create_model_card)

@@ -29,7 +29,7 @@ from torch import nn
 
 from mixprec.checkpoint.atomic import atomic_dir
 from mixprec.checkpoint.folders import trainer_folders
-from mixprec.checkpoint.formats import CheckpointError, load_json, load_tensors, save_json, save_tensors
+from mixprec.checkpoint.safe_files import CheckpointError, load_json, load_tensors, save_json, save_tensors
 from mixprec.checkpoint.manifest import file_digest
 
 FORMAT = "mixprec-capsule/1"

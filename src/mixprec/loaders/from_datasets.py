@@ -1,4 +1,4 @@
-"""Datasets to DataLoaders with a reproducible order and an exact position to resume from.
+"""The Trainer's datasets to DataLoaders, with a reproducible order and an exact position to resume from.
 
 The Trainer builds plain DataLoaders and hands them to ``Accelerator.prepare``, which owns the split across
 processes and the order: epoch ``e``'s order depends on ``(shuffle seed, e)`` only, and the position (epoch,
@@ -26,8 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
-
-from mixprec.models.outputs import extract_loss  # one loss rule, shared with the diagnosis
 
 
 @dataclass
@@ -215,53 +213,3 @@ class ShardedStream(IterableDataset):
                 if groups % workers == worker_id:
                     yield from block[start:stop]
                 block, groups = [], groups + 1
-
-
-def call_model(model: torch.nn.Module, batch: Any) -> Any:
-    """How a batch reaches the model, in training and evaluation alike: ``model(**batch)`` for dict batches
-    (the HF convention), ``model(*batch)`` for tuples (a ``TensorDataset``), ``model(batch)`` otherwise."""
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
-
-
-def loss_and_outputs(
-    model: torch.nn.Module, batch: Any, compute_loss_func: Any = None, num_items_in_batch: Any = None
-) -> tuple[torch.Tensor, Any]:
-    """A batch's loss and the model's outputs, the one rule training and evaluation share (the Trainer's
-    ``compute_loss``): the model's own loss, or with HF's ``compute_loss_func`` (and labels in a dict batch)
-    that function's on the outputs and the labels, which the model then does not see."""
-    if compute_loss_func is not None and isinstance(batch, Mapping) and "labels" in batch:
-        outputs = call_model(model, {k: v for k, v in batch.items() if k != "labels"})
-        return compute_loss_func(outputs, batch["labels"], num_items_in_batch=num_items_in_batch), outputs
-    outputs = call_model(model, batch)
-    return extract_loss(outputs), outputs
-
-
-def count_tokens(batch: Any) -> int:
-    """Tokens in a batch (``input_ids.numel()``: host metadata, no device sync); 0 when there are none."""
-    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
-    return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
-
-
-def count_input_tokens(batch: Any, mode: str, main_input_name: str = "input_ids") -> int | torch.Tensor:
-    """Input tokens of a batch for HF's ``include_num_input_tokens_seen``: ``"all"`` counts the elements of
-    ``batch[main_input_name]`` (host metadata), ``"non_padding"`` sums ``attention_mask`` (a device tensor:
-    reading it is a sync) or, without a mask, counts every element. 0 when the batch has no such input."""
-    if not isinstance(batch, Mapping) or not isinstance(batch.get(main_input_name), torch.Tensor):
-        return 0
-    mask = batch.get("attention_mask")
-    if mode == "non_padding" and isinstance(mask, torch.Tensor):
-        return mask.sum()
-    return int(batch[main_input_name].numel())
-
-
-def count_samples(batch: Any) -> int:
-    """Examples in a batch: the leading dimension of its first tensor (no device sync)."""
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else [batch]
-    for v in values:
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            return int(v.shape[0])
-    return 0

@@ -1,11 +1,11 @@
-"""What an Accelerator writes and reads, with accelerate's names: ``save_state`` / ``load_state``, the project
-folder, automatic checkpoint naming and its hooks (all asked of its checkpoint manager,
+"""The Accelerator's files part, with accelerate's names: ``save_state`` / ``load_state``, the project folder,
+automatic checkpoint naming and its hooks (all asked of its checkpoint manager,
 :mod:`mixprec.checkpoint.manager`), the elastic resume, ``save_model`` (the HF layout,
-:mod:`mixprec.accelerator.saving`), the experiment trackers' logs (:mod:`mixprec.tracking.trackers`),
-``free_memory`` and ``end_training``.
+:mod:`mixprec.accelerator.hf_weights`) and ``get_state_dict``.
 
-A part of :class:`~mixprec.accelerator.accelerator.Accelerator` (a base class of it), apart only to keep one
-file per concern; the distributed strategy decides how each piece is gathered, sharded or written.
+:class:`RunFiles` is a part the :class:`~mixprec.accelerator.accelerator.Accelerator` owns and delegates to
+(``accelerator.save_state(...)`` is ``accelerator._files.save_state(...)``); the distributed strategy decides
+how each piece is gathered, sharded or written.
 """
 
 from __future__ import annotations
@@ -18,53 +18,31 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec.accelerator.lifecycle import release_prepared
-from mixprec.accelerator.saving import save_model
-from mixprec.checkpoint.folder_checks import Registry, RunState
+from mixprec.accelerator.hf_weights import save_model
+from mixprec.accelerator.prepared import unwrap as unwrap_module
+from mixprec.checkpoint.folder_checks import Registry
 from mixprec.checkpoint.manager import CheckpointManager, check_checkpointable
 from mixprec.strategies.restarts import agree_on_number, restarted_anywhere
 
 if TYPE_CHECKING:
-    from mixprec.accelerator.gradients import GradientState
-    from mixprec.accelerator.prepared import PreparedOptimizer, PreparedScheduler
+    from mixprec.accelerator.processes import Processes
     from mixprec.accelerator.project import ProjectConfiguration
-    from mixprec.loaders.data import PreparedDataLoader
-    from mixprec.precision.base import Precision
     from mixprec.strategies.strategy import DistributedStrategy
-    from mixprec.tracking.trackers import Trackers
 
 logger = logging.getLogger("mixprec.accelerator")
 
 
-class OutputMethods:
-    """Saving, loading and logging an Accelerator's run (see the module doc)."""
+class RunFiles:
+    """Saving and loading an Accelerator's run (see the module doc): asks the checkpoint manager, the
+    distributed strategy, and the processes part (the elastic resume's agreement)."""
 
-    device: torch.device
-    _checkpoints: CheckpointManager
-    _trackers: Trackers
-    _registry: Registry
-    _strategy: DistributedStrategy
-    _precision: Precision
-    _gradients: GradientState
-    unwrap_model: Callable[[torch.nn.Module], torch.nn.Module]
-
-    # accelerate's names for what prepare() registered, which scripts and libraries written for it read
-    # (the lists themselves: free_memory empties them).
-    @property
-    def _models(self) -> list[torch.nn.Module]:
-        return self._registry.models
-
-    @property
-    def _optimizers(self) -> list[PreparedOptimizer]:
-        return self._registry.optimizers
-
-    @property
-    def _schedulers(self) -> list[PreparedScheduler]:
-        return self._registry.schedulers
-
-    @property
-    def _dataloaders(self) -> list[PreparedDataLoader]:
-        return self._registry.dataloaders
+    def __init__(
+        self, checkpoints: CheckpointManager, registry: Registry, strategy: DistributedStrategy, processes: Processes
+    ) -> None:
+        self._checkpoints = checkpoints
+        self._registry = registry  # what prepare() registered: register_for_checkpointing adds to it
+        self._strategy = strategy
+        self._processes = processes
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include objects with ``state_dict()`` / ``load_state_dict()`` in ``save_state`` / ``load_state``.
@@ -111,8 +89,9 @@ class OutputMethods:
         folder (it appears when complete; ``wait_for_checkpoint()`` waits for it). Weights changed outside the
         prepared optimizer's step before that step would reach the checkpoint."""
         manager = self._checkpoints
-        path = manager.save(output_dir, safe_serialization=safe_serialization, extra_json=extra_json,
-                            async_save=async_save)  # fmt: skip
+        path = manager.save(
+            output_dir, safe_serialization=safe_serialization, extra_json=extra_json, async_save=async_save
+        )
         if not async_save and output_dir is None and manager.project.automatic_checkpoint_naming:
             manager.wait()  # accelerate's contract: at most total_limit folders once save_state() returns
         return path
@@ -141,9 +120,9 @@ class OutputMethods:
         otherwise (a first start, or no checkpoint yet) load nothing and return None. The main process chooses
         the folder for all. Needs ``ProjectConfiguration(automatic_checkpoint_naming=True)``. Collective."""
         number = self._checkpoints.latest_number()  # every process checks the configuration; the main one's count
-        if not restarted_anywhere(self):
+        if not restarted_anywhere(self._processes):
             return None
-        number = agree_on_number(self, number)
+        number = agree_on_number(self._processes, number)
         if number < 0:
             logger.warning("restarted by the launcher, but no checkpoint was saved yet: starting afresh")
             return None
@@ -169,59 +148,14 @@ class OutputMethods:
         safe_serialization: bool = True,
     ) -> None:
         """Write ``model``'s full weights in the Hugging Face layout (``model.safetensors``, or shards and an
-        index; see :mod:`mixprec.accelerator.saving`), gathered through the distributed strategy (FSDP2
+        index; see :mod:`mixprec.accelerator.hf_weights`), gathered through the distributed strategy (FSDP2
         included) and written by the main process. Collective: call it on every process."""
-        save_model(self._strategy, self.unwrap_model(model), save_directory,
-                   max_shard_size=max_shard_size, safe_serialization=safe_serialization)  # fmt: skip
+        model = unwrap_module(model)
+        save_model(
+            self._strategy, model, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization
+        )
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor] | None:
         """``model``'s full state dict on the main process (gathered under FSDP2: a collective), None on the
         others. ``unwrap`` is accepted for accelerate's scripts: the keys are the user's module's either way."""
-        return self._strategy.model_state_dict(self.unwrap_model(model))
-
-    def free_memory(self, *objects: Any) -> list[None]:
-        """Forget every prepared model, optimizer, scheduler and DataLoader, collect garbage and empty the
-        device's cache; returns ``[None] * len(objects)`` to assign back (``model, opt = free_memory(model,
-        opt)``), as accelerate. Objects registered for checkpointing are kept (a precision watch among them
-        still holds the model it watches). A model prepared here before can be prepared again."""
-        release_prepared(self._registry, self._gradients, self._precision, self.device)
-        return [None for _ in objects]
-
-    clear = free_memory
-
-    def _run_state(self) -> RunState:
-        return RunState(self._registry, self._strategy, self._precision, self._gradients)
-
-    # -- experiment trackers (accelerate's log_with) --------------------------------------------------
-
-    def init_trackers(
-        self, project_name: str, config: dict[str, Any] | None = None, init_kwargs: dict[str, Any] | None = None
-    ) -> None:
-        """Start the ``log_with`` trackers on the main process: TensorBoard under ``logging_dir/project_name``,
-        MLflow's experiment or W&B's project named ``project_name``; ``config`` is stored as the run's
-        hyperparameters; ``init_kwargs={"wandb": {...}}`` goes to that tracker."""
-        self._trackers.init(project_name, config, init_kwargs)
-
-    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
-        """Log ``values`` to every tracker (main process only)."""
-        self._trackers.log(values, step, log_kwargs)
-
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The tracker ``name`` ("tensorboard", "mlflow", "wandb"), or with ``unwrap`` what it wraps (the
-        SummaryWriter, the mlflow module, the wandb run)."""
-        return self._trackers.get(name, unwrap)
-
-    @property
-    def trackers(self) -> list[Any]:
-        """The experiment trackers started by init_trackers (log_with), in order."""
-        return list(self._trackers.active)
-
-    def end_training(self) -> None:
-        """Finish the trackers, then leave the process group this Accelerator joined (call at the end of a
-        distributed script), once every process has reached this call. An asynchronous save still in flight
-        is finished first (its failure raised after the group is left)."""
-        try:
-            self._checkpoints.wait()
-        finally:
-            self._trackers.finish()
-            self._strategy.close(wait_for_peers=True)
+        return self._strategy.model_state_dict(unwrap_module(model))

@@ -1,4 +1,4 @@
-"""accelerator/saving.py: save_model writes the Hugging Face layout (one file or shards and an index) that
+"""accelerator/hf_weights.py: save_model writes the Hugging Face layout (one file or shards and an index) that
 HF loaders read, leaves other files alone and never leaves an index naming a missing shard."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mixprec import Accelerator
-from mixprec.accelerator.saving import parse_size, split_shards
+from mixprec.accelerator.hf_weights import parse_size, split_shards
 from mixprec.checkpoint import load_tensors, load_torch
 
 

@@ -1,18 +1,15 @@
 """The Trainer's prepared DataLoaders: the training one, and one per evaluation dataset (kept, so a dataset
-evaluated again reuses its loader and the Accelerator's saved state lists each loader once)."""
+evaluated again reuses its loader and the Accelerator's saved state lists each loader once). Built from
+:mod:`mixprec.loaders.from_datasets` and prepared by the Accelerator it is given."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from mixprec.trainer.data import ShardedStream, check_dataset, is_stream, make_loader
-
-if TYPE_CHECKING:
-    from mixprec.accelerator.accelerator import Accelerator
-    from mixprec.trainer.args import TrainingArguments
+from mixprec.loaders.from_datasets import ShardedStream, check_dataset, is_stream, make_loader
 
 
-def check_datasets(args: TrainingArguments, train_dataset: Any, eval_dataset: Any) -> None:
+def check_datasets(args: Any, train_dataset: Any, eval_dataset: Any) -> None:
     """Refuse, naming the argument, datasets the Trainer cannot read, and an evaluation with nothing to read."""
     if train_dataset is not None:
         check_dataset(train_dataset, "train_dataset")
@@ -29,7 +26,8 @@ class TrainerLoaders:
     """Builds and keeps the prepared loaders of one Accelerator. A stream (an IterableDataset) is sharded:
     each of its examples is read by one process only."""
 
-    def __init__(self, accelerator: Accelerator, args: TrainingArguments, collator: Any) -> None:
+    def __init__(self, accelerator: Any, args: Any, collator: Any) -> None:
+        # an Accelerator and a TrainingArguments: duck-typed, as both live floors above loaders/
         self.accelerator, self.args, self.collator = accelerator, args, collator
         self.train_stream: ShardedStream | None = None
         """The training stream this process reads, when the training data is a stream (it cannot seek: a
