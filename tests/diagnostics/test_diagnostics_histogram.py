@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from mixprec.precision.formats import BF16, FP16
 from mixprec.diagnostics.histogram import E_MIN, DeviceHistogram, to_host
 from mixprec.diagnostics.recommend import MAX_SCALE_EXP, choose_scale_exp
+from mixprec.precision.formats import BF16, FP16
 
 
 def _hist(values: list[float]) -> DeviceHistogram:

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec import Accelerator, TrainingArguments
-from mixprec.precision.formats import BF16, FP16
 from mixprec.diagnostics.histogram import DeviceHistogram, to_host
 from mixprec.diagnostics.hooks import hooks_left
+from mixprec.precision.formats import BF16, FP16
 from mixprec.watch import PrecisionWatch, WatchConfig, fp32_modules, restore, run_in_fp32
 from mixprec.watch.headroom import Sample
 from mixprec.watch.trend import TrendWatch, fit_slope

@@ -11,6 +11,9 @@
 """
 
 from mixprec.checkpoint.atomic import DiskFullError, abort, atomic_dir, begin, commit, recover, temp_path
+from mixprec.checkpoint.lock import FolderInUseError, FolderLock, lock_folder
+from mixprec.checkpoint.manifest import MANIFEST, verify_manifest, write_manifest
+from mixprec.checkpoint.rng import rng_state, set_rng_state
 from mixprec.checkpoint.safe_files import (
     CheckpointError,
     UnsafeCheckpointError,
@@ -21,9 +24,6 @@ from mixprec.checkpoint.safe_files import (
     save_tensors,
     save_torch,
 )
-from mixprec.checkpoint.lock import FolderInUseError, FolderLock, lock_folder
-from mixprec.checkpoint.manifest import MANIFEST, verify_manifest, write_manifest
-from mixprec.checkpoint.rng import rng_state, set_rng_state
 
 __all__ = [
     "MANIFEST",

@@ -22,9 +22,9 @@ from typing import Any, Protocol
 
 import torch
 
-from mixprec.checkpoint.safe_files import CheckpointError, load_json, load_tensors, load_torch
 from mixprec.checkpoint.manifest import NO_MANIFEST, verify_manifest
 from mixprec.checkpoint.model_part import saved_keys
+from mixprec.checkpoint.safe_files import CheckpointError, load_json, load_tensors, load_torch
 
 META = "accelerator.json"
 FORMAT = 1

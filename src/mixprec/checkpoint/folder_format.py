@@ -62,10 +62,10 @@ from mixprec.checkpoint.folder_checks import (
     name_of,
     read_everything,
 )
-from mixprec.checkpoint.safe_files import CheckpointError, save_json, save_tensors, save_torch
 from mixprec.checkpoint.manifest import BackgroundHasher, write_manifest
 from mixprec.checkpoint.model_part import completed, saved_part
 from mixprec.checkpoint.rng import rng_snapshot, rng_state, set_rng_state
+from mixprec.checkpoint.safe_files import CheckpointError, save_json, save_tensors, save_torch
 
 logger = logging.getLogger("mixprec.accelerator")
 

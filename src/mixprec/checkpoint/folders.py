@@ -32,8 +32,8 @@ from pathlib import Path
 
 from mixprec.checkpoint.atomic import recover
 from mixprec.checkpoint.folder_checks import META, folder_problem
-from mixprec.checkpoint.safe_files import CheckpointError
 from mixprec.checkpoint.manifest import read_manifest
+from mixprec.checkpoint.safe_files import CheckpointError
 
 logger = logging.getLogger("mixprec.checkpoint")
 

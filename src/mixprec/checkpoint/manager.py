@@ -43,8 +43,8 @@ from mixprec.checkpoint.background import BackgroundWriter
 from mixprec.checkpoint.folder_checks import MODEL_DIR, RunState, name_of
 from mixprec.checkpoint.folder_format import load_state, save_state
 from mixprec.checkpoint.folders import NumberedFolders, automatic_folders
-from mixprec.checkpoint.safe_files import CheckpointError, load_json, load_tensors
 from mixprec.checkpoint.model_part import completed, saved_keys
+from mixprec.checkpoint.safe_files import CheckpointError, load_json, load_tensors
 
 logger = logging.getLogger("mixprec.accelerator")
 

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from mixprec.checkpoint.atomic import abort, begin, commit, recover, temp_path
-from mixprec.checkpoint.safe_files import CheckpointError, save_tensors
 from mixprec.checkpoint.manifest import verify_manifest, write_manifest
+from mixprec.checkpoint.safe_files import CheckpointError, save_tensors
 
 
 def _distributed() -> bool:

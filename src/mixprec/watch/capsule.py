@@ -29,8 +29,8 @@ from torch import nn
 
 from mixprec.checkpoint.atomic import atomic_dir
 from mixprec.checkpoint.folders import trainer_folders
-from mixprec.checkpoint.safe_files import CheckpointError, load_json, load_tensors, save_json, save_tensors
 from mixprec.checkpoint.manifest import file_digest
+from mixprec.checkpoint.safe_files import CheckpointError, load_json, load_tensors, save_json, save_tensors
 
 FORMAT = "mixprec-capsule/1"
 META = "capsule.json"
