@@ -7,7 +7,9 @@ scheduler holds still), and the chosen mode's step record counts it as one (:fun
 skipped-step and consecutive-skip counters, which the summary and the breaker read). A step whose candidate
 raises is undone (:class:`StepSnapshot`): weights, gradients, optimizer state, every candidate's scaler and
 the RNG are put back as they were when the step began, the mode leaves the race, and the error goes on to
-the caller. Costs one copy of the parameters, their gradients and the optimizer state per race step, taken
+the caller. A scaled mode's first step starts at a loss scale measured on the gradients of the unscaled modes'
+steps before it (:func:`measured_scale`), not at its scaler's 2^16: a routine overflow there would cost the
+run a batch. Costs one copy of the parameters, their gradients and the optimizer state per race step, taken
 before the race's clock starts (so no mode is charged for it), and nothing once the race has decided.
 """
 
