@@ -17,7 +17,7 @@ import torch
 
 from conftest import make_batches, make_tiny_lm
 from mixprec import Accelerator, Trainer, TrainingArguments
-from mixprec.precision import auto, registry
+from mixprec.precision import auto, race_step, registry
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
 from trainer_utils import make_examples
@@ -213,8 +213,43 @@ def test_the_trainer_reports_a_race_steps_skip_at_the_scale_it_ran_with(in_run_r
     assert [e["step"] for e in skips] == fp16_steps
     # fp16's own scale, backed off each time (never "loss scale 0": the last logged scale was None in the race)
     scales = [e["loss_scale"] for e in skips]
-    assert scales[0] == 65536.0 and all(s >= 1.0 for s in scales) and scales == sorted(scales, reverse=True)
+    # (the first at the scale the fp32 steps' gradients measured: race_step.measured_scale)
+    assert scales[0] <= 65536.0 and all(s >= 1.0 for s in scales) and scales == sorted(scales, reverse=True)
     assert trainer.skipped_steps == len(fp16_steps)  # the summary's count: the chosen fp32's record
+
+
+class _Fp16Headroom(torch.autograd.Function):
+    """Identity whose backward needs 4x room in fp16: the gradient reaching it (the loss scale, times 1) is
+    non-finite once 4x it overflows fp16, as at torch's default scale 2^16, not at 2^13 or below."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad + 0.0 * (grad * 4).half().float()  # inf * 0: NaN where 4x overflows fp16
+
+
+class ScaleSensitive(Planted):
+    """The tiny LM whose loss is 8x (gradients up to ~1 and more: a measured scale of 2^12 at most) through
+    :class:`_Fp16Headroom`."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = super().forward(input_ids, labels)
+        return {"loss": _Fp16Headroom.apply(out["loss"] * 8)}
+
+
+def test_fp16s_first_race_step_starts_at_a_measured_scale_and_skips_no_batch(in_run_race):
+    in_run_race(FullPrecision, Fp16MixedPrecision)
+    raced = _train("auto", ScaleSensitive())
+    fp16_steps = [i for i, mode in enumerate(raced["model"].modes) if mode == torch.float16]
+    assert len(fp16_steps) >= 3  # fp16 raced, every step finite: at 2^16 its first one overflowed
+    assert raced["accelerator"].scaler.record.skipped_steps == 0
+    decision = raced["accelerator"].auto_decision
+    assert decision is not None and "fp16" not in decision.excluded
+    assert race_step.measured_scale(1.0, 65536.0) == 2.0**12  # the largest 2^k with 8x headroom below 65504
+    assert race_step.measured_scale(0.0, 65536.0) == 65536.0  # nothing measured: the scaler's own
 
 
 def test_a_mode_that_raises_in_a_timed_round_leaves_the_race_and_cannot_win():

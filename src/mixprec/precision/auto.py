@@ -212,6 +212,8 @@ class AutoPrecision(Precision):
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         with self._undo_on_error():
             self.current.unscale(optimizer)
+        if self._in_run is not None and self._in_run.in_step:  # before clipping: fp16's first scale (race_step.py)
+            self._in_run.note_gradients(self.current)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         self._stepped = self.current

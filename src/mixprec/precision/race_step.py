@@ -7,18 +7,22 @@ scheduler holds still), and the chosen mode's step record counts it as one (:fun
 skipped-step and consecutive-skip counters, which the summary and the breaker read). A step whose candidate
 raises is undone (:class:`StepSnapshot`): weights, gradients, optimizer state, every candidate's scaler and
 the RNG are put back as they were when the step began, the mode leaves the race, and the error goes on to
-the caller. Costs one copy of the parameters, their gradients and the optimizer state per race step, taken
+the caller. A scaled mode's first step starts at a loss scale measured on the gradients of the unscaled modes'
+steps before it (:func:`measured_scale`), not at its scaler's 2^16: a routine overflow there would cost the
+run a batch. Costs one copy of the parameters, their gradients and the optimizer state per race step, taken
 before the race's clock starts (so no mode is charged for it), and nothing once the race has decided.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec.precision.formats import FP16
 from mixprec.precision.inrun import InRunRace
 from mixprec.precision.race import Failed, Unfinished
 from mixprec.scaling.record import ScaleRecord
@@ -27,6 +31,20 @@ if TYPE_CHECKING:
     from mixprec.precision.base import Precision
 
 SCALE_BACKOFF = 2.0**-8  # an fp16 trial that overflows retries at 1/256 of the scale, down to 1
+# fp16's first trial starts at the largest power-of-two scale that keeps the largest gradient the earlier
+# trials saw this far below fp16's max (as mixprec.diagnostics' recommendation, whose default headroom is 8):
+# a scale started too high (2^16) costs the run a batch per overflow (issue 34)
+SCALE_HEADROOM = 8.0
+
+
+def measured_scale(max_grad: float, start: float) -> float:
+    """The loss scale an fp16 trial starts at after the other modes' steps saw gradients up to ``max_grad``:
+    the largest 2^k <= ``start`` with ``max_grad * 2^k * SCALE_HEADROOM <= 65504`` (at least 1); ``start``
+    when nothing finite was seen."""
+    if not (max_grad > 0 and math.isfinite(max_grad)):
+        return start
+    k = math.floor(math.log2(FP16.max / (SCALE_HEADROOM * max_grad)))
+    return max(1.0, min(start, 2.0**k))
 
 RaceStep = tuple[str, float, bool]
 """One race step as its mode's scaler recorded it: the mode, the loss scale it ran with, whether it skipped."""
@@ -82,6 +100,15 @@ class StepSnapshot:
             torch.cuda.set_rng_state(self.cuda_rng, self.device)
 
 
+def _max_abs_grad(params: Iterable[torch.nn.Parameter]) -> float:
+    """The largest finite |gradient| of ``params`` (one host sync; race steps of unscaled modes only)."""
+    grads = [p.grad.detach().abs().max() for p in params if p.grad is not None and p.grad.numel()]
+    if not grads:
+        return 0.0
+    top = torch.stack([g.float() for g in grads]).max()
+    return float(top) if torch.isfinite(top) else 0.0
+
+
 class Optimizers:
     """The optimizers a precision converted (weakly held: a Trainer's are rebuilt by ``model_init``)."""
 
@@ -131,6 +158,7 @@ class RaceSteps:
         self._finish = finish
         self._snapshot: StepSnapshot | None = None
         self._backoffs = 0  # steps an fp16 candidate skipped at a scale it then backed off from
+        self._max_grad = 0.0  # the largest finite gradient the unscaled modes' steps left (fp16's first scale)
         self._steps: list[RaceStep] = []
         self._before = self._candidates[0].scaler.record.state_dict()  # the run's record as the race begins
 
@@ -147,7 +175,10 @@ class RaceSteps:
         starts: no mode is charged for it."""
         self._snapshot = StepSnapshot(self._params(), self._optimizers, self._candidates, self._race.device)
         name = self._race.begin()
-        return next(p for p in self._candidates if p.name == name)
+        mode = next(p for p in self._candidates if p.name == name)
+        if mode.needs_loss_scaling and all(step[0] != name for step in self._steps):
+            mode.scaler.update(new_scale=measured_scale(self._max_grad, mode.scaler.get_scale()))
+        return mode
 
     def end(self, ran: Precision) -> None:
         """``ran``'s optimizer step is done (applied, or skipped as non-finite: a skipped batch)."""
@@ -157,6 +188,7 @@ class RaceSteps:
             entry = record.history[-1]
             self._steps.append((ran.name, entry.scale, entry.skipped))
         outcome: bool | Unfinished = not ran.step_was_skipped
+        self.note_gradients(ran)  # a loop that never clips: the gradients as the step left them
         scale = ran.scaler.get_scale() if ran.needs_loss_scaling else 1.0
         if not outcome and scale > 1.0:
             # an fp16 overflow at a large scale: back off as the aside race does, and let the step not count
@@ -169,6 +201,13 @@ class RaceSteps:
         for candidate in self._candidates:
             carry_record(candidate.scaler.record, self._before, self._steps, candidate)
         self._send(outcome)
+
+    def note_gradients(self, ran: Precision) -> None:
+        """``ran``'s step has its true gradients now (unscaled, not yet clipped: the precision's unscale hook,
+        which clipping calls first): an unscaled mode's largest finite one sets fp16's first scale. One host
+        sync, in race steps of unscaled modes only."""
+        if not ran.needs_loss_scaling:
+            self._max_grad = max(self._max_grad, _max_abs_grad(self._params()))
 
     def abort(self, failed: Precision, err: Exception) -> None:
         """``failed`` raised ``err`` during the step: put back the state the step began from; the mode leaves
