@@ -54,7 +54,7 @@ from mixprec.loaders.data import PreparedDataLoader, prepare_dataloader, skip_fi
 from mixprec.loaders.data_config import DataLoaderConfiguration
 from mixprec.precision.base import Precision
 from mixprec.precision.decision import AutoDecision
-from mixprec.precision.registry import precision_for
+from mixprec.precision.registry import precision_for, refuse_fp32_ops
 from mixprec.scaling.scaler import GradScaler
 from mixprec.strategies.launch_env import LaunchEnv, select_device
 from mixprec.strategies.process_state import AcceleratorState
@@ -133,18 +133,19 @@ class Accelerator(ProcessMethods, OutputMethods):
         self.profile_handler = handled.profile  # accelerate's ProfileKwargs, for profile()
         self.dataloader_config = dataloader_config if dataloader_config is not None else DataLoaderConfiguration()
         non_blocking = non_blocking or self.dataloader_config.non_blocking
+        given = mixed_precision if isinstance(mixed_precision, Precision) else None  # the edge: made before, kept
+        if given is not None:
+            _named(lambda: refuse_fp32_ops(given, fp32_ops), fp32_ops, "fp32_ops")
         self.config = AcceleratorConfig(
-            mixed_precision, gradient_accumulation_steps, distributed, device, cpu, handled.scaler_kwargs or None,
-            handled.ddp_kwargs or None, fsdp_shard, non_blocking, verbose, handled.timeout, fsdp_state_dict_type,
-            step_in_backward, handled.comm_dtype, fp32_ops, step_scheduler_with_optimizer, split_batches,
-            scheduler_counts_optimizer_steps,
+            mixed_precision if given is None else given.name, gradient_accumulation_steps, distributed, device, cpu,
+            handled.scaler_kwargs or None, handled.ddp_kwargs or None, fsdp_shard, non_blocking, verbose,
+            handled.timeout, fsdp_state_dict_type, step_in_backward, handled.comm_dtype, fp32_ops,
+            step_scheduler_with_optimizer, split_batches, scheduler_counts_optimizer_steps,
         )  # fmt: skip
         env = LaunchEnv.from_environ()
         dev = select_device(self.config.device, self.config.cpu, env)
-        # Resolved before joining any process group, so a bad name fails fast and leaves nothing behind.
-        # The strategy owns the step (backward, unscale, optimizer step, its scaler); "auto" is decided on
-        # the first training step, by racing the candidates on it (mixprec.precision.auto).
-        self._precision: Precision = _resolve(self.config.mixed_precision, dev, env.world_size)
+        spec = given if given is not None else self.config.mixed_precision  # before any process group: fails fast
+        self._precision: Precision = _named(lambda: precision_for(spec, dev, processes=env.world_size), spec)
         self._strategy = make_strategy(
             self.config.distributed,
             env,
@@ -157,7 +158,7 @@ class Accelerator(ProcessMethods, OutputMethods):
         )
         self._scheduler_rule = scheduler_rule(self.config, self._strategy.num_processes)
         if self.config.step_in_backward:
-            if self._precision.pending or self._precision.needs_loss_scaling:
+            if self._precision.may_scale_loss:
                 raise ValueError(
                     f"Accelerator(mixed_precision={self._precision.name!r}, step_in_backward=True): {REFUSALS['fp16']}"
                 )
@@ -441,10 +442,9 @@ class Accelerator(ProcessMethods, OutputMethods):
         )
 
 
-def _resolve(name: str | Precision, device: torch.device, processes: int) -> Precision:
-    """The precision registry's answer (a strategy passed in is used as it is), with the argument named in
-    the message."""
+def _named(parse: Callable[[], Any], value: Any, argument: str = "mixed_precision") -> Any:
+    """The precision registry's answer, with the Accelerator's argument named in its message."""
     try:
-        return precision_for(name, device, processes=processes)
+        return parse()
     except ValueError as err:  # PrecisionNotSupportedError too: keep its type
-        raise type(err)(f"Accelerator(mixed_precision={name!r}): {err}") from None
+        raise type(err)(f"Accelerator({argument}={value!r}): {err}") from None

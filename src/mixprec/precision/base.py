@@ -153,6 +153,12 @@ class Precision:
         return "nearest"
 
     @property
+    def may_scale_loss(self) -> bool:
+        """Whether this run scales the loss, or may: fp16 and its policies, and a mode still to be decided (it
+        may turn out fp16). What a caller that cannot work with a loss scale (the step in backward) asks."""
+        return self.pending or self.needs_loss_scaling
+
+    @property
     def grad_dtype(self) -> torch.dtype:
         """The dtype gradients are held in, and travel in between processes unless ``comm_dtype`` compresses
         them: the parameters' dtype."""
