@@ -235,22 +235,14 @@ class Accelerator(ProcessMethods, OutputMethods):
                 applied = option.scaler.get_scale()
         return applied
 
-    def settle_precision(
-        self,
-        loss_fn: Callable[[], torch.Tensor],
-        batch: Any = None,
-        *,
-        excluded: Mapping[str, str] | None = None,
-        run_steps: int | None = None,
-        in_run: bool | None = None,
-    ) -> AutoDecision | None:
-        """precision="auto": race the modes on ``loss_fn`` (a real step's forward, returning its loss; the Trainer
-        calls it, a hand-written loop's first training forward does) and keep the fastest safe one. ``run_steps``:
-        the run's passes, if known (a budget; from 100 steps it races as the steps: ``AutoPrecision.settle``)."""
+    def settle_precision(self, loss_fn: Callable[[], torch.Tensor], batch: Any = None, **facts: Any) -> Any:
+        """Decide a precision still to be decided ("auto") on ``loss_fn`` (a real step's forward, returning its loss;
+        the Trainer calls it, a hand-written loop's first training forward does); a no-op for a named one. ``facts``
+        about the run go to the precision's ``settle`` (e.g. ``run_steps``, ``unsafe_formats``). Returns its
+        decision, or None."""
         return self._precision.settle(
-            loss_fn, self._registry.models, batch=batch, excluded=excluded, run_steps=run_steps, in_run=in_run,
-            passes_per_step=self.gradient_accumulation_steps,
-        )  # fmt: skip
+            loss_fn, self._registry.models, batch=batch, passes_per_step=self.gradient_accumulation_steps, **facts
+        )
 
     @property
     def device(self) -> torch.device:

@@ -99,12 +99,15 @@ class Plan:
         state.compute_steps(args, self.max_steps)
 
 
-def fp16_overflow(report: Any) -> dict[str, str]:
-    """The candidates a diagnosis rules out for "auto": fp16 where it saw a non-finite value under fp16."""
-    event = getattr(report, "nonfinite_checks", {}).get("fp16") if report is not None else None
-    if event is None:
-        return {}
-    return {"fp16": f"the diagnosis saw fp16 overflow ({event.phase} of {event.module}, {event.what})"}
+def overflowed_formats(report: Any) -> dict[str, str]:
+    """The formats a diagnosis saw a non-finite value under (a format's name -> what it saw): a precision still to
+    be decided leaves out every mode computing in one (``unsafe_formats``)."""
+    checks = getattr(report, "nonfinite_checks", {}) if report is not None else {}
+    return {
+        fmt: f"the diagnosis saw {fmt} overflow ({event.phase} of {event.module}, {event.what})"
+        for fmt, event in checks.items()
+        if event is not None
+    }
 
 
 def fit(run: RunContext, plan: Plan, checkpoint: Any, train_stream: Any, examples: int | None) -> TrainOutput:
@@ -270,11 +273,11 @@ class TrainingLoop:
         """precision="auto": race the candidate modes on this first batch through the Trainer's own
         ``compute_loss`` (nothing of it reaches training), log the measurement, then train in the winner."""
         ctx, acc = self.run_ctx, self.run_ctx.accelerator
-        excluded = fp16_overflow(ctx.diagnosis)
         # the race's budget is a share of the forward+backward passes still to run (one per micro-batch)
         passes = max(1, ctx.state.max_steps - ctx.state.global_step) * ctx.args.gradient_accumulation_steps
         decision = acc.settle_precision(
-            lambda: ctx.compute_loss(ctx.model, batch), batch, excluded=excluded, run_steps=passes
+            lambda: ctx.compute_loss(ctx.model, batch), batch, unsafe_formats=overflowed_formats(ctx.diagnosis),
+            run_steps=passes,
         )
         self._racing = decision is None and acc.precision_racing
         if not self._racing:
