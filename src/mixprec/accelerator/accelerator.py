@@ -217,7 +217,7 @@ class Accelerator(ProcessMethods, OutputMethods):
     @property
     def precision_racing(self) -> bool:
         """True while "auto" races as the run's own first training steps (see ``settle_precision``)."""
-        return self._precision.racing
+        return not (self._precision.pending or self._precision.decided)  # deciding on the steps themselves
 
     @property
     def auto_decision(self) -> AutoDecision | None:

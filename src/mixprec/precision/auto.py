@@ -104,11 +104,6 @@ class AutoPrecision(Precision):
         return self.decision is None and self._trying is None and self._in_run is None
 
     @property
-    def racing(self) -> bool:
-        """Whether the race runs as the training steps now (inrun.py): each step begins with :meth:`begin_step`."""
-        return self._in_run is not None
-
-    @property
     def resolved(self) -> Precision:  # type: ignore[override]
         return self._chosen or self
 
@@ -232,9 +227,11 @@ class AutoPrecision(Precision):
 
     # -- the race as the run's own steps (inrun.py) --------------------------------------------------
 
-    def begin_step(self) -> None:
-        """A training step begins (its first training forward): under the in-run race, run it in the mode the
-        race names next. A no-op otherwise, or inside a step already begun."""
+    def begin_step(self, loss_fn: Callable[[], torch.Tensor], models: Any, **facts: Any) -> None:
+        """A training step begins (its first training forward): undecided, race on it (:meth:`settle`); under the
+        in-run race, run it in the mode the race names next. A no-op otherwise, or inside a step already begun."""
+        if self.pending:
+            self.settle(loss_fn, models, **facts)
         if self._in_run is not None and not self._in_run.in_step:
             self._trying = self._in_run.begin()
 

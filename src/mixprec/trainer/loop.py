@@ -169,7 +169,7 @@ class TrainingLoop:
         self._grad_norm: torch.Tensor | None = None
         self._scaling = False
         self._last_scale: float | None = None
-        self._racing = False  # "auto" races as the first steps (its decision is logged at the step that ends it)
+        self._undecided = False  # decided on the steps themselves ("auto"): logged at the step that decides it
         model = run.accelerator.unwrap_model(run.model)
         self._main_input = getattr(model, "main_input_name", "input_ids")  # HF's, for the token count
 
@@ -270,17 +270,18 @@ class TrainingLoop:
         ctx.state.num_input_tokens_seen += int(seen)
 
     def _settle_precision(self, batch: Any) -> None:
-        """precision="auto": race the candidate modes on this first batch through the Trainer's own
-        ``compute_loss`` (nothing of it reaches training), log the measurement, then train in the winner."""
+        """A precision decided on the training step ("auto"): it decides on this first batch through the
+        Trainer's own ``compute_loss`` (nothing of it reaches training), told the run's facts (the passes left,
+        the formats a diagnosis saw overflow); logged once decided, now or at a later step."""
         ctx, acc = self.run_ctx, self.run_ctx.accelerator
-        # the race's budget is a share of the forward+backward passes still to run (one per micro-batch)
+        # the decision's budget is a share of the forward+backward passes still to run (one per micro-batch)
         passes = max(1, ctx.state.max_steps - ctx.state.global_step) * ctx.args.gradient_accumulation_steps
-        decision = acc.settle_precision(
+        acc.settle_precision(
             lambda: ctx.compute_loss(ctx.model, batch), batch, unsafe_formats=overflowed_formats(ctx.diagnosis),
             run_steps=passes,
         )
-        self._racing = decision is None and acc.precision_racing
-        if not self._racing:
+        self._undecided = not acc.precision.decided
+        if not self._undecided:
             self._precision_decided()
 
     def _precision_decided(self, steps_done: int = 0) -> None:
@@ -321,8 +322,8 @@ class TrainingLoop:
         ctx.lr_scheduler.step()  # the prepared scheduler holds still after a skipped step
         ctx.optimizer.zero_grad()
         ctx.meter.phases.lap("optimizer")
-        if self._racing and not acc.precision_racing:  # "auto"'s in-run race decided at this step
-            self._racing = False
+        if self._undecided and acc.precision.decided:  # decided at this step (auto's race as the steps)
+            self._undecided = False
             self._precision_decided(steps_done=1)
         if self._scaling:
             scale = acc.scaler.get_scale()  # a host mirror: no sync
