@@ -151,11 +151,6 @@ def release(module: torch.nn.Module) -> None:
         module.__dict__.pop(key, None)
 
 
-def original_forward(module: torch.nn.Module) -> Any:
-    """The forward ``module`` had before ``prepare`` (no autocast)."""
-    return module.__dict__.get("_mixprec_forward", module.forward)
-
-
 class PreparedOptimizer(WrappedOptimizer):
     """The user's optimizer, stepped through the loss scaler.
 
