@@ -25,12 +25,11 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader
 
-from mixprec import wiring
 from mixprec.accelerator import accelerate_compat
 from mixprec.accelerator.accelerate_compat import SharedState, adopt, autocast_for, read_handlers
 from mixprec.accelerator.config import AcceleratorConfig, scheduler_rule
@@ -54,13 +53,16 @@ from mixprec.loaders.data import PreparedDataLoader, prepare_dataloader, skip_fi
 from mixprec.loaders.data_config import DataLoaderConfiguration
 from mixprec.precision.base import Precision
 from mixprec.precision.decision import AutoDecision
-from mixprec.precision.registry import precision_for, refuse_fp32_ops
+from mixprec.precision.registry import policy_name, precision_for
 from mixprec.scaling.scaler import GradScaler
 from mixprec.strategies.launch_env import LaunchEnv, select_device
 from mixprec.strategies.process_state import AcceleratorState
 from mixprec.strategies.registry import make_strategy
 from mixprec.strategies.strategy import DistributedStrategy
 from mixprec.tracking.trackers import Trackers
+
+if TYPE_CHECKING:
+    from mixprec.watch.host import HostedWatch
 
 logger = logging.getLogger("mixprec.accelerator")
 
@@ -72,8 +74,10 @@ class Accelerator(ProcessMethods, OutputMethods):
     ``accelerate launch`` set, else "no", as HF Accelerate). Raises ValueError for an unknown precision name
     (listing the valid ones) and :class:`~mixprec.precision.base.PrecisionNotSupportedError` for a mode the
     device cannot run.
-    ``watch``: a precision watch for the prepared model (``50``, ``"fallback"``, a ``PrecisionWatch``...; see
-    :mod:`mixprec.watch.settings`), reachable as ``accelerator.watch``; off (None) by default.
+    ``watch``: a precision watch for the prepared model: its setting (``50``, ``"fallback"``...; see
+    :mod:`mixprec.watch.settings`) or a watch (a ``PrecisionWatch``, or any object with ``attach`` and
+    ``watch_optimizer``: :class:`~mixprec.watch.host.HostedWatch`), reachable as ``accelerator.watch``; off (None)
+    by default.
     ``project_dir`` / ``project_config``: where ``save_state()`` with no path writes (see
     :class:`~mixprec.accelerator.project.ProjectConfiguration`). ``gradient_accumulation_plugin``: a
     :class:`~mixprec.accelerator.gradients.GradientAccumulationPlugin`, instead of ``gradient_accumulation_steps``.
@@ -135,7 +139,7 @@ class Accelerator(ProcessMethods, OutputMethods):
         non_blocking = non_blocking or self.dataloader_config.non_blocking
         given = mixed_precision if isinstance(mixed_precision, Precision) else None  # the edge: made before, kept
         if given is not None:
-            _named(lambda: refuse_fp32_ops(given, fp32_ops), fp32_ops, "fp32_ops")
+            _named(lambda: policy_name(given.name, fp32_ops, made=given), fp32_ops, "fp32_ops")
         self.config = AcceleratorConfig(
             mixed_precision if given is None else given.name, gradient_accumulation_steps, distributed, device, cpu,
             handled.scaler_kwargs or None, handled.ddp_kwargs or None, fsdp_shard, non_blocking, verbose,
@@ -185,10 +189,8 @@ class Accelerator(ProcessMethods, OutputMethods):
         self._accelerate_state = SharedState.start(
             device=dev, accumulation=self._gradients.plugin_kwargs, timeout=self.config.timeout
         )
-        # The precision watch (mixprec.watch, built through the face's wiring: the watch sits above this
-        # layer): None when off; it attaches itself to the model in prepare_model, given this Accelerator
-        # as its host (mixprec.watch.host.WatchHost).
-        self.watch: Any = wiring.watch_for(watch, "Accelerator(watch=...)")
+        # it attaches itself to the model in prepare_model, this Accelerator its host (mixprec.watch.host)
+        self.watch: HostedWatch | None = watch if watch is None or hasattr(watch, "attach") else _built_watch(watch)
         self._report()
 
     # -- what was resolved ---------------------------------------------------------------------------
@@ -236,10 +238,9 @@ class Accelerator(ProcessMethods, OutputMethods):
         return applied
 
     def settle_precision(self, loss_fn: Callable[[], torch.Tensor], batch: Any = None, **facts: Any) -> Any:
-        """Decide a precision still to be decided ("auto") on ``loss_fn`` (a real step's forward, returning its loss;
-        the Trainer calls it, a hand-written loop's first training forward does); a no-op for a named one. ``facts``
-        about the run go to the precision's ``settle`` (e.g. ``run_steps``, ``unsafe_formats``). Returns its
-        decision, or None."""
+        """Decide a precision still to be decided ("auto") on ``loss_fn``, a real step's forward returning its loss
+        (the Trainer calls it; a hand-written loop's first training forward does), told ``facts`` about the run
+        (``run_steps``, ``unsafe_formats``: see the precision's ``settle``). Returns its decision, or None."""
         return self._precision.settle(
             loss_fn, self._registry.models, batch=batch, passes_per_step=self.gradient_accumulation_steps, **facts
         )
@@ -440,3 +441,10 @@ def _named(parse: Callable[[], Any], value: Any, argument: str = "mixed_precisio
         return parse()
     except ValueError as err:  # PrecisionNotSupportedError too: keep its type
         raise type(err)(f"Accelerator({argument}={value!r}): {err}") from None
+
+
+def _built_watch(setting: Any) -> HostedWatch | None:
+    """The precision watch a setting asks for (``watch=50``, ``"fallback"``, a dict...; None when off)."""
+    from mixprec.watch.watch import PrecisionWatch  # deferred: the watch loads only for a run that asks for one
+
+    return PrecisionWatch.build(setting, "Accelerator(watch=...)")

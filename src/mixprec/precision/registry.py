@@ -152,14 +152,22 @@ def auto_candidates(device: torch.device) -> list[Precision]:
     return out
 
 
-def policy_name(name: str, fp32_ops: str | list[str] | tuple[str, ...] | None) -> str:
+def policy_name(
+    name: str, fp32_ops: str | list[str] | tuple[str, ...] | None, *, made: Precision | None = None
+) -> str:
     """The precision name for ``name`` with ``fp32_ops`` kept in fp32 (the ``fp32_ops=`` argument of the
     Accelerator, TrainingArguments and ``mixprec train``): ``("bf16", ["attention"])`` ->
     "bf16:fp32_ops=attention"; ``name`` unchanged when ``fp32_ops`` is empty. Raises a ValueError naming
-    ``fp32_ops`` for an unknown kind or a mode without autocast."""
+    ``fp32_ops`` for an unknown kind, a mode without autocast, or beside a strategy already ``made`` (named
+    ``name``: its kinds belong in its name)."""
     kinds = check_op_kinds(fp32_ops or ())
     if not kinds:
         return name
+    if made is not None:
+        raise ValueError(
+            f"fp32_ops={sorted(kinds)} with a precision strategy ({made.name!r}): name the kinds in it, "
+            f"make_precision('{made.name}:fp32_ops={','.join(sorted(kinds))}'), and drop fp32_ops"
+        )
     base = canonical_name(name)
     if ":" in base:
         base = OpPolicy.parse(base).base
@@ -169,17 +177,6 @@ def policy_name(name: str, fp32_ops: str | list[str] | tuple[str, ...] | None) -
             f"use precision={' or '.join(repr(b) for b in POLICY_BASES)}"
         )
     return OpPolicy(base, kinds).spec
-
-
-def refuse_fp32_ops(precision: Precision, fp32_ops: str | list[str] | tuple[str, ...] | None) -> None:
-    """A strategy already made names its op kinds in itself: ``fp32_ops`` beside it is a ValueError naming the
-    fix (nothing when ``fp32_ops`` is empty; an unknown kind is named first)."""
-    kinds = check_op_kinds(fp32_ops or ())
-    if kinds:
-        raise ValueError(
-            f"fp32_ops={sorted(kinds)} with a precision strategy ({precision.name!r}): name the kinds in it, "
-            f"make_precision('{precision.name}:fp32_ops={','.join(sorted(kinds))}'), and drop fp32_ops"
-        )
 
 
 def _parse_policy(key: str) -> OpPolicy:

@@ -29,7 +29,7 @@ import torch
 
 from mixprec.accelerator.config import parse_state_dict_type
 from mixprec.precision.base import Precision
-from mixprec.precision.registry import canonical_name, hf_flags, may_scale_loss, policy_name, refuse_fp32_ops
+from mixprec.precision.registry import canonical_name, hf_flags, may_scale_loss, policy_name
 from mixprec.strategies.comm import make_comm
 from mixprec.trainer.configs import (
     DISTRIBUTED,
@@ -282,24 +282,18 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
             fail("bf16", self.bf16, "fp16=True and bf16=True were both set; choose one (or set precision=...)")
         flag = "fp16" if self.fp16 else "bf16" if self.bf16 else None  # HF's flags: sugar for a name
         given = self.precision if self.precision is not None else flag or "fp32"
-        self._strategy: Precision | None = given if isinstance(given, Precision) else None
-        if self._strategy is not None:  # made at the edge (mixprec train): it answers for itself
-            name = self._strategy.name
-        else:
-            try:
-                name = canonical_name(given)
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"TrainingArguments(precision={given!r}): {err}") from None
+        self._strategy = given if isinstance(given, Precision) else None  # made at the edge (mixprec train)
+        try:
+            name = given.name if isinstance(given, Precision) else canonical_name(given)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"TrainingArguments(precision={given!r}): {err}") from None
         if self.fp32_ops:
             try:
-                if self._strategy is not None:
-                    refuse_fp32_ops(self._strategy, self.fp32_ops)  # its kinds belong in its name
-                name = canonical_name(policy_name(name, self.fp32_ops))
+                name = canonical_name(policy_name(name, self.fp32_ops, made=self._strategy))
             except ValueError as err:
                 raise ValueError(f"TrainingArguments(fp32_ops={self.fp32_ops!r}): {err}") from None
             self.fp32_ops = None  # folded into the name: one source of truth from here on
-        # the mode's own answer: the strategy's, or the registry's for a name
-        flags = self._strategy.hf_flags if self._strategy is not None else hf_flags(name)
+        flags = self._strategy.hf_flags if self._strategy is not None else hf_flags(name)  # the mode's own answer
         if flag is not None and flags != (self.fp16, self.bf16):
             fail("precision", given, f"conflicts with {flag}=True; set one of them")
         self.precision = name  # always the name: what to_dict, JSON and YAML write
@@ -307,8 +301,7 @@ class TrainingArguments(HFCompatFields, ProcessHelpers):
 
     @property
     def precision_strategy(self) -> Precision | None:
-        """The strategy passed as ``precision=`` (as it is), None when a name was: the Accelerator parses the name
-        for its own device, a fresh strategy per run (one holds its run's scaler and decision)."""
+        """The strategy passed as ``precision=`` (as it is); None for a name, which the Accelerator parses per run."""
         return self._strategy
 
     def _apply_hf_implied(self) -> None:
