@@ -15,7 +15,7 @@ MAX_LINES = 450
 
 # Bottom (-1) to top: a room may import only rooms on a lower floor (and itself).
 FLOORS: dict[str, int] = {
-    **dict.fromkeys(("tree", "wiring", "_version"), -1),  # leaves: import nothing from mixprec
+    **dict.fromkeys(("tree", "_version"), -1),  # leaves: import nothing from mixprec
     **dict.fromkeys(("models", "data", "optim", "checkpoint", "tracking"), 0),
     "scaling": 1,
     "precision": 2,

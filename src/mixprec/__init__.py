@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from mixprec import wiring as _wiring
 from mixprec._version import __version__
 
 # public name -> submodule that defines it
@@ -58,17 +57,6 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
-
-
-def _build_watch(value: Any, where: str) -> Any:
-    # The face wires the layers: the Accelerator calls this (through mixprec.wiring) for Accelerator(watch=...)
-    # and never imports the watch, which sits above it.
-    from mixprec.watch.watch import PrecisionWatch
-
-    return PrecisionWatch.build(value, where)
-
-
-_wiring.build_watch = _build_watch
 
 
 def __getattr__(name: str) -> Any:

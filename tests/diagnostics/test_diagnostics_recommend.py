@@ -48,12 +48,12 @@ def test_gradients_below_both_ranges_recommend_fp32() -> None:
 
 
 def test_bf16_unsupported_device_is_not_recommended(monkeypatch) -> None:
-    real = diagnose_module.try_resolve
+    real = diagnose_module.unsupported
 
     def no_bf16(name, device):
         return "bf16 is not supported on this test device; use fp16" if name == "bf16" else real(name, device)
 
-    monkeypatch.setattr(diagnose_module, "try_resolve", no_bf16)
+    monkeypatch.setattr(diagnose_module, "unsupported", no_bf16)
     torch.manual_seed(0)
     report = diagnose(HugeActivation(), _batches(2, 8))  # fp16 overflows, and bf16 is "unavailable"
     assert report.recommended_precision == "fp32"

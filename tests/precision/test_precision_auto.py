@@ -414,18 +414,19 @@ def test_on_cuda_auto_races_the_same_way_and_trains_in_the_winner():
 def test_a_diagnosis_that_saw_fp16_overflow_excludes_fp16_from_the_race(monkeypatch):
     from types import SimpleNamespace
 
-    from mixprec.trainer.loop import fp16_overflow
+    from mixprec.trainer.loop import overflowed_formats
 
     event = SimpleNamespace(phase="forward", module="h.3.mlp", what="output")
-    excluded = fp16_overflow(SimpleNamespace(nonfinite_checks={"fp16": event}))
-    assert excluded == {"fp16": "the diagnosis saw fp16 overflow (forward of h.3.mlp, output)"}
-    assert fp16_overflow(SimpleNamespace(nonfinite_checks={"fp16": None})) == {} and fp16_overflow(None) == {}
+    unsafe = overflowed_formats(SimpleNamespace(nonfinite_checks={"fp16": event, "bf16": None}))
+    assert unsafe == {"fp16": "the diagnosis saw fp16 overflow (forward of h.3.mlp, output)"}
+    assert overflowed_formats(SimpleNamespace(nonfinite_checks={"fp16": None})) == {}
+    assert overflowed_formats(None) == {}
     _auto_with(monkeypatch, SleepyFp32, Fp16MixedPrecision)  # fp16 would win on speed
     accelerator = Accelerator(mixed_precision="auto", verbose=False)
     model = accelerator.prepare(make_tiny_lm())
     batch = make_batches(1)[0]
     accelerator.settle_precision(lambda: model(batch["input_ids"], labels=batch["labels"]).loss, batch,
-                                 excluded=excluded)  # fmt: skip
+                                 unsafe_formats=unsafe)  # fmt: skip
     assert accelerator.mixed_precision == "fp32" and "diagnosis saw fp16 overflow" in accelerator.precision.reason
 
 

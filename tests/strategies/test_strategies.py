@@ -124,14 +124,36 @@ def test_a_watch_attaches_to_any_host_not_only_an_accelerator() -> None:
     assert [s.step for s in watch.samples] == [1, 2, 3]
 
 
-def test_the_accelerator_builds_a_watch_without_importing_the_watch_itself() -> None:
-    # the watch sits above the Accelerator: it is built through mixprec.wiring, which the package face sets
+def test_the_accelerator_builds_a_watch_without_importing_the_watch_at_import_time() -> None:
+    # the watch (floor 4) loads only for a run that asks for one: not when the Accelerator is imported, and not
+    # through anything the package face fills in at import (no global callback: the Accelerator builds it)
     code = (
         "import sys, mixprec.accelerator.accelerator as a\n"
         "assert not [m for m in sys.modules if m.startswith('mixprec.watch')], 'the Accelerator imported watch/'\n"
+        "assert not a.Accelerator(cpu=True, verbose=False).watch\n"
+        "assert not [m for m in sys.modules if m.startswith('mixprec.watch')], 'watch/ loaded for a run without one'\n"
         "acc = a.Accelerator(cpu=True, verbose=False, watch=5)\n"
         "print(type(acc.watch).__name__, acc.watch.config.every)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["PrecisionWatch", "5"]
+
+
+def test_a_watch_of_the_users_own_is_passed_in_and_attached_through_the_protocol() -> None:
+    # HostedWatch: the Accelerator calls attach(host, model) and watch_optimizer(optimizer), nothing else
+    calls = []
+
+    class MyWatch:
+        def attach(self, host, model):
+            calls.append(("attach", host.precision.name, type(model).__name__))
+
+        def watch_optimizer(self, optimizer):
+            calls.append(("optimizer", type(optimizer).__name__))
+
+    mine = MyWatch()
+    acc = Accelerator(cpu=True, verbose=False, mixed_precision="bf16", watch=mine)
+    model = torch.nn.Linear(4, 4)
+    acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert acc.watch is mine
+    assert calls == [("attach", "bf16", "Linear"), ("optimizer", "SGD")]

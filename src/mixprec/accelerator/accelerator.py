@@ -24,11 +24,10 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec import wiring
 from mixprec.accelerator import accelerate_compat
 from mixprec.accelerator.accelerate_compat import SharedState, adopt, autocast_for, read_handlers
 from mixprec.accelerator.config import AcceleratorConfig
@@ -44,13 +43,16 @@ from mixprec.checkpoint.manager import CheckpointManager
 from mixprec.loaders.data_config import DataLoaderConfiguration
 from mixprec.precision.base import Precision
 from mixprec.precision.decision import AutoDecision
-from mixprec.precision.registry import precision_for
+from mixprec.precision.registry import policy_name, precision_for
 from mixprec.scaling.scaler import GradScaler
 from mixprec.strategies.launch_env import LaunchEnv, select_device
 from mixprec.strategies.process_state import AcceleratorState
 from mixprec.strategies.registry import make_strategy
 from mixprec.strategies.strategy import DistributedStrategy
 from mixprec.tracking.trackers import Trackers
+
+if TYPE_CHECKING:
+    from mixprec.watch.host import HostedWatch
 
 logger = logging.getLogger("mixprec.accelerator")
 
@@ -62,8 +64,10 @@ class Accelerator:
     ``accelerate launch`` set, else "no", as HF Accelerate). Raises ValueError for an unknown precision name
     (listing the valid ones) and :class:`~mixprec.precision.base.PrecisionNotSupportedError` for a mode the
     device cannot run.
-    ``watch``: a precision watch for the prepared model (``50``, ``"fallback"``, a ``PrecisionWatch``...; see
-    :mod:`mixprec.watch.settings`), reachable as ``accelerator.watch``; off (None) by default.
+    ``watch``: a precision watch for the prepared model: its setting (``50``, ``"fallback"``...; see
+    :mod:`mixprec.watch.settings`) or a watch (a ``PrecisionWatch``, or any object with ``attach`` and
+    ``watch_optimizer``: :class:`~mixprec.watch.host.HostedWatch`), reachable as ``accelerator.watch``; off (None)
+    by default.
     ``project_dir`` / ``project_config``: where ``save_state()`` with no path writes (see
     :class:`~mixprec.accelerator.project.ProjectConfiguration`). ``gradient_accumulation_plugin``: a
     :class:`~mixprec.accelerator.gradients.GradientAccumulationPlugin`, instead of ``gradient_accumulation_steps``.
@@ -123,18 +127,19 @@ class Accelerator:
         self.profile_handler = handled.profile  # accelerate's ProfileKwargs, for profile()
         self.dataloader_config = dataloader_config if dataloader_config is not None else DataLoaderConfiguration()
         non_blocking = non_blocking or self.dataloader_config.non_blocking
+        given = mixed_precision if isinstance(mixed_precision, Precision) else None  # the edge: made before, kept
+        if given is not None:
+            _named(lambda: policy_name(given.name, fp32_ops, made=given), fp32_ops, "fp32_ops")
         self.config = AcceleratorConfig(
-            mixed_precision, gradient_accumulation_steps, distributed, device, cpu, handled.scaler_kwargs or None,
-            handled.ddp_kwargs or None, fsdp_shard, non_blocking, verbose, handled.timeout, fsdp_state_dict_type,
-            step_in_backward, handled.comm_dtype, fp32_ops, step_scheduler_with_optimizer, split_batches,
-            scheduler_counts_optimizer_steps,
+            mixed_precision if given is None else given.name, gradient_accumulation_steps, distributed, device, cpu,
+            handled.scaler_kwargs or None, handled.ddp_kwargs or None, fsdp_shard, non_blocking, verbose,
+            handled.timeout, fsdp_state_dict_type, step_in_backward, handled.comm_dtype, fp32_ops,
+            step_scheduler_with_optimizer, split_batches, scheduler_counts_optimizer_steps,
         )  # fmt: skip
         env = LaunchEnv.from_environ()
         dev = select_device(self.config.device, self.config.cpu, env)
-        # Resolved before joining any process group, so a bad name fails fast and leaves nothing behind.
-        # The strategy owns the step (backward, unscale, optimizer step, its scaler); "auto" is decided on
-        # the first training step, by racing the candidates on it (mixprec.precision.auto).
-        self._precision: Precision = _resolve(self.config.mixed_precision, dev, env.world_size)
+        spec = given if given is not None else self.config.mixed_precision  # before any process group: fails fast
+        self._precision: Precision = _named(lambda: precision_for(spec, dev, processes=env.world_size), spec)
         self._strategy = make_strategy(
             self.config.distributed,
             env,
@@ -146,7 +151,7 @@ class Accelerator:
             comm=self.config.comm_dtype,
         )
         if self.config.step_in_backward:
-            if self._precision.pending or self._precision.needs_loss_scaling:
+            if self._precision.may_scale_loss:
                 raise ValueError(
                     f"Accelerator(mixed_precision={self._precision.name!r}, step_in_backward=True): {REFUSALS['fp16']}"
                 )
@@ -184,10 +189,8 @@ class Accelerator:
         self._accelerate_state = SharedState.start(
             device=dev, accumulation=self._gradients.plugin_kwargs, timeout=self.config.timeout
         )
-        # The precision watch (mixprec.watch, built through the face's wiring: the watch sits above this
-        # layer): None when off; it attaches itself to the model in prepare_model, given this Accelerator
-        # as its host (mixprec.watch.host.WatchHost).
-        self.watch: Any = wiring.watch_for(watch, "Accelerator(watch=...)")
+        # it attaches itself to the model in prepare_model, this Accelerator its host (mixprec.watch.host)
+        self.watch: HostedWatch | None = watch if watch is None or hasattr(watch, "attach") else _built_watch(watch)
         self._report()
 
     # -- what was resolved ---------------------------------------------------------------------------
@@ -216,7 +219,7 @@ class Accelerator:
     @property
     def precision_racing(self) -> bool:
         """True while "auto" races as the run's own first training steps (see ``settle_precision``)."""
-        return self._precision.racing
+        return not (self._precision.pending or self._precision.decided)  # deciding on the steps themselves
 
     @property
     def auto_decision(self) -> AutoDecision | None:
@@ -234,22 +237,13 @@ class Accelerator:
                 applied = option.scaler.get_scale()
         return applied
 
-    def settle_precision(
-        self,
-        loss_fn: Callable[[], torch.Tensor],
-        batch: Any = None,
-        *,
-        excluded: Mapping[str, str] | None = None,
-        run_steps: int | None = None,
-        in_run: bool | None = None,
-    ) -> AutoDecision | None:
-        """precision="auto": race the modes on ``loss_fn`` (a real step's forward, returning its loss; the Trainer
-        calls it, a hand-written loop's first training forward does) and keep the fastest safe one. ``run_steps``:
-        the run's passes, if known (a budget; from 100 steps it races as the steps: ``AutoPrecision.settle``)."""
+    def settle_precision(self, loss_fn: Callable[[], torch.Tensor], batch: Any = None, **facts: Any) -> Any:
+        """Decide a precision still to be decided ("auto") on ``loss_fn``, a real step's forward returning its loss
+        (the Trainer calls it; a hand-written loop's first training forward does), told ``facts`` about the run
+        (``run_steps``, ``unsafe_formats``: see the precision's ``settle``). Returns its decision, or None."""
         return self._precision.settle(
-            loss_fn, self._registry.models, batch=batch, excluded=excluded, run_steps=run_steps, in_run=in_run,
-            passes_per_step=self.gradient_accumulation_steps,
-        )  # fmt: skip
+            loss_fn, self._registry.models, batch=batch, passes_per_step=self.gradient_accumulation_steps, **facts
+        )
 
     @property
     def device(self) -> torch.device:
@@ -438,10 +432,16 @@ class Accelerator:
         )
 
 
-def _resolve(name: str | Precision, device: torch.device, processes: int) -> Precision:
-    """The precision registry's answer (a strategy passed in is used as it is), with the argument named in
-    the message."""
+def _named(parse: Callable[[], Any], value: Any, argument: str = "mixed_precision") -> Any:
+    """The precision registry's answer, with the Accelerator's argument named in its message."""
     try:
-        return precision_for(name, device, processes=processes)
+        return parse()
     except ValueError as err:  # PrecisionNotSupportedError too: keep its type
-        raise type(err)(f"Accelerator(mixed_precision={name!r}): {err}") from None
+        raise type(err)(f"Accelerator({argument}={value!r}): {err}") from None
+
+
+def _built_watch(setting: Any) -> HostedWatch | None:
+    """The precision watch a setting asks for (``watch=50``, ``"fallback"``, a dict...; None when off)."""
+    from mixprec.watch.watch import PrecisionWatch  # deferred: the watch loads only for a run that asks for one
+
+    return PrecisionWatch.build(setting, "Accelerator(watch=...)")

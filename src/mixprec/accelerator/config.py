@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -14,19 +14,16 @@ from mixprec.strategies.comm import make_comm
 from mixprec.strategies.peers import timeout_delta
 from mixprec.strategies.registry import KINDS
 
-if TYPE_CHECKING:
-    from mixprec.precision.base import Precision
-
 
 @dataclass
 class AcceleratorConfig:
     """Keyword arguments of :class:`~mixprec.accelerator.accelerator.Accelerator` (HF Accelerate's names
     where they overlap)."""
 
-    mixed_precision: str | Precision | None = None
+    mixed_precision: str | None = None
     """Precision name, parsed by the precision registry: "no"/"fp32", "fp16", "bf16", "auto" (or an alias);
-    or a strategy already made (``make_precision("bf16")``), used as it is. None: what ``accelerate launch
-    --mixed_precision`` set (``ACCELERATE_MIXED_PRECISION``), else "no"."""
+    for a strategy already made (``Accelerator(mixed_precision=make_precision("bf16"))``), its name. None: what
+    ``accelerate launch --mixed_precision`` set (``ACCELERATE_MIXED_PRECISION``), else "no"."""
 
     gradient_accumulation_steps: int = 1
     """Micro-batches summed per optimizer step (inside ``accumulate``); ``backward`` divides the loss by it."""

@@ -60,20 +60,17 @@ def _prepared_no_sync(self: torch.nn.Module) -> contextlib.AbstractContextManage
     return ddp.no_sync() if ddp is not None else contextlib.nullcontext()
 
 
-def _settle_auto(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Forward pre-hook (the first one): under precision="auto", the first training forward (train mode,
-    grad enabled) first races the candidate modes on this very call (see :mod:`mixprec.precision.auto`),
-    then runs in the chosen one. A hook ahead of FSDP2's own, not code inside forward: each trial is a
-    whole call of the module, its all-gathers and reshards included, before this call gathers anything."""
+def _begin_step(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook (the first one), for a precision decided on the training step: a training forward
+    (train mode, grad enabled) begins a step, which the precision may first decide on by running this very call
+    (``Precision.begin_step``). A hook ahead of FSDP2's own, not code inside forward: each such call is a whole
+    call of the module, its all-gathers and reshards included, before this call gathers anything."""
     prepared = module.__dict__.get("_mixprec")
     if prepared is None:  # released (handed to another Accelerator)
         return
-    precision = prepared.precision
     if module.training and torch.is_grad_enabled():
-        if precision.pending:
-            precision.settle(lambda: trial_loss(module(*args, **kwargs)), [module], batch=(args, kwargs))
-        if precision.racing:  # the race runs as the training steps: this step's mode
-            precision.begin_step()
+        loss_fn = lambda: trial_loss(module(*args, **kwargs))  # noqa: E731
+        prepared.precision.begin_step(loss_fn, [module], batch=(args, kwargs))
 
 
 def _prepared_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -124,8 +121,8 @@ def patch_forward(module: torch.nn.Module, precision: Precision, ddp: torch.nn.M
     module.__dict__["forward"] = types.MethodType(_prepared_forward, module)
     if ddp is not None:
         module.__dict__["no_sync"] = types.MethodType(_prepared_no_sync, module)
-    if precision.pending:
-        handle = module.register_forward_pre_hook(_settle_auto, prepend=True, with_kwargs=True)
+    if precision.pending:  # decided on the training step: its steps begin in the precision
+        handle = module.register_forward_pre_hook(_begin_step, prepend=True, with_kwargs=True)
         module.__dict__["_mixprec_hook"] = handle
 
 
@@ -152,11 +149,6 @@ def release(module: torch.nn.Module) -> None:
         hook.remove()
     for key in ("forward", "_mixprec_forward", "_mixprec", PREPARED_FLAG, "no_sync"):
         module.__dict__.pop(key, None)
-
-
-def original_forward(module: torch.nn.Module) -> Any:
-    """The forward ``module`` had before ``prepare`` (no autocast)."""
-    return module.__dict__.get("_mixprec_forward", module.forward)
 
 
 class PreparedOptimizer(WrappedOptimizer):

@@ -137,17 +137,18 @@ def _measure_memory(workload: Workload, name: str, device: torch.device, cfg: Be
 
 def _resolve_all(
     names: tuple[str, ...], device: torch.device, decide_auto: Callable[[Precision], Precision]
-) -> list[tuple[str, Precision | str, bool]]:
-    """(name as asked, canonical; its strategy or why the device cannot run it; whether "auto" chose it)."""
-    out: list[tuple[str, Precision | str, bool]] = []
+) -> list[tuple[str, Precision | None, str, bool]]:
+    """(name as asked, canonical; its strategy, or None and why the device cannot run it; whether "auto" chose
+    it: a strategy to be decided on the training step, decided here by ``decide_auto``)."""
+    out: list[tuple[str, Precision | None, str, bool]] = []
     for name in names:
         canon = canonical_name(name)
         try:
             p = make_precision(canon, device)
             by_auto = p.pending
-            out.append((canon, decide_auto(p) if by_auto else p, by_auto))
+            out.append((canon, decide_auto(p) if by_auto else p, "", by_auto))
         except PrecisionNotSupportedError as exc:
-            out.append((canon, str(exc), False))
+            out.append((canon, None, str(exc), False))
     return out
 
 
@@ -211,12 +212,12 @@ def run_bench(
     # "auto" shares the run of the mode it picked (one arm per distinct mode): same code, same numbers,
     # so it cannot look faster or slower than its twin by noise alone
     arms_by_mode: dict[str, Precision] = {}
-    for name, p, by_auto in resolved:
-        if isinstance(p, Precision):
+    for name, p, _, by_auto in resolved:
+        if p is not None:
             arms_by_mode.setdefault(p.name, p)
             if by_auto:
                 say(f"{name} -> {p.name}: {p.reason}")
-    asked = {name for name, _, by_auto in resolved if not by_auto}
+    asked = {name for name, _, _, by_auto in resolved if not by_auto}
 
     peaks: dict[str, PeakFlops] = {}
     if cfg.measure_peak:
@@ -241,9 +242,9 @@ def run_bench(
         say(f"round {r + 1}/{cfg.rounds}: median step so far: {done}")
 
     rows: list[PrecisionResult] = []
-    for name, p, by_auto in resolved:
-        if not isinstance(p, Precision):
-            rows.append(PrecisionResult(name, name, "", "", workload.tokens_per_step, skipped=p))
+    for name, p, why, by_auto in resolved:
+        if p is None:
+            rows.append(PrecisionResult(name, name, "", "", workload.tokens_per_step, skipped=why))
             continue
         arm = arms[p.name]
         last = arm.losses[-cfg.steps :]

@@ -11,6 +11,7 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
+from mixprec.precision.decision import AutoDecision
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.registry import needs_loss_scaling
 from mixprec.trainer.phase_clock import breakdown_rows
@@ -131,14 +132,14 @@ def auto_rows(auto: dict[str, Any] | None) -> list[tuple[str, str]]:
     if not auto or not auto.get("step_seconds"):
         return []
     medians, best = auto["step_seconds"], auto.get("best_seconds", {})
-    base = medians.get(FullPrecision.name) or next(iter(medians.values()))
+    speed = AutoDecision(auto.get("chosen", ""), medians).speedups()  # vs fp32 where measured: the decision's rule
     rows = []
     rank = {n: i for i, n in enumerate(auto.get("candidates", []))}
     ordered = sorted(medians, key=lambda n: rank.get(n, len(rank)))  # safest first, as raced
     for name in [*ordered, *(n for n in auto.get("excluded", {}) if n not in medians)]:
         if name in medians:
             text = f"{medians[name] * 1e3:.1f} ms median, {best.get(name, medians[name]) * 1e3:.1f} ms best"
-            text += f" ({base / medians[name]:.2f}x fp32"
+            text += f" ({speed[name]:.2f}x fp32"
             if name in auto.get("speedup_interval", {}):
                 low, high = auto["speedup_interval"][name]
                 text += f", 95% interval {low:.2f}-{high:.2f}x"

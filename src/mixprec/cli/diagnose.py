@@ -75,11 +75,10 @@ def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device
     acc = Accelerator(mixed_precision="auto", device=device, verbose=False)
     copy_ = acc.prepare(copy.deepcopy(model))
     batch = {k: v.to(device) for k, v in batch.items()}
-    # each candidate by the format it computes in (its own answer): out where the diagnosis judged that format unsafe
-    judged = {p.name: p.compute_format.name for p in acc.precision.options() if p.compute_format in FORMATS.values()}
-    unsafe = "the diagnosis judged it unsafe for this model"
-    excluded = {name: unsafe for name, fmt in judged.items() if fmt not in report.safe_precisions}
-    decision = acc.settle_precision(lambda: extract_loss(copy_(**batch)), batch, excluded=excluded)
+    # out: each mode computing in a format the diagnosis judged unsafe (each asked its own format)
+    why = "the diagnosis judged it unsafe for this model"
+    unsafe = {fmt: why for fmt in FORMATS if fmt not in report.safe_precisions}
+    decision = acc.settle_precision(lambda: extract_loss(copy_(**batch)), batch, unsafe_formats=unsafe)
     if decision is None:
         return {}
     report.recommended_precision = decision.chosen

@@ -40,7 +40,6 @@ from mixprec.cli.main import CliError
 from mixprec.data import decode, encode, unigram_entropy
 from mixprec.models import GPT, GPT_PRESETS
 from mixprec.precision.base import Precision
-from mixprec.precision.registry import may_scale_loss
 from mixprec.strategies.comm import COMM_NAMES
 from mixprec.strategies.launch_env import LaunchEnv
 from mixprec.strategies.restarts import restarted_anywhere, restarted_by_launcher, restarts_allowed_on_several_nodes
@@ -310,7 +309,7 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         torch.set_num_threads(threads.threads)
     precision = parse_precision(args.precision, args.fp32_ops)  # the one parse of --precision / --fp32-ops
     check_optimizer_fits(precision, args.optim)  # bf16-pure steps with its own AdamW: said in flags, up front
-    if args.step_in_backward and may_scale_loss(precision):  # "auto" may choose fp16: in flags, not in Python
+    if args.step_in_backward and precision.may_scale_loss:  # "auto" may choose fp16: in flags, not in Python
         raise CliError(
             f"--step-in-backward with --precision {args.precision}: fp16's loss scaling skips a step only once the "
             "whole backward is done; use bf16, bf16-pure or fp32 (--precision) with --step-in-backward"

@@ -23,15 +23,16 @@ def resolve_target(name: str, device: torch.device) -> Precision:
     p = resolve_precision(name, device=device)
     # fp32, or a plain autocast mode whose format has ranges here: a policy, pure bf16 or fp8 would need its
     # own judgement before it can be judged
-    if not isinstance(p, FullPrecision) and autocast_format(p) not in FORMATS:
+    if not isinstance(p, FullPrecision) and autocast_format(p) is None:
         handled = ", ".join([FullPrecision.name, *FORMATS])
         raise ValueError(f"precision {name!r} resolved to {p.name!r}; the diagnosis handles {handled}")
     return p
 
 
-def try_resolve(name: str, device: torch.device) -> Precision | str:
-    """Like :func:`resolve_target`, but returns the reason as a string when the device cannot run it."""
+def unsupported(name: str, device: torch.device) -> str | None:
+    """Why ``device`` cannot run the target ``name`` (None: it can); other errors as :func:`resolve_target`."""
     try:
-        return resolve_target(name, device)
+        resolve_target(name, device)
     except PrecisionNotSupportedError as e:
         return str(e)
+    return None

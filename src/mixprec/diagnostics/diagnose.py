@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from mixprec.diagnostics._guard import ModelGuard
-from mixprec.diagnostics._precision import resolve_target, try_resolve
+from mixprec.diagnostics._precision import resolve_target, unsupported
 from mixprec.diagnostics.collect import measure, to_device
 from mixprec.diagnostics.nonfinite import NonfiniteEvent, find_first_nonfinite
 from mixprec.diagnostics.recommend import choose_scale_exp, recommend
@@ -131,10 +131,7 @@ def diagnose(
     if not taken:
         raise ValueError("diagnose needs at least one batch; `batches` was empty")
 
-    supported = {}
-    for name in FORMATS:
-        resolved = try_resolve(name, dev)
-        supported[name] = resolved if isinstance(resolved, str) else None
+    supported = {name: unsupported(name, dev) for name in FORMATS}
     losses: dict[str, list[float]] = {}
     cache: dict[str, NonfiniteEvent | None] = {}
 

@@ -24,7 +24,7 @@ import torch
 
 from mixprec.precision import auto_cache
 from mixprec.precision.base import Precision
-from mixprec.precision.decision import AutoDecision
+from mixprec.precision.decision import AutoDecision, excluded_by_format
 from mixprec.precision.inrun import InRunRace
 from mixprec.precision.master_weights import master_names
 from mixprec.precision.op_timing import measure_op_kinds, op_timing_budget, policy_candidate
@@ -102,11 +102,6 @@ class AutoPrecision(Precision):
     def pending(self) -> bool:  # type: ignore[override]
         # not during a trial: the trial's forward goes through the same prepared forward that settles
         return self.decision is None and self._trying is None and self._in_run is None
-
-    @property
-    def racing(self) -> bool:
-        """Whether the race runs as the training steps now (inrun.py): each step begins with :meth:`begin_step`."""
-        return self._in_run is not None
 
     @property
     def resolved(self) -> Precision:  # type: ignore[override]
@@ -234,9 +229,11 @@ class AutoPrecision(Precision):
 
     # -- the race as the run's own steps (inrun.py) --------------------------------------------------
 
-    def begin_step(self) -> None:
-        """A training step begins (its first training forward): under the in-run race, run it in the mode the
-        race names next. A no-op otherwise, or inside a step already begun."""
+    def begin_step(self, loss_fn: Callable[[], torch.Tensor], models: Any, **facts: Any) -> None:
+        """A training step begins (its first training forward): undecided, race on it (:meth:`settle`); under the
+        in-run race, run it in the mode the race names next. A no-op otherwise, or inside a step already begun."""
+        if self.pending:
+            self.settle(loss_fn, models, **facts)
         if self._in_run is not None and not self._in_run.in_step:
             self._trying = self._in_run.begin()
 
@@ -282,6 +279,7 @@ class AutoPrecision(Precision):
         *,
         batch: Any = None,
         excluded: Mapping[str, str] | None = None,
+        unsafe_formats: Mapping[str, str] | None = None,
         rounds: int = ROUNDS,
         clock: Clock | None = None,
         use_cache: bool = True,
@@ -290,12 +288,12 @@ class AutoPrecision(Precision):
         passes_per_step: int = 1,
     ) -> AutoDecision | None:
         """Race the candidates on ``loss_fn`` (one forward of the real step, returning its loss) and adopt
-        the winner; return the decision. A no-op once decided. ``excluded`` names candidates that may not
-        win, with why (a diagnosis that saw fp16 overflow); ``run_steps`` (the run's length, if known) caps
-        the race at a share of it; ``clock`` defaults to :func:`~mixprec.precision.trial.race_clock`'s. A
-        cached decision is re-checked by timing its chosen mode now, and raced again if it is off. Costs a
-        few forward+backward passes and host syncs, once per run; the state of ``models`` and the RNG are
-        left exactly as found.
+        the winner; return the decision. A no-op once decided. ``excluded`` names candidates that may not win,
+        with why; ``unsafe_formats`` formats so (fp16, which a diagnosis saw overflow); ``run_steps`` (the run's
+        length, if known) caps the race at a share of it; ``clock`` defaults to
+        :func:`~mixprec.precision.trial.race_clock`'s. A cached decision is re-checked by timing its chosen mode
+        now, and raced again if it is off. Costs a few forward+backward passes and host syncs, once per run; the
+        state of ``models`` and the RNG are left exactly as found.
 
         ``in_run`` races as the run's own first steps instead (inrun.py; returns None: the decision comes at
         the optimizer step that ends the race, and each step must begin with :meth:`begin_step`). By default
@@ -353,7 +351,7 @@ class AutoPrecision(Precision):
                     return self.decision
                 stale = f"the cached race of {reused.measured_at or 'an earlier run'} did not hold ({note})"
 
-            excluded = dict(excluded or {})
+            excluded = {**excluded_by_format(self.candidates, unsafe_formats or {}), **(excluded or {})}
             if self.prefilter and alone:
                 excluded.update({k: v for k, v in emulated_candidates(self.candidates).items() if k not in excluded})
             if (

@@ -153,6 +153,12 @@ class Precision:
         return "nearest"
 
     @property
+    def may_scale_loss(self) -> bool:
+        """Whether this run scales the loss, or may: fp16 and its policies, and a mode still to be decided (it
+        may turn out fp16). What a caller that cannot work with a loss scale (the step in backward) asks."""
+        return self.pending or self.needs_loss_scaling
+
+    @property
     def grad_dtype(self) -> torch.dtype:
         """The dtype gradients are held in, and travel in between processes unless ``comm_dtype`` compresses
         them: the parameters' dtype."""
@@ -174,7 +180,7 @@ class Precision:
         low = self.compute_dtype != torch.float32
         return {"device_type": self.device.type, "dtype": self.compute_dtype, "enabled": low}
 
-    # -- "auto" and the null object: a named mode is decided from the start ---------------------------
+    # -- a mode decided on the training step ("auto"); a named one is decided from the start ----------
 
     @property
     def pending(self) -> bool:
@@ -190,18 +196,16 @@ class Precision:
         """The modes this strategy may still turn out to be (itself; "auto"'s candidates until it decides)."""
         return [self]
 
-    def settle(self, loss_fn: Callable[[], torch.Tensor], models: Any, **kwargs: Any) -> Any:
-        """Decide a pending mode on the training step (see :class:`~mixprec.precision.auto.AutoPrecision`);
-        a named mode has nothing to decide. Returns the decision, or None."""
+    def settle(self, loss_fn: Callable[[], torch.Tensor], models: Any, **facts: Any) -> Any:
+        """Decide a pending mode on the training step: ``loss_fn`` runs that step's forward and returns its loss;
+        ``facts`` about the run (its length, formats known unsafe) may inform the choice (see
+        :class:`~mixprec.precision.auto.AutoPrecision`). A named mode has nothing to decide. Returns the
+        decision, or None (none made, or one still being made on the steps that follow)."""
         return None
 
-    @property
-    def racing(self) -> bool:
-        """Whether "auto"'s race runs as the training steps now (each must begin with :meth:`begin_step`)."""
-        return False
-
-    def begin_step(self) -> None:
-        """A training step begins (its first training forward). Nothing to do but for "auto" racing in-run."""
+    def begin_step(self, loss_fn: Callable[[], torch.Tensor], models: Any, **facts: Any) -> None:
+        """A training step begins (its first training forward; arguments as :meth:`settle`): a pending mode
+        decides here, or runs the step in the mode its decision needs measured next. Nothing for a named mode."""
 
     def decision_record(self) -> dict[str, Any] | None:
         """What "auto" measured and chose, for a checkpoint; None for a mode asked for by name."""

@@ -3,8 +3,12 @@ cache (auto_cache.py) keep it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mixprec.precision.base import Precision
 
 ABORT_RATIO = 1.5  # the race stops a warm-up trial taking this much longer than the safest mode's settled trial
 
@@ -127,3 +131,9 @@ class AutoDecision:
 
     def with_source(self, source: str) -> AutoDecision:
         return AutoDecision(**{**asdict(self), "source": source})
+
+
+def excluded_by_format(candidates: Iterable[Precision], unsafe: Mapping[str, str]) -> dict[str, str]:
+    """The candidates that compute in a format named in ``unsafe`` (a format's name -> why, e.g. a diagnosis that
+    saw it overflow), each with why: each candidate is asked its own format, never judged by its name."""
+    return {p.name: unsafe[p.compute_format.name] for p in candidates if p.compute_format.name in unsafe}

@@ -61,6 +61,7 @@ FP32 = FloatFormat(
 FORMATS: dict[str, FloatFormat] = {f.name: f for f in (FP16, BF16)}
 """The low-precision formats a diagnosis judges, in the order a recommendation tries them."""
 _BY_DTYPE: dict[torch.dtype, FloatFormat] = {f.dtype: f for f in (FP16, BF16, FP32)}
+_BY_NAME: dict[str, FloatFormat] = {f.name: f for f in (FP16, BF16, FP32)}
 
 
 def format_of(dtype: torch.dtype) -> FloatFormat:
@@ -70,6 +71,15 @@ def format_of(dtype: torch.dtype) -> FloatFormat:
     except KeyError:
         known = ", ".join(str(d).removeprefix("torch.") for d in _BY_DTYPE)
         raise ValueError(f"no number format is described for {dtype} (described: {known})") from None
+
+
+def format_named(name: str) -> FloatFormat:
+    """The format ``name`` names ("fp16", "bf16", "fp32": a watch's setting, a diagnosis's verdict); a ValueError
+    listing the formats for any other name (the one parse of a format's name)."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown number format {name!r}; choose one of: {', '.join(_BY_NAME)}") from None
 
 
 def loss_scale_for(fmt: FloatFormat, scale_exp: int) -> float:

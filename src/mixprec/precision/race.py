@@ -277,13 +277,6 @@ def warm_up_steps(
     return finite, times[-1]
 
 
-def warm_up(
-    name: str, run: Run, clock: Clock, limit: float | None, same: Agree
-) -> tuple[bool, float] | Failed | None:
-    """:func:`warm_up_steps` run back to back."""
-    return drive(warm_up_steps(name, limit, same), run, clock)
-
-
 CHECK_TRIALS = 5  # timed trials of the chosen mode when a cached decision is re-checked
 CHECK_RATIO = 1.3  # a cached decision whose chosen mode now times this far off (either way) is raced again
 

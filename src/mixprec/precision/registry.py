@@ -11,6 +11,7 @@ import torch
 
 from mixprec.precision.auto import AutoPrecision
 from mixprec.precision.base import Precision, PrecisionNotSupportedError, default_device
+from mixprec.precision.formats import FloatFormat
 from mixprec.precision.fp8 import Fp8Precision, Fp8RowwisePrecision
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
@@ -110,28 +111,26 @@ def needs_loss_scaling(name: str) -> bool:
     return key != AUTO and _class_of(key).needs_loss_scaling
 
 
-def may_scale_loss(precision: str | Precision) -> bool:
-    """Whether ``precision`` scales the loss, or may: fp16 and its policies, and "auto" until decided (it may
-    pick fp16). What a caller that cannot work with a loss scale (the step in backward) asks."""
-    if isinstance(precision, Precision):
-        return precision.pending or precision.needs_loss_scaling
-    return canonical_name(precision) == AUTO or needs_loss_scaling(precision)
+def may_scale_loss(name: str) -> bool:
+    """Whether the mode ``name`` scales the loss, or may: fp16 and its policies, and "auto" (it may pick fp16).
+    What a caller that cannot work with a loss scale (the step in backward) asks of a name at the edge; a
+    strategy answers it itself (:attr:`Precision.may_scale_loss`)."""
+    return canonical_name(name) == AUTO or needs_loss_scaling(name)
 
 
-def hf_flags(precision: str | Precision) -> tuple[bool, bool]:
-    """HF's ``(fp16, bf16)`` flags for ``precision``: the fp16 / bf16 autocast mode or a policy refining it
-    ("bf16:fp32_ops=attention" is bf16); both False for fp32, pure bf16, fp8 and an undecided "auto"."""
-    if isinstance(precision, Precision):
-        return precision.hf_flags
-    key = canonical_name(precision)
+def hf_flags(name: str) -> tuple[bool, bool]:
+    """HF's ``(fp16, bf16)`` flags for the mode ``name``: the fp16 / bf16 autocast mode or a policy refining it
+    ("bf16:fp32_ops=attention" is bf16); both False for fp32, pure bf16, fp8 and an undecided "auto". A
+    strategy answers it itself (:attr:`Precision.hf_flags`)."""
+    key = canonical_name(name)
     return (False, False) if key == AUTO else _class_of(key).hf_flags  # a policy's class is its base mode's
 
 
-def autocast_format(precision: str | Precision) -> str | None:
-    """The name of the plain autocast mode ``precision`` is ("fp16" or "bf16": the number format a
-    diagnosis judges it by), None for any other mode (fp32, a policy, pure bf16, fp8, "auto")."""
-    name = precision.name if isinstance(precision, Precision) else canonical_name(precision)
-    return name if _STRATEGIES.get(name) in (Fp16MixedPrecision, Bf16MixedPrecision) else None
+def autocast_format(precision: Precision) -> FloatFormat | None:
+    """The number format of the plain autocast mode ``precision`` is (fp16 or bf16 autocast: what a diagnosis
+    judges it by), None for any other mode (fp32, a policy, pure bf16, fp8, "auto")."""
+    mode = precision.resolved  # "auto", once decided, is its choice
+    return mode.compute_format if type(mode) in (Fp16MixedPrecision, Bf16MixedPrecision) else None
 
 
 def _class_of(key: str) -> type[Precision]:
@@ -153,25 +152,28 @@ def auto_candidates(device: torch.device) -> list[Precision]:
     return out
 
 
-def policy_name(precision: str | Precision, fp32_ops: str | list[str] | tuple[str, ...] | None) -> str | Precision:
-    """The precision name for ``precision`` with ``fp32_ops`` kept in fp32 (the ``fp32_ops=`` argument of
-    the Accelerator, TrainingArguments and ``mixprec train``): ``("bf16", ["attention"])`` ->
-    "bf16:fp32_ops=attention"; ``precision`` unchanged when ``fp32_ops`` is empty. Raises a ValueError naming
-    ``fp32_ops`` for an unknown kind or a mode without autocast."""
+def policy_name(
+    name: str, fp32_ops: str | list[str] | tuple[str, ...] | None, *, made: Precision | None = None
+) -> str:
+    """The precision name for ``name`` with ``fp32_ops`` kept in fp32 (the ``fp32_ops=`` argument of the
+    Accelerator, TrainingArguments and ``mixprec train``): ``("bf16", ["attention"])`` ->
+    "bf16:fp32_ops=attention"; ``name`` unchanged when ``fp32_ops`` is empty. Raises a ValueError naming
+    ``fp32_ops`` for an unknown kind, a mode without autocast, or beside a strategy already ``made`` (named
+    ``name``: its kinds belong in its name)."""
     kinds = check_op_kinds(fp32_ops or ())
     if not kinds:
-        return precision
-    if isinstance(precision, Precision):  # a strategy already made: its kinds are part of its name
+        return name
+    if made is not None:
         raise ValueError(
-            f"fp32_ops={sorted(kinds)} with a precision strategy ({precision.name!r}): name the kinds in it, "
-            f"make_precision('{precision.name}:fp32_ops={','.join(sorted(kinds))}'), and drop fp32_ops"
+            f"fp32_ops={sorted(kinds)} with a precision strategy ({made.name!r}): name the kinds in it, "
+            f"make_precision('{made.name}:fp32_ops={','.join(sorted(kinds))}'), and drop fp32_ops"
         )
-    base = canonical_name(precision)
+    base = canonical_name(name)
     if ":" in base:
         base = OpPolicy.parse(base).base
     if base not in POLICY_BASES:
         raise ValueError(
-            f"fp32_ops={sorted(kinds)} needs an autocast mode to refine, not precision {precision!r}; "
+            f"fp32_ops={sorted(kinds)} needs an autocast mode to refine, not precision {name!r}; "
             f"use precision={' or '.join(repr(b) for b in POLICY_BASES)}"
         )
     return OpPolicy(base, kinds).spec

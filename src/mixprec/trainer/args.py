@@ -228,7 +228,8 @@ class TrainingArguments(HFCompatFields):
         if self.step_in_backward:
             from mixprec.accelerator.step_in_backward import REFUSALS
 
-            if may_scale_loss(self.precision_strategy):  # "auto" may choose fp16
+            strategy = self.precision_strategy  # "auto" may choose fp16
+            if strategy.may_scale_loss if strategy is not None else may_scale_loss(self.precision):
                 fail("step_in_backward", True, f"with precision={self.precision!r}: {REFUSALS['fp16']}")
             if self.max_grad_norm is not None:
                 fail("step_in_backward", True, f"with max_grad_norm={self.max_grad_norm}: {REFUSALS['clip']}")
@@ -267,8 +268,8 @@ class TrainingArguments(HFCompatFields):
     def _resolve_precision(self) -> None:
         if self.fp16 and self.bf16:
             fail("bf16", self.bf16, "fp16=True and bf16=True were both set; choose one (or set precision=...)")
-        flag = "fp16" if self.fp16 else "bf16" if self.bf16 else None
-        given: Precision | str = self.precision if self.precision is not None else flag or "fp32"
+        flag = "fp16" if self.fp16 else "bf16" if self.bf16 else None  # HF's flags: sugar for a name
+        given = self.precision if self.precision is not None else flag or "fp32"
         self._strategy = given if isinstance(given, Precision) else None  # made at the edge (mixprec train)
         try:
             name = given.name if isinstance(given, Precision) else canonical_name(given)
@@ -276,21 +277,20 @@ class TrainingArguments(HFCompatFields):
             raise ValueError(f"TrainingArguments(precision={given!r}): {err}") from None
         if self.fp32_ops:
             try:
-                name = canonical_name(policy_name(given if isinstance(given, Precision) else name, self.fp32_ops))
-            except ValueError as err:  # a strategy is refused here: its kinds belong in its name
+                name = canonical_name(policy_name(name, self.fp32_ops, made=self._strategy))
+            except ValueError as err:
                 raise ValueError(f"TrainingArguments(fp32_ops={self.fp32_ops!r}): {err}") from None
             self.fp32_ops = None  # folded into the name: one source of truth from here on
-        flags = hf_flags(given if isinstance(given, Precision) else name)  # the mode's own answer
+        flags = self._strategy.hf_flags if self._strategy is not None else hf_flags(name)  # the mode's own answer
         if flag is not None and flags != (self.fp16, self.bf16):
             fail("precision", given, f"conflicts with {flag}=True; set one of them")
         self.precision = name  # always the name: what to_dict, JSON and YAML write
         self.fp16, self.bf16 = flags  # truthful HF flags: code reading args.fp16 sees what will run
 
     @property
-    def precision_strategy(self) -> Precision | str:
-        """The strategy passed as ``precision=`` (as it is), else the name: the Accelerator parses it for its own
-        device, a fresh strategy per run (one holds its run's scaler and decision)."""
-        return self._strategy if self._strategy is not None else self.precision
+    def precision_strategy(self) -> Precision | None:
+        """The strategy passed as ``precision=`` (as it is); None for a name, which the Accelerator parses per run."""
+        return self._strategy
 
     @staticmethod
     def _normalise_report_to(value: str | list[str] | None) -> tuple[str, ...]:

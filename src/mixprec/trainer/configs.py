@@ -226,7 +226,7 @@ def accelerator_kwargs(args: Any) -> dict[str, Any]:
     """The Trainer's :class:`~mixprec.accelerator.accelerator.Accelerator` arguments, derived from the flat
     fields as the views are (the scaler's from :class:`PrecisionConfig`)."""
     return {
-        "mixed_precision": args.precision_strategy,
+        "mixed_precision": args.precision_strategy if args.precision_strategy is not None else args.precision,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "distributed": args.distributed,
         "fsdp_state_dict_type": args.fsdp_state_dict_type,

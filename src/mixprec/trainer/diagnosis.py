@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from mixprec.loaders.from_datasets import make_loader
-from mixprec.precision.formats import FP16, FP32
+from mixprec.precision.formats import FP16, FP32, format_named
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +62,7 @@ def diagnose_at_start(
     )
     # the recommendation is a format ("fp32", "fp16", "bf16"), compared with the one the run computes in (a bf16
     # policy computes in bf16); an undecided "auto" takes the diagnosis's verdict into its race
-    if acc.precision.decided and report.recommended_precision != acc.precision.compute_format.name:
+    if acc.precision.decided and format_named(report.recommended_precision) is not acc.precision.compute_format:
         logger.warning(
             "diagnose_at_start recommends precision=%r (%s); training with %r as asked",
             report.recommended_precision,

@@ -100,12 +100,15 @@ class Plan:
         state.compute_steps(args, self.max_steps)
 
 
-def fp16_overflow(report: Any) -> dict[str, str]:
-    """The candidates a diagnosis rules out for "auto": fp16 where it saw a non-finite value under fp16."""
-    event = getattr(report, "nonfinite_checks", {}).get("fp16") if report is not None else None
-    if event is None:
-        return {}
-    return {"fp16": f"the diagnosis saw fp16 overflow ({event.phase} of {event.module}, {event.what})"}
+def overflowed_formats(report: Any) -> dict[str, str]:
+    """The formats a diagnosis saw a non-finite value under (a format's name -> what it saw): a precision still to
+    be decided leaves out every mode computing in one (``unsafe_formats``)."""
+    checks = getattr(report, "nonfinite_checks", {}) if report is not None else {}
+    return {
+        fmt: f"the diagnosis saw {fmt} overflow ({event.phase} of {event.module}, {event.what})"
+        for fmt, event in checks.items()
+        if event is not None
+    }
 
 
 def fit(run: RunContext, plan: Plan, checkpoint: Any, train_stream: Any, examples: int | None) -> TrainOutput:
@@ -167,7 +170,7 @@ class TrainingLoop:
         self._grad_norm: torch.Tensor | None = None
         self._scaling = False
         self._last_scale: float | None = None
-        self._racing = False  # "auto" races as the first steps (its decision is logged at the step that ends it)
+        self._undecided = False  # decided on the steps themselves ("auto"): logged at the step that decides it
         model = run.accelerator.unwrap_model(run.model)
         self._main_input = getattr(model, "main_input_name", "input_ids")  # HF's, for the token count
 
@@ -268,17 +271,18 @@ class TrainingLoop:
         ctx.state.num_input_tokens_seen += int(seen)
 
     def _settle_precision(self, batch: Any) -> None:
-        """precision="auto": race the candidate modes on this first batch through the Trainer's own
-        ``compute_loss`` (nothing of it reaches training), log the measurement, then train in the winner."""
+        """A precision decided on the training step ("auto"): it decides on this first batch through the
+        Trainer's own ``compute_loss`` (nothing of it reaches training), told the run's facts (the passes left,
+        the formats a diagnosis saw overflow); logged once decided, now or at a later step."""
         ctx, acc = self.run_ctx, self.run_ctx.accelerator
-        excluded = fp16_overflow(ctx.diagnosis)
-        # the race's budget is a share of the forward+backward passes still to run (one per micro-batch)
+        # the decision's budget is a share of the forward+backward passes still to run (one per micro-batch)
         passes = max(1, ctx.state.max_steps - ctx.state.global_step) * ctx.args.gradient_accumulation_steps
-        decision = acc.settle_precision(
-            lambda: ctx.compute_loss(ctx.model, batch), batch, excluded=excluded, run_steps=passes
+        acc.settle_precision(
+            lambda: ctx.compute_loss(ctx.model, batch), batch, unsafe_formats=overflowed_formats(ctx.diagnosis),
+            run_steps=passes,
         )
-        self._racing = decision is None and acc.precision_racing
-        if not self._racing:
+        self._undecided = not acc.precision.decided
+        if not self._undecided:
             self._precision_decided()
 
     def _precision_decided(self, steps_done: int = 0) -> None:
@@ -319,8 +323,8 @@ class TrainingLoop:
         ctx.lr_scheduler.step()  # the prepared scheduler holds still after a skipped step
         ctx.optimizer.zero_grad()
         ctx.meter.phases.lap("optimizer")
-        if self._racing and not acc.precision_racing:  # "auto"'s in-run race decided at this step
-            self._racing = False
+        if self._undecided and acc.precision.decided:  # decided at this step (auto's race as the steps)
+            self._undecided = False
             self._precision_decided(steps_done=1)
         if self._scaling:
             scale = acc.scaler.get_scale()  # a host mirror: no sync

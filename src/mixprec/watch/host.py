@@ -1,9 +1,11 @@
-"""What a precision watch needs from whatever runs the training step: the attach protocol.
+"""The two sides of attaching a precision watch to whatever runs the training step, as protocols.
 
-:meth:`PrecisionWatch.attach(host, model) <mixprec.watch.watch.PrecisionWatch.attach>` takes any object with
-these members; the Accelerator is one (``Accelerator(watch=...)`` hands itself in ``prepare``), so the watch,
-a layer above it, never imports it, and a loop without an Accelerator can attach a watch through an object of
-its own.
+:class:`WatchHost` is what the watch needs from the run: :meth:`PrecisionWatch.attach(host, model)
+<mixprec.watch.watch.PrecisionWatch.attach>` takes any object with these members. The Accelerator is one
+(``Accelerator(watch=...)`` hands itself in ``prepare``), so the watch never imports the Accelerator (a floor
+above it), and a loop without an Accelerator can attach a watch through an object of its own.
+:class:`HostedWatch` is what a host asks of the watch passed to it (``Accelerator(watch=PrecisionWatch(...))``,
+or a watch of the user's own); a setting (``watch=50``) is built into a ``PrecisionWatch`` by the Accelerator.
 """
 
 from __future__ import annotations
@@ -44,3 +46,13 @@ class WatchHost(Protocol):
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include ``objects`` (the watch: its fallback list) in the run's checkpoints."""
+
+
+class HostedWatch(Protocol):
+    """What a host (the Accelerator) asks of the watch passed to it: nothing else is called."""
+
+    def attach(self, host: WatchHost, model: torch.nn.Module) -> None:
+        """Follow ``model``, which ``host`` runs (called when the host prepares it)."""
+
+    def watch_optimizer(self, optimizer: Any) -> None:
+        """Follow ``optimizer``'s steps (called when the host prepares it, after any conversion)."""

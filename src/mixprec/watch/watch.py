@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from mixprec.diagnostics.hooks import ROOT_NAME, HookRegistry
-from mixprec.precision.formats import FORMATS, FP16, FP32, FloatFormat
+from mixprec.precision.formats import FP16, FP32, FloatFormat, format_named
 from mixprec.watch import fallback as fp32
 from mixprec.watch.attribution import SkipAttribution, StepRecorder, attribute_skip
 from mixprec.watch.badstep import BadSteps
@@ -95,7 +95,7 @@ class PrecisionWatch:
         self._steps_seen = 0
         self._busy = False
         self._pending_state: dict[str, Any] | None = None
-        self.fmt: FloatFormat = FORMATS[self.config.fmt] if self.config.fmt else FP16
+        self.fmt: FloatFormat = format_named(self.config.fmt) if self.config.fmt else FP16
         """The format headroom is measured against (settled by :meth:`attach` when the config leaves it open)."""
 
     @classmethod
@@ -215,7 +215,7 @@ class PrecisionWatch:
         """The config's format, else the narrowest the run may compute in (the precision's own answer; an
         undecided "auto"'s narrowest candidate), and fp16's for an fp32 run: does fp16 hold?"""
         if self.config.fmt is not None:
-            return FORMATS[self.config.fmt]
+            return format_named(self.config.fmt)
         fmt = self._precision.narrowest_format()
         return FP16 if fmt is FP32 else fmt
 
@@ -290,7 +290,7 @@ class PrecisionWatch:
         self._emit("watch_sample", sample.step, sample.log_entry())
         fallen = frozenset(f["module"] for f in self.fallbacks)
         for w in self._trend.update(sample, exclude=fallen):
-            w = dataclasses.replace(w, computes_in=self._computes_in())
+            w = dataclasses.replace(w, computes_in=self._computes_in())  # a frozen record
             self.warnings.append(w)
             logger.warning(w.message())
             self._emit("precision_warning", sample.step, w.to_dict())
