@@ -49,11 +49,11 @@ def one(precision: str, threads: int, steps: int, out_dir: str) -> dict[str, Any
     out = trainer.train()
     wall = time.perf_counter() - start
     summary = out.metrics
-    auto = summary.get("auto") or {}
+    auto = summary.get("auto_precision") or {}
     return {
         "precision": precision,
         "wall_s": round(wall, 3),
-        "chosen": auto.get("chosen", precision),
+        "chosen": summary.get("precision", precision),
         "race_s": summary.get("time", {}).get("run_seconds", {}).get("race", 0.0),
         "race_steps": auto.get("in_run_steps", 0),
         "rounds": auto.get("rounds", 0),
