@@ -245,7 +245,7 @@ class Accelerator(ProcessMethods, OutputMethods):
     ) -> AutoDecision | None:
         """precision="auto": race the modes on ``loss_fn`` (a real step's forward, returning its loss; the Trainer
         calls it, a hand-written loop's first training forward does) and keep the fastest safe one. ``run_steps``:
-        the run's passes, if known (a budget; from 100 steps it races as the steps: ``AutoPrecision.settle``)."""
+        the run's passes, if known (a budget; a known length races as the steps: ``AutoPrecision.settle``)."""
         return self._precision.settle(
             loss_fn, self._registry.models, batch=batch, excluded=excluded, run_steps=run_steps, in_run=in_run,
             passes_per_step=self.gradient_accumulation_steps,
