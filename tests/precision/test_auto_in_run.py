@@ -230,3 +230,23 @@ def test_a_short_run_does_not_time_op_kinds_and_says_why(monkeypatch):
         optimizer.zero_grad()
     assert timed == []
     assert "per-op-kind timing skipped" in accelerator.auto_decision.op_timing
+
+
+def test_a_short_in_run_race_keeps_a_mode_one_burst_made_slower_than_the_safest():
+    # bf16's first timed step lands in a neighbour's burst (slower than fp32's): the budget may drop a mode
+    # behind a safer low-precision one, never one behind the safest on a sample; the paired rounds go on
+    from mixprec.precision import race
+
+    times = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.9}
+    steps = race.decide_steps(["fp32", "bf16", "fp16"], device="cpu", threads=1, run_steps=40, in_run=True)
+    bf16_steps = 0
+    try:
+        name, _ = next(steps)
+        while True:
+            bf16_steps += name == "bf16"
+            burst = 3.0 if name == "bf16" and bf16_steps == 2 else 1.0  # its first timed round
+            name, _ = steps.send((True, times[name] * burst))
+    except StopIteration as stop:
+        decision = stop.value
+    assert "bf16" not in decision.dropped and bf16_steps >= 1 + race.EARLY_ROUNDS  # timed on, not dropped
+    assert decision.dropped == {"fp16": 1}  # behind bf16, a safer low-precision mode: it may leave
