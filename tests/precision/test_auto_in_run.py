@@ -249,4 +249,3 @@ def test_a_short_in_run_race_keeps_a_mode_one_burst_made_slower_than_the_safest(
     except StopIteration as stop:
         decision = stop.value
     assert "bf16" not in decision.dropped and bf16_steps >= 1 + race.EARLY_ROUNDS  # timed on, not dropped
-    assert decision.dropped == {"fp16": 1}  # behind bf16, a safer low-precision mode: it may leave
