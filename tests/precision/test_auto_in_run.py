@@ -169,3 +169,83 @@ def test_the_cost_of_a_race_run_as_the_steps_is_their_time_over_the_winners():
     # the first step's one-time costs (optimizer state, allocations) are every run's: it counts at fp32's median
     assert spent.cost(0.5, True, medians) == pytest.approx(2 * (1.0 - 0.5))
     assert spent.cost(0.5, False) == pytest.approx(7.0)  # aside from training, every trial is extra
+
+
+def test_a_short_trainer_run_races_as_its_steps_and_its_summary_says_what_the_race_cost(monkeypatch, tmp_path):
+    # issue 36: a 60-step run raced aside paid 30% of its time in trials; under 100 steps it now races in-run
+    monkeypatch.delenv("MIXPREC_AUTO_RACE", raising=False)
+    _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), disable_tqdm=True, save_plots=False, save_strategy="no", precision="auto",
+        max_steps=40, per_device_train_batch_size=4, logging_steps=1000,
+    )  # fmt: skip
+    trainer = Trainer(make_model(), args, train_dataset=make_examples(64))
+    trainer.train()
+    decision = trainer.accelerator.auto_decision
+    assert decision.chosen == "bf16" and 0 < decision.in_run_steps < 40
+    summary = json.loads((tmp_path / "train_summary.json").read_text())
+    assert decision.cost_seconds > 0
+    assert summary["time"]["run_seconds"]["race"] == pytest.approx(decision.cost_seconds, abs=1e-3)
+    assert summary["auto_precision"]["in_run_steps"] == decision.in_run_steps
+    assert f"the race ran as the first {decision.in_run_steps} training steps" in decision.explain()
+
+
+def test_a_short_in_run_race_drops_a_mode_it_cannot_afford_after_one_round():
+    # fp16 is slower than bf16 (a safer mode): on a 40-step run the rounds to a verdict would pass the budget,
+    # so it leaves after one timed round; fp32 and bf16 race on and bf16 wins
+    from mixprec.precision import race
+
+    times = {"fp32": 1.0, "bf16": 0.6, "fp16": 0.9}
+    steps = race.decide_steps(["fp32", "bf16", "fp16"], device="cpu", threads=1, run_steps=40, in_run=True)
+    ran: list[str] = []
+    try:
+        name, _ = next(steps)
+        while True:
+            ran.append(name)
+            name, _ = steps.send((True, times[name] * (1.0 + 0.01 * (len(ran) % 3))))
+    except StopIteration as stop:
+        decision = stop.value
+    assert decision.chosen == "bf16" and decision.dropped == {"fp16": 1}
+    assert ran.count("fp16") == 2  # its warm-up step and one timed round
+    assert ran.count("fp32") == 1 + race.EARLY_ROUNDS
+
+
+def test_a_short_run_does_not_time_op_kinds_and_says_why(monkeypatch):
+    from mixprec.precision import auto as auto_module
+
+    timed: list[str] = []
+    monkeypatch.setattr(auto_module, "measure_op_kinds", lambda *a, **k: timed.append("called"))
+    monkeypatch.setenv("MIXPREC_AUTO_OP_POLICY", "1")
+    _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+    accelerator = Accelerator(mixed_precision="auto", verbose=False)
+    optimizer = torch.optim.AdamW((model := ModeSpy()).parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    batch = make_batches(1)[0]
+    accelerator.precision.settle(
+        lambda: model(batch["input_ids"], labels=batch["labels"])["loss"], [model], batch=batch, run_steps=60
+    )
+    for _ in range(30):
+        accelerator.backward(model(batch["input_ids"], labels=batch["labels"])["loss"])
+        optimizer.step()
+        optimizer.zero_grad()
+    assert timed == []
+    assert "per-op-kind timing skipped" in accelerator.auto_decision.op_timing
+
+
+def test_a_short_in_run_race_keeps_a_mode_one_burst_made_slower_than_the_safest():
+    # bf16's first timed step lands in a neighbour's burst (slower than fp32's): the budget may drop a mode
+    # behind a safer low-precision one, never one behind the safest on a sample; the paired rounds go on
+    from mixprec.precision import race
+
+    times = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.9}
+    steps = race.decide_steps(["fp32", "bf16", "fp16"], device="cpu", threads=1, run_steps=40, in_run=True)
+    bf16_steps = 0
+    try:
+        name, _ = next(steps)
+        while True:
+            bf16_steps += name == "bf16"
+            burst = 3.0 if name == "bf16" and bf16_steps == 2 else 1.0  # its first timed round
+            name, _ = steps.send((True, times[name] * burst))
+    except StopIteration as stop:
+        decision = stop.value
+    assert "bf16" not in decision.dropped and bf16_steps >= 1 + race.EARLY_ROUNDS  # timed on, not dropped

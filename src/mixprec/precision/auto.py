@@ -25,14 +25,12 @@ import torch
 from mixprec.precision import auto_cache
 from mixprec.precision.base import Precision
 from mixprec.precision.decision import AutoDecision, excluded_by_format
-from mixprec.precision.inrun import InRunRace
+from mixprec.precision.inrun import InRunRace, in_run_plan
 from mixprec.precision.master_weights import master_names
-from mixprec.precision.op_timing import measure_op_kinds, op_timing_budget, policy_candidate
+from mixprec.precision.op_timing import measure_op_kinds, op_timing_budget, op_timing_skipped, policy_candidate
 from mixprec.precision.policy import make_policy
 from mixprec.precision.probe import emulated_candidates
 from mixprec.precision.race import (
-    MAX_WARMUP,
-    MIN_ROUNDS,
     ROUNDS,
     Agree,
     Clock,
@@ -49,8 +47,6 @@ if TYPE_CHECKING:
 
 # Per-op-kind timing before the race (issue 23, op_timing.py): where bf16 attention's backward costs 4x fp32's, a
 # policy keeping attention in fp32 can beat both uniform modes; it then races them on the whole step.
-# A run of this many optimizer steps or more races as its own first steps (inrun.py), not aside from them.
-IN_RUN_MIN_STEPS = 100
 _POLICY_BASE = "bf16"
 
 
@@ -297,10 +293,8 @@ class AutoPrecision(Precision):
 
         ``in_run`` races as the run's own first steps instead (inrun.py; returns None: the decision comes at
         the optimizer step that ends the race, and each step must begin with :meth:`begin_step`). By default
-        it does when the run has at least ``IN_RUN_MIN_STEPS`` optimizer steps (``run_steps`` passes, counted
-        as forward+backward passes, ``passes_per_step`` to a step) and every candidate keeps fp32 weights;
-        ``MIXPREC_AUTO_RACE=aside`` (or ``in-run``) chooses for every run. Its rounds are capped so that the
-        race takes at most a quarter of the run's steps."""
+        it does when the run is known (``run_steps`` forward+backward passes, ``passes_per_step`` to a
+        step) and not among the shortest (inrun.py's ``in_run_plan``), and every candidate keeps fp32 weights."""
         if self.decision is not None or self._in_run is not None:
             return self.decision
         clock_name = "given clock"
@@ -354,8 +348,10 @@ class AutoPrecision(Precision):
             excluded = {**excluded_by_format(self.candidates, unsafe_formats or {}), **(excluded or {})}
             if self.prefilter and alone:
                 excluded.update({k: v for k, v in emulated_candidates(self.candidates).items() if k not in excluded})
+            op_report = op_timing_skipped(run_steps) if op_policy else ""  # a short run: not worth its cost
             if (
                 op_policy
+                and not op_report
                 and _POLICY_BASE not in excluded
                 and len(names) == len(by_name)
                 and not any(":" in n for n in names)
@@ -374,13 +370,8 @@ class AutoPrecision(Precision):
                     by_name[policy.name] = policy
                     scales[policy.name] = 1.0
             steps_left = None if run_steps is None else run_steps // max(1, passes_per_step)
-            if in_run is None:
-                choice = os.environ.get("MIXPREC_AUTO_RACE", "")
-                long_run = steps_left is not None and steps_left >= IN_RUN_MIN_STEPS
-                in_run = choice == "in-run" or (choice != "aside" and long_run)
-            in_run = in_run and all(p.param_dtype == torch.float32 for p in self.candidates)
-            if in_run and steps_left is not None:  # warm-ups (<= MAX_WARMUP + 3 each) and rounds in a quarter
-                rounds = min(rounds, max(MIN_ROUNDS, steps_left // 4 // len(names) - MAX_WARMUP - 3))
+            fp32_weights = all(p.param_dtype == torch.float32 for p in self.candidates)  # any may take a step
+            in_run, rounds = in_run_plan(steps_left, len(names), rounds, in_run, fp32_weights)
             race = dict(
                 device=self.device.type, threads=torch.get_num_threads(), rounds=rounds, clock_name=clock_name,
                 agree=self._agree, excluded=excluded, run_steps=steps_left if in_run else run_steps,

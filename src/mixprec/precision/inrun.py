@@ -19,13 +19,40 @@ be the same for all, as aside, where their trials are never stopped either).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from mixprec.precision.race import Failed, Outcome, Steps, Trial, Unfinished
+from mixprec.precision.race import EARLY_ROUNDS, MAX_WARMUP, MIN_ROUNDS, Failed, Outcome, Steps, Trial, Unfinished
 from mixprec.precision.trial import synchronize
+
+
+def shortest_in_run(candidates: int) -> int:
+    """The shortest run (optimizer steps) whose first steps may race ``candidates`` modes: twice the race's
+    shortest course (a warm-up step and ``EARLY_ROUNDS`` rounds each), so it ends well inside the run. Issue
+    36: a 60-step run raced aside paid 5.1 s of trials, 30% of the run; as its own steps it pays only their
+    time over the winner's, bounded by the race's budget (race.py's ``BUDGET_SHARE``)."""
+    return 2 * candidates * (1 + EARLY_ROUNDS)
+
+
+def in_run_plan(
+    steps_left: int | None, candidates: int, rounds: int, asked: bool | None = None, fp32_weights: bool = True
+) -> tuple[bool, int]:
+    """Whether a run of ``steps_left`` optimizer steps (None: unknown) races as its own steps, and the rounds
+    it may take: in-run from :func:`shortest_in_run` steps on (``asked``: the caller's choice instead), only
+    where every candidate keeps fp32 weights (``fp32_weights``: any of them may take any step), its rounds
+    capped so that the race takes at most a quarter of the run (warm-ups, at most ``MAX_WARMUP`` + 3 each,
+    included). ``MIXPREC_AUTO_RACE=aside`` (or ``in-run``) chooses for every run the caller left open."""
+    if asked is None:
+        choice = os.environ.get("MIXPREC_AUTO_RACE", "")
+        long_enough = steps_left is not None and steps_left >= shortest_in_run(candidates)
+        asked = choice == "in-run" or (choice != "aside" and long_enough)
+    in_run = asked and fp32_weights
+    if in_run and steps_left is not None:
+        rounds = min(rounds, max(MIN_ROUNDS, steps_left // 4 // candidates - MAX_WARMUP - 3))
+    return in_run, rounds
 
 
 class InRunRace:

@@ -270,6 +270,27 @@ def policy_candidate(report: OpTimingReport, device: torch.device | str) -> Prec
     return candidate
 
 
+# The timing's shortest course: the recording forward, then a warm-up and a timed replay of every call in both
+# precisions, about this many forward+backward passes of the step (the example of issue 36: 1.3-2.4 s, 5-9
+# bf16 steps)
+SHORTEST_PASSES = 6
+
+
+def op_timing_skipped(run_steps: int | None) -> str:
+    """Why a run of ``run_steps`` forward+backward passes does not time its op kinds, or "" where it does (its
+    length unknown included): its shortest course (``SHORTEST_PASSES``) must fit in the race's budget share of
+    the run (race.py's ``BUDGET_SHARE``), the most auto may spend measuring (issue 36: on a 60-step run the
+    timing alone took 9% of the run, for a policy that came out uniform bf16)."""
+    from mixprec.precision.race import BUDGET_SHARE
+
+    if run_steps is None or SHORTEST_PASSES <= BUDGET_SHARE * run_steps:
+        return ""
+    return (
+        f"per-op-kind timing skipped: its shortest course (~{SHORTEST_PASSES} passes of the step) would cost "
+        f"over {BUDGET_SHARE:.0%} of this {run_steps}-pass run; the uniform modes race"
+    )
+
+
 def op_timing_budget(run_steps: int | None) -> Callable[[float], float]:
     """How long the per-op-kind replays may take, from the recording forward's seconds: ``OP_TIMING_BUDGET_S``,
     and at most ``OP_TIMING_SHARE`` of the run when its length (forward+backward passes) is known, a pass

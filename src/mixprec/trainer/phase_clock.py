@@ -69,7 +69,7 @@ class PhaseClock:
         s = self.seconds
         compiled = max(0.0, compile_seconds() - self._compile_at_start)
         fb = max(0.0, s["forward_backward"] - compiled)
-        # an aside race (a run under 100 steps) is not a training step; an in-run race's trials are
+        # an aside race (the shortest runs) is not a training step; an in-run race's trials are
         training = max(0.0, runtime - s["evaluation"] - s["save"] - s["race"] - compiled)
         known = fb + sum(s[p] for p in STEP_PHASES if p != "forward_backward")
         per_step = {p: (fb if p == "forward_backward" else s[p]) for p in STEP_PHASES}
