@@ -147,8 +147,15 @@ def test_load_best_model_at_end_restores_the_best_checkpoints_adapters_over_the_
 
     model = lora_gpt2(torch.bfloat16)
     frozen = frozen_state(model)
-    args = lora_args(tmp_path, "bf16", eval_strategy="steps", eval_steps=3, load_best_model_at_end=True,
-                     metric_for_best_model="loss", greater_is_better=True)  # fmt: skip  # the worse: checkpoint-3
+    args = lora_args(
+        tmp_path,
+        "bf16",
+        eval_strategy="steps",
+        eval_steps=3,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,
+    )  # the worse: checkpoint-3
     trainer = Trainer(model=model, args=args, train_dataset=rows(24), eval_dataset=rows(8, seed=1))
     trainer.train()
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-3")

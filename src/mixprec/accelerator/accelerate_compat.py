@@ -33,6 +33,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from mixprec.accelerator.gradients import GradientAccumulationPlugin
+
 logger = logging.getLogger("mixprec.accelerator")
 
 T = TypeVar("T")
@@ -205,6 +207,18 @@ HANDLERS: dict[str, Callable[[Any, HandlerSettings], None]] = {
     "ProfileKwargs": _profile,
 }
 """accelerate's kwargs handler class name -> what it does to the constructor's arguments."""
+
+
+def accumulation_plugin(plugin: Any, steps: int) -> GradientAccumulationPlugin | None:
+    """``Accelerator(gradient_accumulation_plugin=...)`` as mixprec's plugin (accelerate's taken field by field);
+    refused beside ``gradient_accumulation_steps`` other than 1, which it would contradict."""
+    plugin = adopt(plugin, GradientAccumulationPlugin, "gradient_accumulation_plugin")
+    if plugin is not None and steps != 1:
+        raise ValueError(
+            f"Accelerator(gradient_accumulation_steps={steps!r}, gradient_accumulation_plugin=...): pass only one "
+            "of gradient_accumulation_steps and gradient_accumulation_plugin (set num_steps in the plugin)"
+        )
+    return plugin
 
 
 def read_handlers(

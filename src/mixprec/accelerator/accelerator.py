@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec.accelerator import accelerate_compat
-from mixprec.accelerator.accelerate_compat import SharedState, adopt, autocast_for, read_handlers
+from mixprec.accelerator.accelerate_compat import SharedState, accumulation_plugin, adopt, autocast_for, read_handlers
 from mixprec.accelerator.config import AcceleratorConfig
 from mixprec.accelerator.delegation import delegate
 from mixprec.accelerator.gradients import GradientAccumulationPlugin, GradientState
@@ -37,7 +37,7 @@ from mixprec.accelerator.preparation import Preparation
 from mixprec.accelerator.processes import Processes, report_run
 from mixprec.accelerator.project import ProjectConfiguration
 from mixprec.accelerator.run_files import RunFiles
-from mixprec.accelerator.step_in_backward import REFUSALS
+from mixprec.accelerator.step_in_backward import REFUSALS, refuse_step_in_backward
 from mixprec.checkpoint.folder_checks import Registry, RunState
 from mixprec.checkpoint.manager import CheckpointManager
 from mixprec.loaders.data_config import DataLoaderConfiguration
@@ -111,31 +111,38 @@ class Accelerator:
     ) -> None:
         # accelerate's own helper objects, from a script that swapped only its Accelerator (accelerate_compat).
         project_config = adopt(project_config, ProjectConfiguration, "project_config")
-        gradient_accumulation_plugin = adopt(
-            gradient_accumulation_plugin, GradientAccumulationPlugin, "gradient_accumulation_plugin"
-        )
-        dataloader_config = adopt(dataloader_config, DataLoaderConfiguration, "dataloader_config")
+        gradient_accumulation_plugin = accumulation_plugin(gradient_accumulation_plugin, gradient_accumulation_steps)
         handled = read_handlers(
             kwargs_handlers, scaler_kwargs=scaler_kwargs, ddp_kwargs=ddp_kwargs, timeout=timeout, comm_dtype=comm_dtype
         )
-        if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
-            raise ValueError(
-                f"Accelerator(gradient_accumulation_steps={gradient_accumulation_steps!r}, "
-                "gradient_accumulation_plugin=...): pass only one of gradient_accumulation_steps and "
-                "gradient_accumulation_plugin (set num_steps in the plugin)"
-            )
         self.profile_handler = handled.profile  # accelerate's ProfileKwargs, for profile()
-        self.dataloader_config = dataloader_config if dataloader_config is not None else DataLoaderConfiguration()
+        self.dataloader_config = adopt(dataloader_config, DataLoaderConfiguration, "dataloader_config") or (
+            DataLoaderConfiguration()
+        )
         non_blocking = non_blocking or self.dataloader_config.non_blocking
         given = mixed_precision if isinstance(mixed_precision, Precision) else None  # the edge: made before, kept
         if given is not None:
             _named(lambda: policy_name(given.name, fp32_ops, made=given), fp32_ops, "fp32_ops")
         self.config = AcceleratorConfig(
-            mixed_precision if given is None else given.name, gradient_accumulation_steps, distributed, device, cpu,
-            handled.scaler_kwargs or None, handled.ddp_kwargs or None, fsdp_shard, non_blocking, verbose,
-            handled.timeout, fsdp_state_dict_type, step_in_backward, handled.comm_dtype, fp32_ops,
-            step_scheduler_with_optimizer, split_batches, scheduler_counts_optimizer_steps,
-        )  # fmt: skip
+            mixed_precision if given is None else given.name,
+            gradient_accumulation_steps,
+            distributed,
+            device,
+            cpu,
+            handled.scaler_kwargs or None,
+            handled.ddp_kwargs or None,
+            fsdp_shard,
+            non_blocking,
+            verbose,
+            handled.timeout,
+            fsdp_state_dict_type,
+            step_in_backward,
+            handled.comm_dtype,
+            fp32_ops,
+            step_scheduler_with_optimizer,
+            split_batches,
+            scheduler_counts_optimizer_steps,
+        )
         env = LaunchEnv.from_environ()
         dev = select_device(self.config.device, self.config.cpu, env)
         spec = given if given is not None else self.config.mixed_precision  # before any process group: fails fast
@@ -151,12 +158,7 @@ class Accelerator:
             comm=self.config.comm_dtype,
         )
         if self.config.step_in_backward:
-            if self._precision.may_scale_loss:
-                raise ValueError(
-                    f"Accelerator(mixed_precision={self._precision.name!r}, step_in_backward=True): {REFUSALS['fp16']}"
-                )
-            if self._strategy.num_processes > 1:
-                raise ValueError(f"Accelerator(step_in_backward=True): {REFUSALS['processes']}")
+            refuse_step_in_backward(self._precision, self._strategy.num_processes)
         self._precision.configure(
             self.config.scaler_kwargs,
             self._strategy.found_inf_reducer(),

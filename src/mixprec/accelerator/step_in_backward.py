@@ -55,6 +55,15 @@ REFUSALS = {
 }
 
 
+def refuse_step_in_backward(precision: Precision, processes: int) -> None:
+    """``Accelerator(step_in_backward=True)`` refused where it cannot run: a precision that may scale the loss
+    (fp16's unscale and inf check need every gradient before any step), several processes."""
+    if precision.may_scale_loss:
+        raise ValueError(f"Accelerator(mixed_precision={precision.name!r}, step_in_backward=True): {REFUSALS['fp16']}")
+    if processes > 1:
+        raise ValueError(f"Accelerator(step_in_backward=True): {REFUSALS['processes']}")
+
+
 class BackwardStepper:
     """Hooks that step ``optimizer`` for each of its parameters when that parameter's gradient is ready."""
 

@@ -31,6 +31,7 @@ from mixprec.cli._common import (
     parse_precision,
     positive_float,
     positive_int,
+    z_loss_weight,
 )
 from mixprec.cli._config_file import add_config_arg, apply_config
 from mixprec.cli._epochs import EpochCallback, EpochChunks, evenly_spaced
@@ -179,23 +180,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--z-loss",
         metavar="W",
-        type=_z_loss_weight,
+        type=z_loss_weight,
         default=0.0,
         help="add W * mean(logsumexp(logits)^2) to the built-in GPT's loss, against output-logit divergence at "
         "high learning rates (1e-4 is the usual weight; default: 0, off)",
     )
     add_lora_args(parser)
-
-
-def _z_loss_weight(text: str) -> float:
-    """argparse type for --z-loss: a number in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1) such as 1e-4, got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1) such as 1e-4, got {text}")
-    return value
 
 
 # -- the run ----------------------------------------------------------------------------------------------
@@ -374,8 +364,19 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     eval_loss = last_eval[0]
 
     if _rundir.is_main():
-        _report(args, trainer, summary, eval_loss, baseline, info, training_args, train_dataset, eval_dataset,
-                run_dir, wall_start)  # fmt: skip
+        _report(
+            args,
+            trainer,
+            summary,
+            eval_loss,
+            baseline,
+            info,
+            training_args,
+            train_dataset,
+            eval_dataset,
+            run_dir,
+            wall_start,
+        )
     # every process, once the main one has written the run: leave the process group together (wait for the
     # others, let the backend's threads finish, then destroy it), not at interpreter exit (see
     # mixprec.strategies.process_group: a gloo worker thread racing the shutdown aborted 3 runs in 30)

@@ -33,6 +33,7 @@ from mixprec.trainer.args import TrainingArguments
 from mixprec.trainer.batches import loss_and_outputs
 from mixprec.trainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl
 from mixprec.trainer.configs import accelerator_kwargs
+from mixprec.trainer.constructor_checks import check_model, check_optimizer_arguments
 from mixprec.trainer.context import RunContext
 from mixprec.trainer.diagnosis import diagnose_at_start
 from mixprec.trainer.evaluation import EvalResult, check_compute_metrics, evaluation_loop
@@ -72,11 +73,7 @@ class Trainer:
         preprocess_logits_for_metrics: Any = None,
     ) -> None:  # HF's arguments, in HF's order (transformers 5)
         self.args = args if args is not None else TrainingArguments()
-        if optimizer_cls_and_kwargs is not None and optimizers[0] is not None:
-            raise ValueError(
-                "Trainer(optimizers=..., optimizer_cls_and_kwargs=...): pass one of them (an optimizer, or the "
-                "class and keyword arguments the Trainer builds it from)"
-            )
+        check_optimizer_arguments(model_init, optimizers, optimizer_cls_and_kwargs)
         self.compute_loss_func = compute_loss_func
         """HF's ``compute_loss_func(outputs, labels, num_items_in_batch=...)``: the loss from the model's
         outputs and the batch's labels, which are then not passed to the model."""
@@ -85,19 +82,10 @@ class Trainer:
         self._memory.start("init")
         # model_init (HF): a fresh model at every train(); also the model when none is given
         self.model_init = model_init
-        if model_init is not None and optimizers != (None, None):
-            raise ValueError(
-                "Trainer(model_init=..., optimizers=...): a model built by model_init needs its own optimizer; "
-                "leave optimizers out (optimizer_cls_and_kwargs=(cls, kwargs) builds one for each model), or "
-                "subclass Trainer and override create_optimizer"
-            )
         if model is None and model_init is not None:
             seed_run(self.args.seed, self.args.full_determinism)
             model = model_init()
-        if model is None:
-            raise ValueError("Trainer(model=None): pass the torch.nn.Module to train (or model_init=...)")
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"Trainer(model=...): expected a torch.nn.Module, got {type(model).__name__}")
+        check_model(model)
         self.args.validate()
         args = self.args
         check_datasets(args, train_dataset, eval_dataset)
@@ -351,8 +339,9 @@ class Trainer:
             if args.diagnose_at_start:
                 if self._model_prepared:
                     raise RuntimeError("diagnose_at_start measures the model before it is prepared: call train() first")
-                self.diagnosis = diagnose_at_start(acc, args, self.model, self.train_dataset, self.data_collator,
-                                                   self.record_event)  # fmt: skip
+                self.diagnosis = diagnose_at_start(
+                    acc, args, self.model, self.train_dataset, self.data_collator, self.record_event
+                )
         checkpointing, checkpointing_kwargs = args.checkpointing_requested()
         if checkpointing:
             enable_activation_checkpointing(acc.unwrap_model(self.model), checkpointing_kwargs)
@@ -362,11 +351,23 @@ class Trainer:
         self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
         handler = self.callback_handler
         handler.optimizer, handler.lr_scheduler, handler.train_dataloader = self.optimizer, self.lr_scheduler, loader
-        run = RunContext(acc, args, self.events, self.meter, model, self.optimizer, self.lr_scheduler, loader,
-                         compute_loss=self.compute_loss, training_step=self.training_step,
-                         evaluate=lambda: self._evaluate(None, None), log=self.log,
-                         resume_command=self.resume_command, diagnosis=self.diagnosis,
-                         memory=self._memory)  # fmt: skip
+        run = RunContext(
+            acc,
+            args,
+            self.events,
+            self.meter,
+            model,
+            self.optimizer,
+            self.lr_scheduler,
+            loader,
+            compute_loss=self.compute_loss,
+            training_step=self.training_step,
+            evaluate=lambda: self._evaluate(None, None),
+            log=self.log,
+            resume_command=self.resume_command,
+            diagnosis=self.diagnosis,
+            memory=self._memory,
+        )
         examples = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None  # a stream has none
         return fit(run, plan, checkpoint, self._loaders.train_stream, examples)
 
