@@ -89,10 +89,6 @@ class Summary:
         """Interquartile range (q3 - q1): robust to the one step a neighbour's job slowed down."""
         return self.q3 - self.q1
 
-    @property
-    def relative_spread(self) -> float:
-        return self.spread / self.median if self.median > 0 else 0.0
-
 
 def summarize(times: list[float]) -> Summary:
     """Median, quartiles (inclusive method: defined for any count >= 1), min and max of ``times``."""

@@ -104,15 +104,6 @@ class HookRegistry:
 
         self.add(module.register_forward_pre_hook(hook, with_kwargs=True))
 
-    def hook_param_grads(
-        self, named_params: list[tuple[str, nn.Parameter]], on_grad: Callable[[str, torch.Tensor], None]
-    ) -> None:
-        """Call ``on_grad(module_name, grad)`` when backward computes each parameter's gradient (before it
-        is accumulated into ``.grad``): the time order of backward, which the non-finite search needs."""
-        for owner, p in named_params:
-            if p.requires_grad:
-                self.add(p.register_hook(self._grad_hook(owner, lambda n, g, _: on_grad(n, g), id(p))))
-
     @staticmethod
     def _grad_hook(name: str, fn: GradFn, tensor_id: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:  # returns None: the gradient flows on unchanged

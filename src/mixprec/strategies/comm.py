@@ -85,10 +85,6 @@ class CommPrecision:
             return f"gradients travel in {self.name}"
         return f"comm_dtype {self.name} unused (one process: no gradients travel)" if self.compresses else ""
 
-    def bytes_per_element(self) -> int:
-        """Bytes each gradient element costs on the wire (per all-reduce, before the backend's own traffic)."""
-        return torch.empty((), dtype=self.wire_dtype).element_size()
-
 
 # torch's hooks, called through functions of other names: DDP refuses a hook *named* bf16_compress_hook unless
 # CUDA with NCCL >= 2.10 is present, yet gloo all-reduces bf16 on CPU (torch 2.13; what the CPU tests run).
