@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from mixprec import __version__
-from mixprec.cli.torchrun import main as torchrun_main
+from mixprec.cli import torchrun  # torch-free at import: torch's launcher loads when it runs
 
 # subcommand -> module; imported only when that subcommand runs (the modules import torch, which takes
 # seconds), so `mixprec --help` stays fast
@@ -97,7 +97,7 @@ def _command_in(argv: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [TORCHRUN]:
-        return torchrun_main(argv[1:])
+        return torchrun.main(argv[1:])
     parser = build_parser(_command_in(argv))
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
