@@ -43,10 +43,8 @@ from mixprec.precision.base import Precision
 from mixprec.strategies.comm import COMM_NAMES
 from mixprec.strategies.launch_env import LaunchEnv
 from mixprec.strategies.restarts import restarted_anywhere, restarted_by_launcher, restarts_allowed_on_several_nodes
-from mixprec.trainer.args import TrainingArguments
 from mixprec.trainer.optimizers import OPTIMIZER_NAMES
 from mixprec.trainer.signals import TrainingInterrupted
-from mixprec.trainer.trainer import Trainer
 
 # -- defaults, measured on the project's 2-core AMD EPYC (AVX2) machine, where "auto" picks fp32 ------------
 # 300 steps of 16 x 128 bytes (614K bytes: a fifth of the training split, so no chunk is seen twice) bring the
@@ -204,6 +202,9 @@ def _z_loss_weight(text: str) -> float:
 
 
 def _training_arguments(args: argparse.Namespace, precision: Precision, output_dir: Path) -> Any:
+    # deferred (start-up): the trainer's ~100 modules cost `mixprec train --help` 0.5-0.8 s; loaded to run
+    from mixprec.trainer.args import TrainingArguments
+
     return TrainingArguments(
         output_dir=str(output_dir),
         precision=precision,  # parsed once, at the edge: the Trainer's Accelerator runs this very strategy
@@ -330,6 +331,7 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     eval_dataset = _eval_subset(val_chunks, info.seq_len)
     baseline = unigram_entropy(_subset_tokens(eval_dataset))
     training_args = _training_arguments(args, precision, run_dir)
+    from mixprec.trainer.trainer import Trainer  # deferred (start-up), as TrainingArguments above
 
     epoch_what = "a full pass" if train_dataset.is_full_pass else f"{len(train_dataset) * info.seq_len:,} tokens"
     _emit(f"mixprec train: {info.model_description}")
