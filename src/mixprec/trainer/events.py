@@ -318,6 +318,7 @@ class WatchCallback(TrainerCallback):
             return
         metrics = Path(args.output_dir) / METRICS_FILE
         if args.save_plots and metrics.exists():
-            plot_headroom(series_from_log(read_metrics(metrics)), Path(args.output_dir), self.watch.fmt.name,
-                          self.watch.marks())  # fmt: skip
+            plot_headroom(
+                series_from_log(read_metrics(metrics)), Path(args.output_dir), self.watch.fmt.name, self.watch.marks()
+            )
         print("\n".join(self.watch.summary_lines()), file=sys.stderr, flush=True)

@@ -25,9 +25,12 @@ from mixprec.strategies.launch_env import LaunchEnv, select_device
 from mixprec.strategies.process_state import PartialState
 
 LEVELS = {
-    "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
     "critical": logging.CRITICAL,
-}  # fmt: skip
+}
 
 
 class ParallelMode(enum.Enum):
