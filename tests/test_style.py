@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = ["src", "tests", "benchmarks", "examples", "docs"]
+CODE = ["src", "tests", "benchmarks", "examples", "docs", "tools"]
 RUFF = [sys.executable, "-m", "ruff"]
 needs_ruff = pytest.mark.skipif(
     importlib.util.find_spec("ruff") is None, reason="ruff is in the test extra: pip install -e '.[test]'"

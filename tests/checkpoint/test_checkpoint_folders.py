@@ -13,7 +13,8 @@ import torch
 
 from mixprec import Accelerator, ProjectConfiguration
 from mixprec.checkpoint import atomic_dir, write_manifest
-from mixprec.checkpoint.folders import NumberedFolders, trainer_folders
+from mixprec.checkpoint.atomic import begin, temp_path
+from mixprec.checkpoint.folders import NumberedFolders, automatic_folders, trainer_folders
 
 
 def _write(root: Path, name: str, files: dict[str, str]) -> Path:
@@ -96,3 +97,15 @@ def test_accelerator_load_state_with_only_damaged_checkpoints_says_so(tmp_path: 
     _truncate(tmp_path / "checkpoints" / "checkpoint_0" / "accelerator.json")
     with pytest.raises(FileNotFoundError, match=r"no checkpoint_<n> folder .*1 incomplete or damaged"):
         acc.load_state()
+
+
+@pytest.mark.parametrize("folders", [trainer_folders, automatic_folders])
+def test_a_file_a_failed_save_was_writing_names_the_folder_it_was_for(tmp_path, folders) -> None:
+    # a full disk during an asynchronous save reports the file; the message names the checkpoint it was for
+    numbered = folders(tmp_path)
+    tmp = begin(numbered.folder(4))  # the unfinished folder, under atomic.py's own naming
+    assert numbered.unfinished_holding(tmp / "optimizer.pt") == numbered.folder(4)
+    assert numbered.unfinished_holding(temp_path(numbered.folder(12), "77-ab") / "sub" / "x.bin") == numbered.folder(12)
+    assert numbered.unfinished_holding(numbered.folder(4) / "optimizer.pt") is None  # a finished folder's file
+    assert numbered.unfinished_holding(begin(tmp_path / "other-3") / "x") is None  # not one of these folders
+    assert numbered.unfinished_holding(None) is None

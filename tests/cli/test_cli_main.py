@@ -109,6 +109,22 @@ def test_top_level_help_lists_every_subcommand_without_importing_torch():
         assert f"    {name} " in proc.stdout
 
 
+@pytest.mark.parametrize("command", ["replay", "export"])
+def test_help_of_a_subcommand_that_reads_a_file_does_not_wait_for_torch(command: str) -> None:
+    # replay and export defer their one heavy import into run() (tests/test_layers.py counts such imports):
+    # their --help answers without loading torch
+    code = (
+        "import sys, contextlib, io\n"
+        "from mixprec.cli.main import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+        f"    main([{command!r}, '--help'])\n"
+        "print('examples:' in out.getvalue(), 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert proc.stdout.split() == ["True", "False"]
+
+
 def test_mixprec_torchrun_hands_its_arguments_to_torchs_launcher_untouched(monkeypatch) -> None:
     import mixprec.cli.torchrun as launcher
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from mixprec.accelerator.step_in_backward import REFUSALS
+from mixprec.precision.registry import policy_name
 from mixprec.strategies import launch_env
 from mixprec.strategies.comm import make_comm
 from mixprec.strategies.peers import timeout_delta
@@ -95,8 +96,6 @@ class AcceleratorConfig:
         if self.mixed_precision is None:
             self.mixed_precision = launch_env.launcher_mixed_precision()
         if self.fp32_ops:
-            from mixprec.precision.registry import policy_name
-
             try:
                 self.mixed_precision = policy_name(self.mixed_precision, self.fp32_ops)
             except ValueError as err:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec.models.outputs import extract_loss
 from mixprec.optim.wrapped import WrappedOptimizer
 
 if TYPE_CHECKING:
@@ -91,8 +92,6 @@ def trial_loss(outputs: Any) -> torch.Tensor:
     models given labels, the built-in GPT), else the sum of its floating outputs, whose backward costs what
     the user's loss's does up to the loss function itself."""
     from torch.utils._pytree import tree_leaves
-
-    from mixprec.models.outputs import extract_loss
 
     try:
         return extract_loss(outputs)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec.precision.master_weights import MasterWeightsOptimizer
+
 if TYPE_CHECKING:
     from mixprec.precision.base import Precision
 
@@ -70,8 +72,6 @@ class BackwardStepper:
     def __init__(
         self, optimizer: torch.optim.Optimizer, precision: Precision, fence: Callable[[], None] | None = None
     ) -> None:
-        from mixprec.precision.master_weights import MasterWeightsOptimizer
-
         if isinstance(optimizer, MasterWeightsOptimizer):  # its masters' gradients are copied after backward
             raise ValueError(
                 f"Accelerator(step_in_backward=True): parameter {optimizer.first_name()!r} is "

@@ -10,6 +10,7 @@ from typing import Any
 from torch.utils import _pytree as pytree
 
 from mixprec.bench.result import BenchResult
+from mixprec.precision.decision import AutoDecision
 
 
 def _mib(n: int | None) -> str:
@@ -104,8 +105,6 @@ def format_table(result: BenchResult) -> str:
         )
     race = data.get("auto_race")
     if race:
-        from mixprec.precision.decision import AutoDecision
-
         out.append("auto's race on the first batch's training step (forward+backward), before the bench:")
         out.extend(f"  {line}" for line in AutoDecision.from_dict(race).table().splitlines())
     out.extend(f"note: {n}" for n in data["notes"])

@@ -210,5 +210,14 @@ def _tmp_prefix(target: Path) -> Path:
     return target.with_name(f".{target.name}.tmp-")
 
 
+def unfinished_target(path: str | os.PathLike[str]) -> str | None:
+    """The name of the target whose unfinished temporary folder (``.<name>.tmp-<tag>``, made by :func:`begin`)
+    is ``path`` or holds it, None otherwise: which folder a failed write was for (a full disk, say)."""
+    for part in reversed(Path(path).parts):
+        if part.startswith(".") and ".tmp-" in part:
+            return part[1:].rpartition(".tmp-")[0] or None
+    return None
+
+
 def _old_path(target: Path) -> Path:
     return target.with_name(f".{target.name}.old")

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mixprec.checkpoint.atomic import recover
+from mixprec.checkpoint.atomic import recover, unfinished_target
 from mixprec.checkpoint.folder_checks import META, folder_problem
 from mixprec.checkpoint.manifest import read_manifest
 from mixprec.checkpoint.safe_files import CheckpointError
@@ -93,6 +93,13 @@ class NumberedFolders:
     def folder(self, number: int) -> Path:
         """The path of folder ``number`` (which need not exist)."""
         return self.root / f"{self.prefix}{number}"
+
+    def unfinished_holding(self, filename: str | os.PathLike[str] | None) -> Path | None:
+        """The numbered folder whose unfinished copy holds ``filename`` (a file a failed save was writing), None
+        for any other file."""
+        name = unfinished_target(filename) if filename else None
+        number = self.number_of(name) if name else None
+        return self.folder(number) if number is not None else None
 
     def is_complete(self, path: str | os.PathLike[str]) -> bool:
         """Whether ``path`` looks complete (sizes only; :meth:`verify` reads every byte)."""

@@ -32,7 +32,7 @@ from mixprec.models import GPT, GPT_PRESETS
 from mixprec.precision.base import Precision
 from mixprec.precision.op_policy import OP_KINDS
 from mixprec.precision.registry import available_precisions, make_precision, policy_name
-from mixprec.trainer.optimizers import OPTIMIZER_NAMES, TORCHAO_OPTIMIZERS
+from mixprec.trainer.optimizers import OPTIMIZER_NAMES, TORCHAO_OPTIMIZERS, make_optimizer
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -132,8 +132,6 @@ def _refusal(precision: Precision, optim: str) -> str | None:
     """Why ``precision`` refuses the optimizer ``optim`` names (None: it takes it, or it cannot be built here,
     e.g. torchao missing, which building it for the run then says in its own words)."""
     from types import SimpleNamespace
-
-    from mixprec.trainer.optimizers import make_optimizer
 
     probe = torch.nn.Parameter(torch.zeros(1, device=precision.device))
     cfg = SimpleNamespace(

@@ -20,6 +20,7 @@ import torch
 
 from mixprec.cli._common import positive_float, positive_int
 from mixprec.cli.main import CliError
+from mixprec.models import GPT_PRESETS
 from mixprec.precision.base import Precision
 
 ALL_LINEAR = "all-linear"
@@ -67,8 +68,6 @@ class LoraPlan:
 def lora_plan(args: argparse.Namespace, precision: Precision) -> LoraPlan | None:
     """The checked LoRA flags, or None without --lora-r (checked before anything is loaded). Raises CliError
     naming the flag and the fix."""
-    from mixprec.models import GPT_PRESETS
-
     r = getattr(args, "lora_r", None)
     if r is None:
         for flag in ("lora_alpha", "lora_targets"):

@@ -15,11 +15,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mixprec.checkpoint import FolderInUseError, lock_folder
 from mixprec.checkpoint.atomic import write_atomically
 from mixprec.checkpoint.folders import trainer_folders
 from mixprec.cli._config_file import apply_config_file, dump_toml, explicit_flags
 from mixprec.cli.main import CliError
 from mixprec.models import GPT_PRESETS
+from mixprec.strategies.verdict import main_decides
 from mixprec.trainer.callbacks import TrainerCallback
 
 RUNS_DIR = "runs"
@@ -146,9 +148,6 @@ def lock_run_dir(run_dir: Path) -> Any:
     torchrun (the main one's verdict goes through the launcher's store, before any process group exists:
     mixprec.strategies.verdict), so none waits for a group the main process will never join."""
     import contextlib
-
-    from mixprec.checkpoint import FolderInUseError, lock_folder
-    from mixprec.strategies.verdict import main_decides
 
     held = main_decides(
         f"lock:{os.path.realpath(run_dir)}",

@@ -10,6 +10,9 @@ from typing import Any
 import torch
 
 from mixprec.bench import BenchConfig, Workload, format_table, run_bench, to_json, workload_from_dataset, write_chart
+from mixprec.bench.comm_bench import format_comm_table, run_comm_bench
+from mixprec.bench.runner import loss_of
+from mixprec.cli import torchrun
 from mixprec.cli._common import (
     add_data_model_args,
     check_output_file,
@@ -21,8 +24,11 @@ from mixprec.cli._config_file import explicit_flags
 from mixprec.cli._subcommand import Subcommand
 from mixprec.cli.main import CliError
 from mixprec.models import GPT_PRESETS
+from mixprec.precision.base import default_device
+from mixprec.precision.op_timing import measure_op_kinds
 from mixprec.precision.policy import POLICY_BASES
-from mixprec.precision.registry import canonical_name
+from mixprec.precision.registry import canonical_name, resolve_precision
+from mixprec.strategies.comm import make_comm
 
 # The default run must finish in well under a minute on 2 shared CPU cores, where one fp16 step of the
 # default model is ~10x an fp32 step: hence a small batch and few steps. Raise them for steadier numbers.
@@ -162,10 +168,6 @@ def _measured_base(policy: str | None) -> str | None:
 
 def _measure_policy(workload: Workload, base: str) -> Any:
     """Per-op-kind timing on a fresh copy of the model and the workload's first batch (mixprec.precision.op_timing)."""
-    from mixprec.bench.runner import loss_of
-    from mixprec.precision.base import default_device
-    from mixprec.precision.op_timing import measure_op_kinds
-
     device = default_device()
     model = workload.fresh_model(device)
     batch = {k: v.to(device) for k, v in workload.batches[0].items()}
@@ -193,8 +195,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_comm(args: argparse.Namespace) -> int:
     """--nproc-per-node: launch the processes (from the command line), or be one of them (under the launcher)."""
-    from mixprec.strategies.comm import make_comm
-
     comms = [c.strip() for c in args.comm_dtypes.split(",") if c.strip()]
     try:
         names = [make_comm(c, "--comm-dtypes").name for c in comms]
@@ -209,8 +209,6 @@ def _run_comm(args: argparse.Namespace) -> int:
             f"not {args.precisions!r}"
         )
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        from mixprec.cli import torchrun
-
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in _workload_args(args).items() if v is not None]
         flags += [
             f"--precisions={precisions[0]}",
@@ -228,9 +226,6 @@ def _run_comm(args: argparse.Namespace) -> int:
 
 def _comm_worker(args: argparse.Namespace, precision_name: str, comms: list[str]) -> int:
     import torch.distributed as dist
-
-    from mixprec.bench.comm_bench import format_comm_table, run_comm_bench
-    from mixprec.precision.registry import resolve_precision
 
     env_rank = int(os.environ.get("RANK", "0"))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else None

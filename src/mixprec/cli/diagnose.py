@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from mixprec.accelerator.accelerator import Accelerator
 from mixprec.cli._common import (
     add_data_model_args,
     check_output_file,
@@ -21,6 +22,8 @@ from mixprec.cli._common import (
     positive_int,
 )
 from mixprec.cli._subcommand import Subcommand
+from mixprec.diagnostics import diagnose
+from mixprec.models.outputs import extract_loss
 from mixprec.precision.base import default_device
 from mixprec.precision.formats import FORMATS
 
@@ -74,9 +77,6 @@ def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device
     first (same race, same rule), and make the recommendation the fastest of them (issue 29: diagnose
     recommended fp16 where bench measured fp16 at 0.10x fp32 and auto picked bf16). Costs a few
     forward+backward passes; the model is left as found (the race runs on a copy)."""
-    from mixprec import Accelerator
-    from mixprec.models.outputs import extract_loss
-
     log("racing the safe modes on one batch (what auto would pick here)")
     acc = Accelerator(mixed_precision="auto", device=device, verbose=False)
     copy_ = acc.prepare(copy.deepcopy(model))
@@ -99,8 +99,6 @@ def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device
 
 
 def run(args: argparse.Namespace) -> int:
-    from mixprec.diagnostics import diagnose  # heavy: only when this subcommand runs
-
     precision = parse_precision(args.precision, getattr(args, "fp32_ops", None))
     if args.plot is not None and not args.no_plot:
         check_output_file("--plot", args.plot)  # up front: not after the whole diagnosis

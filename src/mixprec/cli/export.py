@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from mixprec.cli._subcommand import Subcommand
+from mixprec.cli.main import CliError
 
 EPILOG = """\
 examples:
@@ -23,8 +24,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # deferred (start-up): torch loads only when the export runs, so `mixprec export --help` answers at once
     from mixprec.checkpoint.sharded import export_safetensors
-    from mixprec.cli.main import CliError
 
     if not str(args.output).endswith(".safetensors"):
         raise CliError(f"OUTPUT {args.output!r}: name a .safetensors file, e.g. {Path(args.folder).name}.safetensors")

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from mixprec import __version__
+from mixprec.cli import torchrun  # torch-free at import: torch's launcher loads when it runs
 
 # subcommand -> module; imported only when that subcommand runs (the modules import torch, which takes
 # seconds), so `mixprec --help` stays fast
@@ -96,9 +97,7 @@ def _command_in(argv: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [TORCHRUN]:
-        from mixprec.cli.torchrun import main as torchrun_main
-
-        return torchrun_main(argv[1:])
+        return torchrun.main(argv[1:])
     parser = build_parser(_command_in(argv))
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
@@ -118,10 +117,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors about the user's files rather than mixprec's code: a damaged checkpoint, a folder in use.
-    Imported here, not at the top, to keep `mixprec --help` free of torch."""
+    """Errors about the user's files rather than mixprec's code: a damaged checkpoint, a folder in use, a
+    peer that died or went silent (one line naming it)."""
+    # deferred (start-up): both packages import torch, which `mixprec --help` must not wait for; only the
+    # error path pays for them
     from mixprec.checkpoint import CheckpointError, FolderInUseError
-    from mixprec.strategies.peers import PeerLostError  # a peer died or went silent: one line naming it
+    from mixprec.strategies.peers import PeerLostError  # deferred (start-up), as the line above
 
     return (CheckpointError, FolderInUseError, PeerLostError)
 

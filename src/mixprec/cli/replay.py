@@ -9,6 +9,7 @@ import argparse
 import json
 
 from mixprec.cli._subcommand import Subcommand
+from mixprec.cli.main import CliError
 
 EPILOG = """\
 examples:
@@ -36,8 +37,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mixprec.cli.main import CliError
-    from mixprec.watch.replay import DEFAULT_TOL, replay  # heavy: only when this subcommand runs
+    # deferred (start-up): torch loads only when the replay runs, so `mixprec replay --help` answers at once
+    from mixprec.watch.replay import DEFAULT_TOL, replay
 
     if args.tol is not None and not args.tol > 0:
         raise CliError(f"--tol {args.tol}: the relative distance must be > 0, e.g. --tol {DEFAULT_TOL}")
@@ -51,8 +52,6 @@ def _check_device(name: str) -> None:
     """A device torch knows and this machine has, checked before the capsule is read (one line, not torch's
     traceback at the first tensor moved)."""
     import torch
-
-    from mixprec.cli.main import CliError
 
     try:
         device = torch.device(name)

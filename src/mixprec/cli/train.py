@@ -192,6 +192,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _training_arguments(args: argparse.Namespace, precision: Precision, output_dir: Path) -> Any:
+    # deferred (start-up): the trainer's ~100 modules cost `mixprec train --help` 0.5-0.8 s; loaded to run
     from mixprec.trainer.args import TrainingArguments
 
     return TrainingArguments(
@@ -320,8 +321,7 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     eval_dataset = _eval_subset(val_chunks, info.seq_len)
     baseline = unigram_entropy(_subset_tokens(eval_dataset))
     training_args = _training_arguments(args, precision, run_dir)
-
-    from mixprec.trainer.trainer import Trainer
+    from mixprec.trainer.trainer import Trainer  # deferred (start-up), as TrainingArguments above
 
     epoch_what = "a full pass" if train_dataset.is_full_pass else f"{len(train_dataset) * info.seq_len:,} tokens"
     _emit(f"mixprec train: {info.model_description}")

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from mixprec.loaders.dispatch import DispatchingLoader
 from mixprec.loaders.sharding import ShardedBatchSampler, epoch_seed
 from mixprec.tree import tree_map
 
@@ -220,8 +221,6 @@ def prepare_dataloader(
     processes (:mod:`mixprec.loaders.dispatch`)."""
     world = strategy.num_processes
     if world > 1 and _dispatched(loader, dispatch):
-        from mixprec.loaders.dispatch import DispatchingLoader
-
         return PreparedDataLoader(DispatchingLoader(loader, strategy), strategy.device, gradients, None, non_blocking)
     plan = _split_plan(loader, world)
     if plan is None:

@@ -21,6 +21,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from mixprec.models.causal_lm_output import CausalLMOutput
+from mixprec.models.chunked_loss import linear_cross_entropy
 from mixprec.models.gpt_config import GPT_PRESETS, GPTConfig
 
 __all__ = ["GPT"]
@@ -302,8 +303,6 @@ class GPT(nn.Module):
     def _chunked_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The shifted next-token loss through chunked_loss.py: the head's weight used directly (its module's
         forward, and hooks on it, do not run)."""
-        from mixprec.models.chunked_loss import linear_cross_entropy
-
         hidden = h[:, :-1, :].reshape(-1, h.size(-1))
         return linear_cross_entropy(
             hidden,

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from mixprec.precision.decision import AutoDecision
+from mixprec.tree import tree_leaves
 
 _OFF = {"0", "off", "false", "no", "none", ""}
 
@@ -57,8 +58,6 @@ def device_identity(device: torch.device) -> str:
 
 def shapes_of(tree: Any) -> list[str]:
     """Shapes and dtypes of the tensors in a nested batch (dicts, tuples, dataclasses...)."""
-    from mixprec.tree import tree_leaves
-
     return [f"{tuple(t.shape)}:{t.dtype}" for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 

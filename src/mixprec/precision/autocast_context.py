@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from mixprec.precision.base import Precision
+from mixprec.precision.registry import canonical_name, policy_name, resolve_precision
 
 
 def autocast(
@@ -27,8 +28,6 @@ def autocast(
     (its own ``autocast()``). Only the forward's context: fp16 still needs a loss scaler
     (``mixprec.GradScaler``). No host sync. "auto" has no step to measure here and is refused.
     """
-    from mixprec.precision.registry import canonical_name, policy_name, resolve_precision
-
     if isinstance(precision, Precision):
         if fp32_ops:
             raise ValueError("autocast(fp32_ops=...): pass the kinds in the precision's name, not beside an object")

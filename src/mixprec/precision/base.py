@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from mixprec.precision.formats import FloatFormat, format_of
 from mixprec.precision.master_weights import gather_grads, master_names, refresh_params, with_master_weights
+from mixprec.scaling.guard import NonFiniteGuard
+from mixprec.scaling.scaler import GradScaler
 from mixprec.tree import tree_map
-
-if TYPE_CHECKING:
-    from mixprec.scaling.scaler import GradScaler
 
 
 class PrecisionNotSupportedError(ValueError):
@@ -228,9 +227,6 @@ class Precision:
         """A new loss scaler for this mode: active for fp16; for every other mode a pass-through with the same
         interface that still skips a step whose gradients are non-finite (see
         :mod:`mixprec.scaling.guard`)."""
-        from mixprec.scaling.guard import NonFiniteGuard
-        from mixprec.scaling.scaler import GradScaler
-
         if self.needs_loss_scaling:
             return GradScaler(device=self.device, **scaler_kwargs)
         return NonFiniteGuard(**scaler_kwargs)

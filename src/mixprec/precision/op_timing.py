@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from mixprec.precision.base import Precision
 from mixprec.precision.op_policy import OP_KINDS, OpPolicy, kind_of
 from mixprec.precision.policy import POLICY_BASES, make_policy
+from mixprec.precision.race import BUDGET_SHARE
 
 # fp32 must be 5% faster than the low-precision kernel to be forced: a kind within the noise stays as autocast
 # runs it (torch's own choice), so a policy changes autocast only where the measurement shows a win (on the
@@ -281,8 +282,6 @@ def op_timing_skipped(run_steps: int | None) -> str:
     length unknown included): its shortest course (``SHORTEST_PASSES``) must fit in the race's budget share of
     the run (race.py's ``BUDGET_SHARE``), the most auto may spend measuring (issue 36: on a 60-step run the
     timing alone took 9% of the run, for a policy that came out uniform bf16)."""
-    from mixprec.precision.race import BUDGET_SHARE
-
     if run_steps is None or SHORTEST_PASSES <= BUDGET_SHARE * run_steps:
         return ""
     return (

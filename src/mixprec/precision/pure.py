@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from mixprec.optim import Bf16AdamW
 from mixprec.precision.base import PrecisionNotSupportedError
 from mixprec.precision.mixed import Bf16MixedPrecision
 
@@ -60,8 +61,6 @@ class PureBf16Precision(Bf16MixedPrecision):
         group dicts, so an LR scheduler built on the original keeps steering it); torchao's 8/4-bit AdamW
         (``optim="adamw_torch_8bit"``) keeps its quantised states and rounds the bf16 weights with its own
         stochastic rounding (about 6 bytes per parameter in all)."""
-        from mixprec.optim import Bf16AdamW
-
         if isinstance(optimizer, Bf16AdamW):  # the user's own: its rounding, not this mode's, is the truth
             self._note_rounding({g.get("rounding", self.rounding) for g in optimizer.param_groups})
             return optimizer

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from mixprec.precision import probe
 from mixprec.precision.auto import AutoPrecision
 from mixprec.precision.base import Precision, PrecisionNotSupportedError, default_device
 from mixprec.precision.formats import FloatFormat
@@ -203,9 +204,7 @@ def _guess_auto(device: torch.device) -> tuple[str, str]:
             return "bf16", f"auto on cuda {guessed}: the GPU supports bf16, which needs no loss scaling"
         return "fp16", f"auto on cuda {guessed}: no native bf16 on this GPU, so fp16 with loss scaling"
     if device.type == "cpu":
-        from mixprec.precision.probe import cpu_probe
-
-        result = cpu_probe()
+        result = probe.cpu_probe()  # through the module: a test (or a user) may replace it there
         return result.chosen, f"{result.explain()} ({guessed}: a stand-in for your model)"
     try:
         Fp16MixedPrecision.check_supported(device)

@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
+from mixprec.strategies.peers import open_early_store
+
 T = TypeVar("T")
 
 _KEY = "mixprec/verdict/"
@@ -91,6 +93,4 @@ def _with_subclasses(errors: tuple[type[Exception], ...]) -> list[type[Exception
 
 
 def _launcher_store(timeout_s: float, environ: Mapping[str, str]):  # noqa: ANN202 - a torch Store or None
-    from mixprec.strategies.peers import open_early_store
-
     return open_early_store(datetime.timedelta(seconds=timeout_s), environ)

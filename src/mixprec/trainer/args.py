@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from mixprec.accelerator.delegation import delegate
+from mixprec.accelerator.step_in_backward import REFUSALS
 from mixprec.precision.base import Precision
 from mixprec.precision.registry import canonical_name, hf_flags, may_scale_loss, policy_name
 from mixprec.strategies.comm import make_comm
@@ -226,8 +227,6 @@ class TrainingArguments(HFCompatFields):
         if self.max_grad_norm == 0:
             self.max_grad_norm = None
         if self.step_in_backward:
-            from mixprec.accelerator.step_in_backward import REFUSALS
-
             strategy = self.precision_strategy  # "auto" may choose fp16
             if strategy.may_scale_loss if strategy is not None else may_scale_loss(self.precision):
                 fail("step_in_backward", True, f"with precision={self.precision!r}: {REFUSALS['fp16']}")

@@ -21,14 +21,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mixprec.checkpoint import CheckpointError, DiskFullError, FolderLock, load_json, lock_folder
-from mixprec.checkpoint.folders import TRAINER_ARGS, TRAINER_EXTRA, TRAINER_PREFIX, TRAINER_STATE, trainer_folders
+from mixprec.checkpoint.folders import TRAINER_ARGS, TRAINER_EXTRA, TRAINER_STATE, trainer_folders
 from mixprec.checkpoint.manager import Keep
 from mixprec.loaders.from_datasets import DataPosition
 from mixprec.strategies.restarts import agree_on_number, restarted_anywhere
@@ -165,7 +164,8 @@ def _disk_full_explained(run: RunContext, name: str | None) -> Any:
         yield
     except DiskFullError as err:
         output_dir = run.args.output_dir
-        failed = name or _checkpoint_of(err.filename) or "a checkpoint"
+        unfinished = trainer_folders(output_dir).unfinished_holding(err.filename)
+        failed = name or (unfinished.name if unfinished is not None else "a checkpoint")
         last = latest_checkpoint(output_dir)
         intact = f"the previous checkpoint, {last}, is intact" if last else "no earlier checkpoint exists"
         raise DiskFullError(
@@ -175,12 +175,6 @@ def _disk_full_explained(run: RunContext, name: str | None) -> Any:
             f"{run.resume_command}",
             err.filename,
         ) from None
-
-
-def _checkpoint_of(filename: str | None) -> str | None:
-    """``checkpoint-N`` from a file inside its unfinished folder (``.checkpoint-N.tmp-<tag>/...``)."""
-    match = re.search(rf"\.({TRAINER_PREFIX}\d+)\.tmp-", filename or "")
-    return match.group(1) if match else None
 
 
 def load_trainer_checkpoint(run: RunContext, path: Path) -> DataPosition:

@@ -14,6 +14,8 @@ import math
 from dataclasses import FrozenInstanceError
 from typing import Any, ClassVar
 
+from mixprec.trainer.optimizers import OPTIMIZER_NAMES, parse_optim_args
+
 STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = (*STRATEGIES, "best")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "nanogpt_cosine")
@@ -134,8 +136,6 @@ class OptimConfig(ArgsView):
     )
 
     def __post_init__(self) -> None:
-        from mixprec.trainer.optimizers import OPTIMIZER_NAMES, parse_optim_args
-
         check_choice("optim", self.optim, OPTIMIZER_NAMES)
         parse_optim_args(self.optim, self.optim_args)
         if not self.learning_rate >= 0:

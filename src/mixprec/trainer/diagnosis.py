@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from mixprec.diagnostics.diagnose import diagnose
 from mixprec.loaders.from_datasets import make_loader
 from mixprec.precision.formats import FP16, FP32, format_named
 
@@ -38,12 +39,6 @@ def diagnose_at_start(
     """Diagnose ``model`` (not yet prepared) on the first batches of ``dataset``, apply the recommended
     initial loss scale (fp16), ``record`` the report (metrics.jsonl) and log it; return the Report. Costs a
     few forward/backward passes and host syncs, once."""
-    try:
-        from mixprec.diagnostics.diagnose import diagnose
-    except ImportError as err:
-        raise ValueError(
-            f"TrainingArguments(diagnose_at_start=True): mixprec.diagnostics is unavailable ({err})"
-        ) from err
     acc = accelerator
     loader = make_loader(dataset, args.per_device_train_batch_size, collator, shuffle=False, seed=0)
     # judged by the narrowest format the run may compute in (its own; "auto"'s narrowest candidate), fp32 by fp16's

@@ -48,6 +48,7 @@ from mixprec.trainer.callbacks import (
 )
 from mixprec.trainer.logging import METRICS_FILE, JsonlLogger, read_metrics
 from mixprec.trainer.state import TrainerState
+from mixprec.watch.plot import plot_headroom, series_from_log
 
 if TYPE_CHECKING:
     from mixprec.accelerator.accelerator import Accelerator
@@ -317,8 +318,6 @@ class WatchCallback(TrainerCallback):
             return
         metrics = Path(args.output_dir) / METRICS_FILE
         if args.save_plots and metrics.exists():
-            from mixprec.watch.plot import plot_headroom, series_from_log
-
             plot_headroom(
                 series_from_log(read_metrics(metrics)), Path(args.output_dir), self.watch.fmt.name, self.watch.marks()
             )

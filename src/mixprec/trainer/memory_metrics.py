@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from mixprec.bench.memory import proc_status_bytes, reset_peak_rss
+
 
 class MemoryMetrics:
     """Measures one stage at a time; does nothing when ``enabled`` is False (HF's default)."""
@@ -37,8 +39,6 @@ class MemoryMetrics:
         """Begin measuring ``stage`` (ignored inside another stage)."""
         if not self.enabled or self._stage is not None:
             return
-        from mixprec.bench.memory import proc_status_bytes, reset_peak_rss  # only when asked for
-
         self._stage = stage
         self._begin = {}
         rss = proc_status_bytes("VmRSS")
@@ -80,8 +80,6 @@ class MemoryMetrics:
         self.stop(stage, measured)
 
     def _measure(self, stage: str) -> dict[str, int]:
-        from mixprec.bench.memory import proc_status_bytes
-
         out: dict[str, int] = {}
         if "cpu" in self._begin:
             now, peak = proc_status_bytes("VmRSS"), proc_status_bytes("VmHWM")

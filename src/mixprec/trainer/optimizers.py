@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from mixprec.optim.anyprecision import AnyPrecisionAdamW
 from mixprec.precision.torchao_extra import import_torchao
 
 _TRUE = ("y", "yes", "t", "true", "on", "1")  # HF's strtobool
@@ -153,8 +154,6 @@ def make_optimizer(groups: list[dict[str, Any]], cfg: Any) -> torch.optim.Optimi
         optim_mod = import_torchao(f"optim={cfg.optim!r}", "torchao.optim")
         return getattr(optim_mod, TORCHAO_OPTIMIZERS[cfg.optim])(groups, **adam, **options)
     if cfg.optim == "adamw_anyprecision":
-        from mixprec.optim.anyprecision import AnyPrecisionAdamW
-
         return AnyPrecisionAdamW(groups, **adam, **options)
     return torch.optim.SGD(groups, lr=cfg.learning_rate, **options)
 

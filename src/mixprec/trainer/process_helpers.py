@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from mixprec.strategies.launch_env import LaunchEnv, select_device
+from mixprec.strategies.process_state import PartialState
 
 LEVELS = {
     "debug": logging.DEBUG,
@@ -123,8 +124,6 @@ class ProcessHelpers:
         if self.world_size == 1:
             yield
             return
-        from mixprec.strategies.process_state import PartialState
-
         state = PartialState(cpu=self.use_cpu)
         first = state.local_main_process_first() if local else state.main_process_first()
         with first:

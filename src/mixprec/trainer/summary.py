@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec._version import __version__
+from mixprec.trainer import plots
 from mixprec.trainer.phase_clock import format_breakdown
 from mixprec.trainer.state import STATE_FILE, TrainOutput
 
@@ -177,9 +179,7 @@ def finish_run(run: RunContext, steps_before: int) -> TrainOutput:
     if acc.is_main_process:
         write_summary(summary, args.output_dir)
         if args.save_plots and events.metrics_path is not None:
-            from mixprec.trainer.plots import plot_run
-
-            plot_run(events.metrics_path, args.output_dir)
+            plots.plot_run(events.metrics_path, args.output_dir)  # through the module, where a test replaces it
         print(format_summary(summary), file=sys.stderr, flush=True)
     sections = set(summary)
     events.fire("on_train_end", summary=summary)
@@ -265,8 +265,6 @@ def model_card(
 ) -> str:
     """A model card in HF's shape: YAML front matter, what was trained and how, the evaluation results and
     the framework versions. Only what the run knows; nothing is made up."""
-    from mixprec._version import __version__
-
     front = {"library_name": "transformers", "tags": ["mixprec", *_list(tags)]}
     for key, value in (("license", license), ("language", language), ("base_model", finetuned_from)):
         if value:

@@ -31,6 +31,7 @@ from mixprec.checkpoint.atomic import atomic_dir
 from mixprec.checkpoint.folders import trainer_folders
 from mixprec.checkpoint.manifest import file_digest
 from mixprec.checkpoint.safe_files import CheckpointError, load_json, load_tensors, save_json, save_tensors
+from mixprec.models import GPT, GPTConfig
 
 FORMAT = "mixprec-capsule/1"
 META = "capsule.json"
@@ -149,8 +150,6 @@ def _whole_hash(meta: dict[str, Any]) -> str:
 def model_spec(model: nn.Module) -> dict[str, Any]:
     """How ``mixprec replay`` rebuilds the model: the built-in GPT's config, a transformers model's class and
     config, or only the class name (then the replay needs the model passed in from Python)."""
-    from mixprec.models import GPT
-
     if isinstance(model, GPT):
         return {"kind": "mixprec.gpt", "config": dataclasses.asdict(model.config)}
     config = getattr(model, "config", None)
@@ -163,8 +162,6 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
     """The model a capsule's spec describes, freshly initialised (its weights come from the capsule)."""
     kind = spec.get("kind")
     if kind == "mixprec.gpt":
-        from mixprec.models import GPT, GPTConfig
-
         return GPT(GPTConfig(**spec["config"]))
     if kind == "transformers":
         import transformers

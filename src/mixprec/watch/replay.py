@@ -28,6 +28,7 @@ from torch import nn
 from mixprec.diagnostics.hooks import HookRegistry, display_name
 from mixprec.diagnostics.nonfinite import find_first_nonfinite
 from mixprec.models.outputs import extract_loss
+from mixprec.precision.registry import make_precision
 from mixprec.watch.capsule import Capsule, build_model
 from mixprec.watch.fallback import run_in_fp32
 
@@ -130,8 +131,6 @@ def replay(
 
 
 def _prepared_copy(base: nn.Module, name: str, device: torch.device, fallbacks: list[str]) -> tuple[nn.Module, Any]:
-    from mixprec.precision.registry import make_precision
-
     precision = make_precision(name, device)
     model = precision.convert_module(copy.deepcopy(base).to(device))
     for module in fallbacks:

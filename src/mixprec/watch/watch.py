@@ -40,6 +40,7 @@ from mixprec.watch.attribution import SkipAttribution, StepRecorder, attribute_s
 from mixprec.watch.badstep import BadSteps
 from mixprec.watch.headroom import HeadroomSampler, Sample
 from mixprec.watch.numerics import NumericsChecks, NumericsWarning
+from mixprec.watch.plot import plot_headroom, series_from_samples
 from mixprec.watch.settings import WatchConfig
 from mixprec.watch.stagnation import stagnation_fixes
 from mixprec.watch.summary_text import summary_lines
@@ -385,8 +386,6 @@ class PrecisionWatch:
 
     def plot(self, path: str | Path) -> Path:
         """Write the per-layer headroom plot of the samples kept in memory (see :mod:`mixprec.watch.plot`)."""
-        from mixprec.watch.plot import plot_headroom, series_from_samples
-
         return plot_headroom(series_from_samples(self.samples), Path(path), self.fmt.name, self.marks())
 
     def marks(self) -> dict[str, list[tuple[int, str]]]:
