@@ -40,7 +40,7 @@ _JSON_SCALARS = (bool, int, float, str, type(None))
 
 @dataclass
 class Capsule:
-    """A capsule read back (see the module docstring); tensors on the CPU."""
+    """A capsule read back (its files: :mod:`mixprec.watch.capsule`); tensors on the CPU."""
 
     folder: Path
     meta: dict[str, Any]
