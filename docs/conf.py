@@ -80,7 +80,8 @@ nitpick_ignore = [
 
 html_theme = "furo"
 html_title = f"mixprec {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["mixprec.css"]  # the HF fields table's columns
 pygments_style = "friendly"
 pygments_dark_style = "monokai"
 
