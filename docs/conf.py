@@ -32,7 +32,7 @@ extensions = [
     "example_diff",
 ]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
-exclude_patterns = ["_build", "_ext", "ARCHITECTURE.md"]
+exclude_patterns = ["_build", "_ext", "_shots", "ARCHITECTURE.md"]  # _shots: screenshots of the built site
 smartquotes = False  # "--flag" stays two hyphens
 myst_heading_anchors = 3
 
