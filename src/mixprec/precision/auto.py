@@ -109,10 +109,12 @@ class AutoPrecision(Precision):
 
     @property
     def compute_dtype(self) -> torch.dtype:  # type: ignore[override]
+        """The current mode's (the safest candidate's before the race, a trial's during it, then the choice's)."""
         return self.current.compute_dtype
 
     @property
     def param_dtype(self) -> torch.dtype:  # type: ignore[override]
+        """The current mode's (the safest candidate's before the race, a trial's during it, then the choice's)."""
         return self.current.param_dtype
 
     @property

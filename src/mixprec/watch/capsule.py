@@ -50,10 +50,12 @@ class Capsule:
 
     @property
     def step(self) -> int:
+        """The optimizer step the capsule holds."""
         return int(self.meta["step"])
 
     @property
     def precision(self) -> str:
+        """The precision the run computed that step in."""
         return str(self.meta["precision"])
 
     @classmethod
