@@ -123,6 +123,7 @@ class AutoPrecision(Precision):
 
     @property
     def reason(self) -> str:  # type: ignore[override]
+        """Where the decision stands: not decided yet, racing as the run's steps, or the decision explained."""
         names = ", ".join(p.name for p in self.candidates)
         if self._in_run is not None:
             return f"auto: racing {names} as the run's training steps ({self._in_run.steps} so far)"
