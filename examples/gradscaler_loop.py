@@ -35,5 +35,4 @@ for step, batch in enumerate(train_dataloader):
         break
 
 record = scaler.record  # what each step did, read without a host sync
-print(f"loss {loss.item():.3f}, scale {scaler.get_scale():g}, "
-      f"skipped {record.skipped_steps} of {record.steps} steps")
+print(f"loss {loss.item():.3f}, scale {scaler.get_scale():g}, skipped {record.skipped_steps} of {record.steps} steps")
