@@ -32,7 +32,7 @@ extensions = [
     "example_diff",
 ]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
-exclude_patterns = ["_build", "_ext", "ARCHITECTURE.md"]
+exclude_patterns = ["_build", "_ext", "_shots", "ARCHITECTURE.md"]  # _shots: screenshots of the built site
 smartquotes = False  # "--flag" stays two hyphens
 myst_heading_anchors = 3
 
@@ -90,6 +90,7 @@ nitpick_ignore = (
 
 html_theme = "furo"
 html_title = f"mixprec {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["mixprec.css"]  # the HF fields table's columns
 pygments_style = "friendly"
 pygments_dark_style = "monokai"

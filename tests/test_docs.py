@@ -97,6 +97,24 @@ def test_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
     problems = [line for line in done.stderr.splitlines() if "WARNING" in line or "ERROR" in line]
     assert done.returncode == 0, "\n".join(problems or done.stderr.splitlines()[-20:])
     assert (tmp_path / "index.html").is_file() and (tmp_path / "api" / "training_arguments.html").is_file()
+    empty = empty_reference_entries(tmp_path)
+    assert not empty, f"reference entries that say nothing (a member with no docstring): {empty}"
+
+
+# an autodoc entry: its signature (<dt id="mixprec....">) and its description (<dd>...</dd>)
+ENTRY = re.compile(r'<dt class="sig[^"]*" id="(mixprec\.[^"]+)">.*?</dt>\s*<dd>(.*?)</dd>', re.S)
+
+
+def empty_reference_entries(html: Path) -> list[str]:
+    """The entries of the built reference (html/api/*.html) whose description is empty: a member without a
+    docstring shows as a bare signature. A constructor's separated signature (``__init__``) has none by design:
+    the class's docstring above it describes it."""
+    return [
+        name
+        for page in sorted((html / "api").glob("*.html"))
+        for name, body in ENTRY.findall(page.read_text())
+        if not re.sub(r"<[^>]+>", "", body).strip() and not name.endswith(".__init__")
+    ]
 
 
 # -- the guides' code blocks ------------------------------------------------------------------------------

@@ -36,10 +36,12 @@ def _cell(text: str, literal: bool = False) -> nodes.entry:
 
 class HfFieldsTable(Directive):
     def run(self) -> list[nodes.Node]:
-        table = nodes.table()
+        # the page's width, split as the colspecs say (and docs/_static/mixprec.css): left to the browser, the
+        # notes' long identifiers widened the table past the page and the notes column was cut off (issue 37)
+        table = nodes.table(classes=["colwidths-given", "hf-fields"], width="100%")
         group = nodes.tgroup(cols=4)
         table += group
-        for width in (22, 12, 12, 54):
+        for width in (30, 13, 13, 44):
             group += nodes.colspec(colwidth=width)
         head = nodes.thead()
         row = nodes.row()

@@ -60,24 +60,24 @@ logger = logging.getLogger("mixprec.accelerator")
 class Accelerator:
     """Mixed precision, loss scaling, gradient accumulation and distribution for a hand-written loop.
 
-    Args: see :class:`~mixprec.accelerator.config.AcceleratorConfig` (``mixed_precision=None``: what
-    ``accelerate launch`` set, else "no", as HF Accelerate). Raises ValueError for an unknown precision name
-    (listing the valid ones) and :class:`~mixprec.precision.base.PrecisionNotSupportedError` for a mode the
-    device cannot run.
-    ``watch``: a precision watch for the prepared model: its setting (``50``, ``"fallback"``...; see
-    :mod:`mixprec.watch.settings`) or a watch (a ``PrecisionWatch``, or any object with ``attach`` and
-    ``watch_optimizer``: :class:`~mixprec.watch.host.HostedWatch`), reachable as ``accelerator.watch``; off (None)
-    by default.
-    ``project_dir`` / ``project_config``: where ``save_state()`` with no path writes (see
-    :class:`~mixprec.accelerator.project.ProjectConfiguration`). ``gradient_accumulation_plugin``: a
-    :class:`~mixprec.accelerator.gradients.GradientAccumulationPlugin`, instead of ``gradient_accumulation_steps``.
-    ``dataloader_config``: accelerate's :class:`~mixprec.loaders.data_config.DataLoaderConfiguration`
-    (the settings that mean mixprec's own split are accepted, the others refused by name).
-    accelerate's own ``ProjectConfiguration`` / ``GradientAccumulationPlugin`` / ``DataLoaderConfiguration`` are
-    taken too, and ``kwargs_handlers=[GradScalerKwargs(...), DistributedDataParallelKwargs(...), ...]`` become
-    the arguments they mean (:mod:`~mixprec.accelerator.accelerate_compat`).
-    ``comm_dtype``: the dtype gradients travel in between processes ("bf16": half the bytes; see
-    :mod:`mixprec.strategies.comm`).
+    Its settings are the fields of :class:`~mixprec.accelerator.config.AcceleratorConfig`, one docstring each
+    (``mixed_precision``: a name, or a :class:`~mixprec.precision.base.Precision` already made; None: what
+    ``accelerate launch`` set, else "no", as HF Accelerate). Besides them:
+
+    - ``watch``: the prepared model's precision watch (``accelerator.watch``; None: off): a setting (``50``,
+      ``"fallback"``...: :mod:`mixprec.watch.settings`), or a watch already made (a ``PrecisionWatch``, or any
+      object with ``attach`` and ``watch_optimizer``: :class:`~mixprec.watch.host.HostedWatch`).
+    - ``project_dir`` / ``project_config``: where ``save_state()`` with no path writes
+      (:class:`~mixprec.accelerator.project.ProjectConfiguration`).
+    - ``gradient_accumulation_plugin``: a :class:`~mixprec.accelerator.gradients.GradientAccumulationPlugin`.
+    - ``dataloader_config``: accelerate's :class:`~mixprec.loaders.data_config.DataLoaderConfiguration`.
+    - ``kwargs_handlers``: accelerate's ``[GradScalerKwargs(...), DistributedDataParallelKwargs(...), ...]``,
+      read as the arguments they mean (:mod:`~mixprec.accelerator.accelerate_compat`); accelerate's own
+      ``ProjectConfiguration`` / ``GradientAccumulationPlugin`` / ``DataLoaderConfiguration`` are taken too.
+    - ``log_with``: accelerate's experiment trackers (TensorBoard, MLflow, W&B), for ``init_trackers`` / ``log``.
+
+    Raises ValueError for an unknown precision name (listing the valid ones) and
+    :class:`~mixprec.precision.base.PrecisionNotSupportedError` for a mode the device cannot run.
     """
 
     def __init__(
@@ -240,15 +240,17 @@ class Accelerator:
         return applied
 
     def settle_precision(self, loss_fn: Callable[[], torch.Tensor], batch: Any = None, **facts: Any) -> Any:
-        """Decide a precision still to be decided ("auto") on ``loss_fn``, a real step's forward returning its loss
-        (the Trainer calls it; a hand-written loop's first training forward does), told ``facts`` about the run
-        (``run_steps``, ``unsafe_formats``: see the precision's ``settle``). Returns its decision, or None."""
+        """Decide a precision still to be decided ("auto") on ``loss_fn``, one forward of a real batch returning its
+        loss, told ``facts`` (``run_steps``: the run's forward+backward passes, ``unsafe_formats``; see
+        :meth:`~mixprec.Precision.settle`). The Trainer calls it; a loop's first training forward decides without
+        it, aside: call it first with ``run_steps`` to race as the run's steps. Returns the decision, or None."""
         return self._precision.settle(
             loss_fn, self._registry.models, batch=batch, passes_per_step=self.gradient_accumulation_steps, **facts
         )
 
     @property
     def device(self) -> torch.device:
+        """This process's device: where prepared models, batches and the loss scaler live."""
         return self._strategy.device
 
     @property
@@ -260,6 +262,7 @@ class Accelerator:
 
     @property
     def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (``accumulate``; ``backward`` divides the loss by it); settable."""
         return self._gradients.accumulation_steps
 
     @gradient_accumulation_steps.setter

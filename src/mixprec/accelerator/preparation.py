@@ -123,6 +123,9 @@ class Preparation:
         return any(m is model for m in self.registry.models)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+        """``optimizer`` converted for the precision (fp32 masters of 16-bit weights; bf16-pure's Bf16AdamW) and
+        stepped through its loss scaler: ``step()`` unscales, checks and skips a non-finite step, and does nothing
+        while accumulating."""
         if isinstance(optimizer, PreparedOptimizer):
             return optimizer
         self._strategy.follow_replaced_parameters(optimizer)  # FSDP2: the sharded parameters
@@ -138,6 +141,7 @@ class Preparation:
         return prepared
 
     def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
+        """``scheduler``, advanced as accelerate's: not while accumulating, nor after a skipped step."""
         if isinstance(scheduler, PreparedScheduler):
             return scheduler
         target = getattr(scheduler, "optimizer", None)
@@ -147,6 +151,7 @@ class Preparation:
         return prepared
 
     def prepare_data_loader(self, loader: DataLoader) -> PreparedDataLoader:
+        """``loader``, its batches on the device (and split across processes when there are several)."""
         if isinstance(loader, PreparedDataLoader):
             return loader
         prepared = prepare_dataloader(

@@ -139,11 +139,13 @@ class CheckpointManager:
     # -- hooks ---------------------------------------------------------------------------------------
 
     def register_save_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """``hook(models, weights, output_dir)`` before a save writes (``Accelerator.register_save_state_pre_hook``)."""
         handle = RemovableHandle(self._save_hooks)
         self._save_hooks[handle.id] = hook
         return handle
 
     def register_load_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """``hook(models, input_dir)`` before a load (``Accelerator.register_load_state_pre_hook``)."""
         handle = RemovableHandle(self._load_hooks)
         self._load_hooks[handle.id] = hook
         return handle

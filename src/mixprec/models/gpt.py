@@ -197,10 +197,12 @@ class GPT(nn.Module):
         self._checkpoint_kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
 
     def gradient_checkpointing_disable(self) -> None:
+        """Turn activation checkpointing off again (HF's name)."""
         self.gradient_checkpointing = False
 
     @property
     def is_gradient_checkpointing(self) -> bool:
+        """Whether blocks recompute their activations in backward (HF's name)."""
         return self.gradient_checkpointing
 
     def estimate_flops_per_token(self, seq_len: int | None = None) -> int:

@@ -110,10 +110,12 @@ class AutoPrecision(Precision):
 
     @property
     def compute_dtype(self) -> torch.dtype:  # type: ignore[override]
+        """The current mode's (the safest candidate's before the race, a trial's during it, then the choice's)."""
         return self.current.compute_dtype
 
     @property
     def param_dtype(self) -> torch.dtype:  # type: ignore[override]
+        """The current mode's (the safest candidate's before the race, a trial's during it, then the choice's)."""
         return self.current.param_dtype
 
     @property
@@ -122,6 +124,7 @@ class AutoPrecision(Precision):
 
     @property
     def reason(self) -> str:  # type: ignore[override]
+        """Where the decision stands: not decided yet, racing as the run's steps, or the decision explained."""
         names = ", ".join(p.name for p in self.candidates)
         if self._in_run is not None:
             return f"auto: racing {names} as the run's training steps ({self._in_run.steps} so far)"

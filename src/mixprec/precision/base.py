@@ -45,17 +45,21 @@ class Precision:
     """
 
     name: ClassVar[str] = ""
+    """The canonical name ("fp32", "fp16", "bf16:fp32_ops=attention"...; "auto" until it decides)."""
     compute_dtype: ClassVar[torch.dtype] = torch.float32
+    """The dtype the forward's low-precision ops compute in (torch.float32 for full precision)."""
     param_dtype: ClassVar[torch.dtype] = torch.float32
+    """The dtype the optimizer's weights are held in (bfloat16 for the pure bf16 modes)."""
     needs_loss_scaling: ClassVar[bool] = False
-    # Whether precision="auto" may choose this mode by speed. Modes that trade accuracy or memory for speed
-    # beyond autocast's (pure bf16, fp8) are a user's decision, not a timing's.
+    """Whether the loss is scaled (fp16 and its policies): ask this, never compare the name."""
     auto_candidate: ClassVar[bool] = False
-    # Order of numerical safety among auto's candidates (0 safest): a faster mode must beat every safer one
-    # by the margin, so ties go to the safer mode.
+    """Whether precision="auto" may choose this mode by speed. Modes that trade accuracy or memory for speed
+    beyond autocast's (pure bf16, fp8) are a user's decision, not a timing's."""
     safety_rank: ClassVar[int] = 0
-    # HF's (fp16, bf16) TrainingArguments flags for this mode: the autocast mode it is (a policy is its base)
+    """Order of numerical safety among auto's candidates (0 safest): a faster mode must beat every safer one
+    by the margin, so ties go to the safer mode."""
     hf_flags: ClassVar[tuple[bool, bool]] = (False, False)
+    """HF's (fp16, bf16) TrainingArguments flags for this mode: the autocast mode it is (a policy: its base's)."""
 
     def __init__(self, device: torch.device | str | None = None, reason: str = "") -> None:
         self.device = torch.device(device) if device is not None else default_device()
@@ -294,6 +298,8 @@ class Precision:
         return self.scaler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s output (a state saved under a mode without loss scaling: fp16's scale
+        starts afresh, its step record goes on)."""
         if "nonfinite_guard" in state and self.needs_loss_scaling:  # resumed into fp16 from another mode
             self.scaler.record.load_state_dict(state["record"])  # the scale starts afresh; the record goes on
             return

@@ -122,14 +122,17 @@ class AutoDecision:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-ready (what checkpoints, ``train_summary.json`` and the cache hold)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AutoDecision:
+        """Rebuild from :meth:`to_dict`'s output; keys this version does not know are skipped."""
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def with_source(self, source: str) -> AutoDecision:
+        """A copy whose ``source`` says where the decision came from ("measured", "cache", "main process"...)."""
         return AutoDecision(**{**asdict(self), "source": source})
 
 

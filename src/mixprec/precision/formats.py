@@ -83,5 +83,5 @@ def format_named(name: str) -> FloatFormat:
 
 
 def loss_scale_for(fmt: FloatFormat, scale_exp: int) -> float:
-    """The loss scale a run in ``fmt`` uses: 2^``scale_exp`` where the format scales the loss, else 1."""
+    """The loss scale a run in ``fmt`` uses: ``2 ** scale_exp`` where the format scales the loss, else 1."""
     return float(2**scale_exp) if fmt.loss_scaled else 1.0

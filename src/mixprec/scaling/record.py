@@ -46,6 +46,7 @@ class ScaleRecord:
         self.history = deque(self.history, maxlen=self.history_size)
 
     def add(self, scale_used: float, skipped: bool, scale_after: float) -> StepEntry:
+        """Record one optimizer step (the scaler calls it; no host sync): its scale, whether it was skipped."""
         entry = StepEntry(self.steps, scale_used, skipped)
         self.history.append(entry)
         self.steps += 1
@@ -76,6 +77,7 @@ class ScaleRecord:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the counts and history of :meth:`state_dict`'s output."""
         self.history_size = int(state.get("history_size", self.history_size))
         self.steps = int(state["steps"])
         self.skipped_steps = int(state["skipped_steps"])

@@ -193,6 +193,7 @@ class AcceleratorState(PartialState):
 
     @property
     def mixed_precision(self) -> str:
+        """The precision's name ("auto" until it decides, then the chosen mode's), as accelerate's."""
         return self._precision.name
 
     def __repr__(self) -> str:

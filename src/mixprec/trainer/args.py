@@ -308,26 +308,32 @@ class TrainingArguments(HFCompatFields):
 
     @property
     def precision_config(self) -> PrecisionConfig:
+        """The precision fields as one frozen view (the precision, the loss scaler's knobs), checked."""
         return PrecisionConfig(self)
 
     @property
     def optimization(self) -> OptimConfig:
+        """The optimizer's fields as one frozen view (optim, learning rate, betas, clipping...), checked."""
         return OptimConfig(self)
 
     @property
     def schedule(self) -> ScheduleConfig:
+        """The run's length and learning-rate schedule as one frozen view (epochs, max_steps, warmup), checked."""
         return ScheduleConfig(self)
 
     @property
     def evaluation(self) -> EvalConfig:
+        """The evaluation fields as one frozen view (when to evaluate, the best-model metric), checked."""
         return EvalConfig(self)
 
     @property
     def checkpointing(self) -> CheckpointConfig:
+        """The checkpoint fields as one frozen view (when to save, how many to keep), checked."""
         return CheckpointConfig(self)
 
     @property
     def logging(self) -> LoggingConfig:
+        """The logging fields as one frozen view (what is logged, how often, and where), checked."""
         return LoggingConfig(self)
 
     # -- HF's fields and process helpers: parts built on access, each name delegated --------------------
@@ -410,6 +416,7 @@ class TrainingArguments(HFCompatFields):
         return {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in self.to_dict().items()}
 
     def to_json_string(self) -> str:
+        """:meth:`to_dict` as indented JSON, keys sorted (as HF)."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod

@@ -50,10 +50,12 @@ class ExportableState:
     ``state()`` returns ``{"args": <constructor kwargs>, "attributes": <attributes set afterwards>}``."""
 
     def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the callback, in the form above (a subclass defines it)."""
         raise NotImplementedError(f"{type(self).__name__} must implement state() to be saved with checkpoints")
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Any:
+        """The callback :meth:`state` describes: built from its ``args``, then its ``attributes`` set."""
         instance = cls(**state.get("args", {}))
         for key, value in state.get("attributes", {}).items():
             setattr(instance, key, value)
@@ -101,6 +103,7 @@ class TrainerControl(ExportableState):
     _new_step = new_step
 
     def state(self) -> dict[str, Any]:
+        """The switches, for a checkpoint (HF's ``ExportableState``)."""
         switches = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
         return {"args": {name: getattr(self, name) for name in switches}, "attributes": {}}
 
@@ -277,6 +280,7 @@ class EarlyStoppingCallback(TrainerCallback, ExportableState):
         """Evaluations in a row that did not improve on the best metric."""
 
     def check_metric_value(self, args: Any, state: Any, control: TrainerControl, metric_value: float) -> None:
+        """Count an evaluation that does not beat the best metric by ``early_stopping_threshold`` (HF's)."""
         best = state.best_metric
         if best is None:
             self.early_stopping_patience_counter = 0

@@ -51,7 +51,7 @@ class Seq2SeqTrainingArguments(TrainingArguments):
 
 
 class Seq2SeqTrainer(Trainer):
-    """The Trainer with HF's generation-based evaluation (see the module docstring)."""
+    """The Trainer with HF's generation-based evaluation (how: :mod:`mixprec.trainer.seq2seq`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -61,6 +61,7 @@ class TrainerState:
                 setattr(self, f"{kind}_steps", resolve_steps(value, max_steps))
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field, as plain data (HF's ``TrainerState`` has the same)."""
         return dataclasses.asdict(self)
 
     def save_to_json(self, json_path: str | Path) -> None:

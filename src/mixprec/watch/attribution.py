@@ -52,6 +52,7 @@ class SkipAttribution:
     """For "gradients": every module owning a non-finite gradient."""
 
     def message(self) -> str:
+        """The line the ``mixprec.watch`` logger prints for this skipped step."""
         if self.module is None:
             where = f"modules with non-finite gradients: {', '.join(self.modules) or 'none found'}"
         else:
@@ -59,6 +60,7 @@ class SkipAttribution:
         return f"precision watch: step {self.step} skipped (loss scale {self.loss_scale:g}); {where}"
 
     def to_dict(self) -> dict[str, Any]:
+        """The record written to ``metrics.jsonl`` and the run's summary."""
         return asdict(self)
 
 

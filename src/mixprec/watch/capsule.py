@@ -41,7 +41,7 @@ _JSON_SCALARS = (bool, int, float, str, type(None))
 
 @dataclass
 class Capsule:
-    """A capsule read back (see the module docstring); tensors on the CPU."""
+    """A capsule read back (its files: :mod:`mixprec.watch.capsule`); tensors on the CPU."""
 
     folder: Path
     meta: dict[str, Any]
@@ -51,10 +51,12 @@ class Capsule:
 
     @property
     def step(self) -> int:
+        """The optimizer step the capsule holds."""
         return int(self.meta["step"])
 
     @property
     def precision(self) -> str:
+        """The precision the run computed that step in."""
         return str(self.meta["precision"])
 
     @classmethod

@@ -23,7 +23,8 @@ class WatchHost(Protocol):
     each step: "auto" decides on the first) and where checkpoints pick up the watch's state."""
 
     @property
-    def device(self) -> torch.device: ...
+    def device(self) -> torch.device:
+        """Where the model runs: the watch's readings and step record are kept there."""
 
     @property
     def scaler(self) -> Any:
@@ -34,7 +35,8 @@ class WatchHost(Protocol):
         """The precision strategy running the step (its ``name``, and ``compute_format``: the range measured)."""
 
     @property
-    def num_processes(self) -> int: ...
+    def num_processes(self) -> int:
+        """Processes training together: capsules and the skip replay run in one process only."""
 
     @property
     def project_dir(self) -> str | os.PathLike[str] | None:

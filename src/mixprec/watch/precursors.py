@@ -67,6 +67,7 @@ class InstabilityWarning:
     """For log_partition: the z-loss weight the model already trains with (None: it has no such setting)."""
 
     def message(self) -> str:
+        """The warning's line, as the ``mixprec.watch`` logger prints it."""
         if self.signal == "attention_logit":
             what = f"the largest attention logit in {self.where!r} reached {self.value:.1f} (> {self.threshold:g})"
             remedy = REMEDIES[self.signal]
@@ -82,6 +83,7 @@ class InstabilityWarning:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """The record written to ``metrics.jsonl`` and the run's summary."""
         return {"kind": "instability", **asdict(self)}
 
 

@@ -96,6 +96,7 @@ class ReplayResult:
     first: Divergence | None
 
     def message(self) -> str:
+        """What the replay found, in the lines ``mixprec replay`` prints."""
         head = (
             f"step {self.step} ({self.reason}) replayed: loss {self.loss:.6g} in {self.precision}, "
             f"{self.loss_fp32:.6g} in fp32"
@@ -104,6 +105,7 @@ class ReplayResult:
         return f"{head}\n{tail}"
 
     def to_dict(self) -> dict[str, Any]:
+        """The finding as plain data (``mixprec replay --json``)."""
         return asdict(self)
 
 

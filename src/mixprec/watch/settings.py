@@ -1,7 +1,7 @@
 """What the precision watch does, parsed in one place from every way a user can ask for it.
 
 ``TrainingArguments(precision_watch=...)``, ``Accelerator(watch=...)`` and ``mixprec train --watch ...`` all
-accept the same values, and all go through :meth:`WatchConfig.parse`:
+accept the same values, and all go through :meth:`~mixprec.WatchConfig.parse`:
 
 - ``None``, ``False``, ``0``, ``"off"``: no watch (the default; nothing is hooked, nothing costs);
 - ``N`` (an int, or a string of digits): sample every N optimizer steps, warn and attribute skips;

@@ -74,12 +74,14 @@ class StagnationWarning:
     """What keeps the updates under the run's precision (``mixprec.watch.stagnation.stagnation_fixes``)."""
 
     def message(self) -> str:
+        """The warning's line, as the ``mixprec.watch`` logger prints it."""
         return (
             f"precision watch: layer {self.layer!r} is not learning at step {self.step}: {self.stagnant:.0%} of "
             f"its updates round away in {self.dtype} (smaller than half an ulp of the weight); {self.fixes}"
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """The record written to ``metrics.jsonl`` and the run's summary."""
         return {"kind": "stagnation", **asdict(self)}
 
 

@@ -34,6 +34,7 @@ class HeadroomWarning:
     """The format the run computes in when it is not ``fmt`` (an fp32 run watched against fp16: a what-if)."""
 
     def message(self) -> str:
+        """The warning's line, as the ``mixprec.watch`` logger prints it."""
         when = f"about {self.steps_left} steps left" if self.steps_left is not None else "no trend yet"
         rate = f", losing {self.slope:.3g} binades/step" if self.slope else ""
         what_if = self.computes_in is not None and self.computes_in != self.fmt
@@ -45,6 +46,7 @@ class HeadroomWarning:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """The record written to ``metrics.jsonl`` and the run's summary."""
         return asdict(self)
 
 

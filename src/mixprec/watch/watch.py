@@ -14,7 +14,7 @@ How it follows the run without hooks in the loop: one forward pre-hook on the pr
 training forward begin (grad mode on, module in train mode), and the loss scaler's step record (host state,
 no sync) says when an optimizer step was taken and whether it was skipped. A step begins at the first forward
 after the previous step was recorded; it ends when the record grows (at the next forward, or when the
-Trainer's callback or :meth:`PrecisionWatch.sync` asks).
+Trainer's callback or :meth:`~mixprec.PrecisionWatch.sync` asks).
 
 Cost per step when not sampling: one Python hook call, a dict of the batch's references and a copy of the CPU
 RNG state (~5 KB). Every ``every`` steps, a sampled step (see :mod:`mixprec.watch.headroom`: one host sync).
@@ -60,7 +60,8 @@ _KEPT = 1000  # samples and attributions kept in memory (the Trainer's metrics.j
 
 
 class PrecisionWatch:
-    """Watches one prepared model's ranges during training; see the module docstring.
+    """Watches one prepared model's ranges during training (how it follows the run, and what that costs:
+    :mod:`mixprec.watch.watch`).
 
     ``PrecisionWatch(every=50, fallback=True)`` or ``PrecisionWatch(WatchConfig(...))``; then
     ``watch.attach(accelerator, model)`` (``Accelerator(watch=...)`` does it in ``prepare``; any
