@@ -191,7 +191,6 @@ class Accelerator:
         self._accelerate_state = SharedState.start(
             device=dev, accumulation=self._gradients.plugin_kwargs, timeout=self.config.timeout
         )
-        # it attaches itself to the model in prepare_model, this Accelerator its host (mixprec.watch.host)
         self.watch: HostedWatch | None = watch if watch is None or hasattr(watch, "attach") else _built_watch(watch)
         self._report()
 
@@ -240,10 +239,9 @@ class Accelerator:
         return applied
 
     def settle_precision(self, loss_fn: Callable[[], torch.Tensor], batch: Any = None, **facts: Any) -> Any:
-        """Decide a precision still to be decided ("auto") on ``loss_fn``, one forward of a real batch returning its
-        loss, told ``facts`` (``run_steps``: the run's forward+backward passes, ``unsafe_formats``; see
-        :meth:`~mixprec.Precision.settle`). The Trainer calls it; a loop's first training forward decides without
-        it, aside: call it first with ``run_steps`` to race as the run's steps. Returns the decision, or None."""
+        """Decide a precision still to be decided ("auto") on ``loss_fn`` (one forward of a real batch, returning its
+        loss), told ``facts`` (``run_steps``: the run's passes, ``unsafe_formats``; :meth:`~mixprec.Precision.settle`).
+        The Trainer calls it; a loop's first forward decides aside (call this first to race in-run). Returns it."""
         return self._precision.settle(
             loss_fn, self._registry.models, batch=batch, passes_per_step=self.gradient_accumulation_steps, **facts
         )

@@ -4,7 +4,7 @@
 safest candidate (fp32); ``settle(loss_fn, models)`` races every candidate on ``loss_fn`` — the user's own
 forward and backward on the first training batch (see :mod:`~mixprec.precision.race`) — and from then on
 every hook delegates to the chosen strategy. The Trainer calls ``settle`` before its first step; in a
-hand-written Accelerator loop the prepared model calls it at its first training forward.
+hand-written Accelerator loop the prepared model's first training forward calls :meth:`begin_step`.
 
 Nothing of the race reaches training: each trial restores gradients, buffers and RNG states (see
 :mod:`~mixprec.precision.trial`), so the run after the decision is bit-identical to one that asked for the
@@ -30,15 +30,7 @@ from mixprec.precision.master_weights import master_names
 from mixprec.precision.op_timing import measure_op_kinds, op_timing_budget, op_timing_skipped, policy_candidate
 from mixprec.precision.policy import make_policy
 from mixprec.precision.probe import emulated_candidates
-from mixprec.precision.race import (
-    ROUNDS,
-    Agree,
-    Clock,
-    Unfinished,
-    decide,
-    decide_steps,
-    recheck,
-)
+from mixprec.precision.race import ROUNDS, Agree, Clock, Unfinished, decide, decide_steps, recheck
 from mixprec.precision.race_step import SCALE_BACKOFF, Optimizers, RaceSteps
 from mixprec.precision.trial import no_trace, race_clock, run_trial
 
