@@ -52,6 +52,7 @@ from mixprec.strategies.strategy import DistributedStrategy
 from mixprec.tracking.trackers import Trackers
 
 if TYPE_CHECKING:
+    from mixprec.precision.compile_choice import CompileFigures
     from mixprec.watch.host import HostedWatch
 
 logger = logging.getLogger("mixprec.accelerator")
@@ -241,9 +242,11 @@ class Accelerator:
         """Decide a precision still to be decided ("auto") on ``loss_fn``, a real step's forward returning its loss
         (the Trainer calls it; a hand-written loop's first training forward does), told ``facts`` about the run
         (``run_steps``, ``unsafe_formats``: see the precision's ``settle``). Returns its decision, or None."""
-        return self._precision.settle(
-            loss_fn, self._registry.models, batch=batch, passes_per_step=self.gradient_accumulation_steps, **facts
-        )
+        steps = self.gradient_accumulation_steps
+        return self._precision.settle(loss_fn, self._registry.models, batch=batch, passes_per_step=steps, **facts)
+
+    def note_compile(self, figures: CompileFigures) -> None:  # what compiling cost: "auto"'s decision keeps it
+        self._precision.note_compile(figures)  # (mixprec.trainer.compile_gate; not a delegate: auto overrides it)
 
     @property
     def device(self) -> torch.device:

@@ -31,6 +31,7 @@ from mixprec.precision.master_weights import gather_grads, master_names, refresh
 from mixprec.tree import tree_map
 
 if TYPE_CHECKING:
+    from mixprec.precision.compile_choice import CompileFigures
     from mixprec.scaling.scaler import GradScaler
 
 
@@ -210,6 +211,10 @@ class Precision:
     def decision_record(self) -> dict[str, Any] | None:
         """What "auto" measured and chose, for a checkpoint; None for a mode asked for by name."""
         return None
+
+    def note_compile(self, figures: CompileFigures) -> None:
+        """What compiling measured on this run (:mod:`mixprec.trainer.compile_gate`): "auto" records it in its
+        decision and cache; a named mode, compiled as asked, keeps no record (the run's summary reports it)."""
 
     def adopt_recorded(self, saved_name: str, record: Mapping[str, Any] | None) -> None:
         """At resume: a named mode keeps its name; a change from the checkpoint's precision is said aloud."""
