@@ -213,7 +213,7 @@ class Precision:
         return None
 
     def note_compile(self, figures: CompileFigures) -> None:
-        """What compiling measured on this run (:mod:`mixprec.trainer.compile_gate`): "auto" records it in its
+        """What compiling measured on this run (``mixprec.trainer.compile_gate``): "auto" records it in its
         decision and cache; a named mode, compiled as asked, keeps no record (the run's summary reports it)."""
 
     def adopt_recorded(self, saved_name: str, record: Mapping[str, Any] | None) -> None:
