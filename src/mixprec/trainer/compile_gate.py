@@ -51,7 +51,8 @@ TIMED_STEPS = 3
 
 def compile_model(model: torch.nn.Module, args: TrainingArguments) -> None:
     """``model.compile()`` in place (torch's ``nn.Module.compile``: the module object stays the user's), with
-    ``torch_compile_backend`` and ``torch_compile_mode``. Costs nothing until the next call compiles."""
+    ``torch_compile_backend`` and ``torch_compile_mode``. The next call compiles; this one is cheap but for a
+    process's first, which imports dynamo and inductor (3-11 s on this CPU under load)."""
     kwargs = {"backend": args.torch_compile_backend, "mode": args.torch_compile_mode}
     model.compile(**{k: v for k, v in kwargs.items() if v is not None})
 
