@@ -31,9 +31,18 @@ def fresh_dynamo():
 
 
 def _run(tmp_path, name: str, steps: int, precision: str) -> tuple[Trainer, dict]:
-    args = TrainingArguments(output_dir=str(tmp_path / name), report_to="none", disable_tqdm=True, save_plots=False,
-                             max_steps=steps, precision=precision, torch_compile=True, torch_compile_backend="eager",
-                             save_strategy="no", logging_steps=1)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path / name),
+        report_to="none",
+        disable_tqdm=True,
+        save_plots=False,
+        max_steps=steps,
+        precision=precision,
+        torch_compile=True,
+        torch_compile_backend="eager",
+        save_strategy="no",
+        logging_steps=1,
+    )
     trainer = Trainer(make_model(), args, train_dataset=make_examples(96))
     return trainer, trainer.train().metrics
 

@@ -154,8 +154,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="dtype gradients travel in between processes under torchrun: fp32 (default), bf16 (half the bytes), fp16",
     )
-    g.add_argument("--compile", action="store_true", help="torch.compile the model; under --precision auto (the "
-                   "default) only where the gain measured on its first steps wins back the compile time over the run")
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model; under --precision auto (the "
+        "default) only where the gain measured on its first steps wins back the compile time over the run",
+    )
     g.add_argument(
         "--gradient-checkpointing",
         action="store_true",
@@ -375,8 +379,19 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     eval_loss = last_eval[0]
 
     if _rundir.is_main():
-        _report(args, trainer, summary, eval_loss, baseline, info, training_args, train_dataset, eval_dataset,
-                run_dir, wall_start)  # fmt: skip
+        _report(
+            args,
+            trainer,
+            summary,
+            eval_loss,
+            baseline,
+            info,
+            training_args,
+            train_dataset,
+            eval_dataset,
+            run_dir,
+            wall_start,
+        )
     # every process, once the main one has written the run: leave the process group together (wait for the
     # others, let the backend's threads finish, then destroy it), not at interpreter exit (see
     # mixprec.strategies.process_group: a gloo worker thread racing the shutdown aborted 3 runs in 30)

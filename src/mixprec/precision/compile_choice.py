@@ -105,11 +105,15 @@ class CompileFigures:
         if self.verdict == UNFINISHED:
             return f"compile: no verdict, the run ended first: {self.compile_s:.1f} s to compile; {self.steps_text()}"
         if self.source != "measured" and self.verdict != SKIPPED:  # an earlier run's, before this run's verdict
-            return (f"compile: an earlier run ({self.source}) measured {self.steps_text()} and "
-                    f"{self.compile_s or 0.0:.1f} s to compile; there: {self.verdict}")  # fmt: skip
+            return (
+                f"compile: an earlier run ({self.source}) measured {self.steps_text()} and "
+                f"{self.compile_s or 0.0:.1f} s to compile; there: {self.verdict}"
+            )
         if self.verdict == SKIPPED:
-            return (f"compile: skipped: the {self.source}'s figures ({self.steps_text()}, {self.compile_s:.1f} s "
-                    f"to compile) cannot pay over this run: {self.weighed()}")  # fmt: skip
+            return (
+                f"compile: skipped: the {self.source}'s figures ({self.steps_text()}, {self.compile_s:.1f} s "
+                f"to compile) cannot pay over this run: {self.weighed()}"
+            )
         if self.verdict == ASKED:
             took = f"{self.compile_s:.1f} s to compile" if self.compile_s is not None else "not compiled yet"
             return f"compile: {ASKED} (a named precision): {took}; {self.steps_text()}"

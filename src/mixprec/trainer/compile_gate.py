@@ -159,7 +159,7 @@ class CompileGate:
     # -- the verdicts --------------------------------------------------------------------------------
 
     def _read_prior(self, decision: AutoDecision) -> None:
-        """"auto" has decided (at the step that starts the gate, or a later one: a race of one candidate is
+        """ "auto" has decided (at the step that starts the gate, or a later one: a race of one candidate is
         decided at once but chooses at its end): figures an earlier run measured may skip the compile."""
         self._prior_read = True
         if self._phase != self._EAGER:
@@ -169,8 +169,9 @@ class CompileGate:
         # asked of every process, figures or none (each reads its own cache): skipped only if all say so
         if self._agree(prior is not None and prior.cannot_pay(steps_left)) and prior is not None:
             source = prior.source if prior.source != "measured" else decision.source  # "cache", or "checkpoint"
-            figures = CompileFigures(SKIPPED, prior.eager_step_s, prior.compiled_step_s, prior.compile_s,
-                                     steps_left, source=source)  # fmt: skip
+            figures = CompileFigures(
+                SKIPPED, prior.eager_step_s, prior.compiled_step_s, prior.compile_s, steps_left, source=source
+            )
             self._settle(figures)
 
     def _finish(self, verdict: str, compiled_s: float | None, compile_s: float | None, steps_left: int) -> None:
