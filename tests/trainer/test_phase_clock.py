@@ -26,6 +26,24 @@ def test_compile_time_is_reported_apart_and_taken_out_of_the_step(monkeypatch):
     assert out["step_ms"]["other"] == 50.0  # the 0.5 s no phase claimed
 
 
+def test_an_evaluations_compile_is_taken_out_of_the_evaluation_not_the_training_steps(monkeypatch):
+    """--compile on the tiny GPT: its first evaluation compiled again (5.3 s of 26.3 s), and the summary took
+    all of it out of the training steps: forward+backward 0.00 ms, training steps 0.0 s."""
+    compiled = [0.0]
+    monkeypatch.setattr(phase_clock, "compile_seconds", lambda: compiled[0])
+    clock = PhaseClock()
+    compiled[0] = 4.0
+    clock.lap("forward_backward")  # the first steps compiled for 4 s
+    compiled[0] = 6.0
+    clock.lap("evaluation")  # the evaluation for 2 s
+    clock.seconds["forward_backward"] = 5.0  # 10 steps: 4 s of compile and 1 s of steps
+    clock.seconds["evaluation"] = 2.5  # 2 s of compile and 0.5 s of evaluation
+    out = clock.breakdown(runtime=7.5, steps=10, race_seconds=0.0)
+    assert out["run_seconds"]["compile"] == 6.0
+    assert out["run_seconds"]["evaluation"] == 0.5 and out["run_seconds"]["training_steps"] == 1.0
+    assert out["step_ms"]["forward_backward"] == 100.0
+
+
 def test_a_trainer_run_says_where_its_time_went(tmp_path):
     args = TrainingArguments(
         output_dir=str(tmp_path),

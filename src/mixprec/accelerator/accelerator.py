@@ -30,7 +30,7 @@ import torch
 
 from mixprec.accelerator import accelerate_compat
 from mixprec.accelerator.accelerate_compat import SharedState, accumulation_plugin, adopt, autocast_for, read_handlers
-from mixprec.accelerator.config import AcceleratorConfig
+from mixprec.accelerator.config import AcceleratorConfig, named_argument
 from mixprec.accelerator.delegation import delegate
 from mixprec.accelerator.gradients import GradientAccumulationPlugin, GradientState
 from mixprec.accelerator.preparation import Preparation
@@ -52,6 +52,7 @@ from mixprec.strategies.strategy import DistributedStrategy
 from mixprec.tracking.trackers import Trackers
 
 if TYPE_CHECKING:
+    from mixprec.precision.compile_choice import CompileFigures
     from mixprec.watch.host import HostedWatch
 
 logger = logging.getLogger("mixprec.accelerator")
@@ -122,7 +123,7 @@ class Accelerator:
         non_blocking = non_blocking or self.dataloader_config.non_blocking
         given = mixed_precision if isinstance(mixed_precision, Precision) else None  # the edge: made before, kept
         if given is not None:
-            _named(lambda: policy_name(given.name, fp32_ops, made=given), fp32_ops, "fp32_ops")
+            named_argument(lambda: policy_name(given.name, fp32_ops, made=given), fp32_ops, "fp32_ops")
         self.config = AcceleratorConfig(
             mixed_precision if given is None else given.name,
             gradient_accumulation_steps,
@@ -146,7 +147,7 @@ class Accelerator:
         env = LaunchEnv.from_environ()
         dev = select_device(self.config.device, self.config.cpu, env)
         spec = given if given is not None else self.config.mixed_precision  # before any process group: fails fast
-        self._precision: Precision = _named(lambda: precision_for(spec, dev, processes=env.world_size), spec)
+        self._precision: Precision = named_argument(lambda: precision_for(spec, dev, processes=env.world_size), spec)
         self._strategy = make_strategy(
             self.config.distributed,
             env,
@@ -245,6 +246,9 @@ class Accelerator:
         return self._precision.settle(
             loss_fn, self._registry.models, batch=batch, passes_per_step=self.gradient_accumulation_steps, **facts
         )
+
+    def note_compile(self, figures: CompileFigures) -> None:  # what compiling cost: "auto"'s decision keeps it
+        self._precision.note_compile(figures)  # (mixprec.trainer.compile_gate; not a delegate: auto overrides it)
 
     @property
     def device(self) -> torch.device:
@@ -433,14 +437,6 @@ class Accelerator:
             f"Accelerator(mixed_precision={self.mixed_precision!r}, device={str(self.device)!r}, "
             f"distributed={self._strategy.name!r}, num_processes={self.num_processes})"
         )
-
-
-def _named(parse: Callable[[], Any], value: Any, argument: str = "mixed_precision") -> Any:
-    """The precision registry's answer, with the Accelerator's argument named in its message."""
-    try:
-        return parse()
-    except ValueError as err:  # PrecisionNotSupportedError too: keep its type
-        raise type(err)(f"Accelerator({argument}={value!r}): {err}") from None
 
 
 def _built_watch(setting: Any) -> HostedWatch | None:

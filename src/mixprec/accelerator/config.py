@@ -164,3 +164,11 @@ def scheduler_rule(config: AcceleratorConfig, num_processes: int) -> dict[str, A
         )
     one = config.split_batches or config.scheduler_counts_optimizer_steps
     return {"with_optimizer": config.step_scheduler_with_optimizer, "per_step": 1 if one else num_processes}
+
+
+def named_argument(parse: Callable[[], Any], value: Any, argument: str = "mixed_precision") -> Any:
+    """The precision registry's answer, with the Accelerator's argument named in its message."""
+    try:
+        return parse()
+    except ValueError as err:  # PrecisionNotSupportedError too: keep its type
+        raise type(err)(f"Accelerator({argument}={value!r}): {err}") from None

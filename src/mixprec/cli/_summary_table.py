@@ -122,6 +122,8 @@ def summary_rows(
     )
     if "time" in summary:  # issue 36: where the training time went
         rows.extend(breakdown_rows(summary["time"]))
+    if summary.get("compile"):  # issue 36 item 4: what compiling cost, and whether it was kept
+        rows.append(("compile", summary["compile"]["explain"].removeprefix("compile: ")))
     rows.append(("run folder", run_dir))
     return rows
 

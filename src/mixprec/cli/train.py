@@ -155,7 +155,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="dtype gradients travel in between processes under torchrun: fp32 (default), bf16 (half the bytes), fp16",
     )
-    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model; under --precision auto (the "
+        "default) only where the gain measured on its first steps wins back the compile time over the run",
+    )
     g.add_argument(
         "--gradient-checkpointing",
         action="store_true",

@@ -24,6 +24,7 @@ import torch
 
 from mixprec.precision import auto_cache
 from mixprec.precision.base import Precision
+from mixprec.precision.compile_choice import CompileFigures
 from mixprec.precision.decision import AutoDecision, excluded_by_format
 from mixprec.precision.inrun import InRunRace, in_run_plan
 from mixprec.precision.master_weights import master_names
@@ -64,6 +65,8 @@ class AutoPrecision(Precision):
         self._in_run: RaceSteps | None = None  # its steps are transactions (race_step.py)
         self._optimizers = Optimizers()  # the converted ones: an in-run race step that raises puts them back
         self._stepped: Precision | None = None  # the mode that ran the last optimizer step
+        self.cache_key: str | None = None  # the race's key in the cache (auto_cache.py); None with the cache off
+        self._compile_asked = False  # the run compiles where it pays: an earlier run's figures join the decision
         # a measured per-op policy joins the race where bf16 autocast is a candidate (op_timing.py)
         # (MIXPREC_AUTO_OP_POLICY=0 races the uniform modes only, as MIXPREC_AUTO_CACHE=0 turns the cache off)
         if op_policy is None:
@@ -278,6 +281,7 @@ class AutoPrecision(Precision):
         run_steps: int | None = None,
         in_run: bool | None = None,
         passes_per_step: int = 1,
+        compile_asked: bool = False,
     ) -> AutoDecision | None:
         """Race the candidates on ``loss_fn`` (one forward of the real step, returning its loss) and adopt
         the winner; return the decision. A no-op once decided. ``excluded`` names candidates that may not win,
@@ -290,7 +294,8 @@ class AutoPrecision(Precision):
         ``in_run`` races as the run's own first steps instead (inrun.py; returns None: the decision comes at
         the optimizer step that ends the race, and each step must begin with :meth:`begin_step`). By default
         it does when the run is known (``run_steps`` forward+backward passes, ``passes_per_step`` to a
-        step) and not among the shortest (inrun.py's ``in_run_plan``), and every candidate keeps fp32 weights."""
+        step) and not among the shortest (inrun.py's ``in_run_plan``), and every candidate keeps fp32 weights.
+        ``compile_asked``: the run compiles where it pays; what that cost before, in the chosen mode, joins it."""
         if self.decision is not None or self._in_run is not None:
             return self.decision
         clock_name = "given clock"
@@ -304,6 +309,7 @@ class AutoPrecision(Precision):
         names = [p.name for p in self.candidates]
         key_names = [*names, "op-policy"] if op_policy else names
         key = auto_cache.fingerprint(self.device, models, auto_cache.shapes_of(batch), key_names, self.processes)
+        self.cache_key, self._compile_asked = (key if use_cache else None), compile_asked
         cached = auto_cache.lookup(key) if use_cache else None
         if op_policy and cached is not None and cached.chosen not in names and cached.chosen.startswith(_POLICY_BASE):
             self._add_candidate(make_policy(cached.chosen, self.device))  # a cached race's policy
@@ -350,26 +356,15 @@ class AutoPrecision(Precision):
             if self.prefilter and alone:
                 excluded.update({k: v for k, v in emulated_candidates(self.candidates).items() if k not in excluded})
             op_report = op_timing_skipped(run_steps) if op_policy else ""  # a short run: not worth its cost
-            if (
-                op_policy
-                and not op_report
-                and _POLICY_BASE not in excluded
-                and len(names) == len(by_name)
-                and not any(":" in n for n in names)
-            ):
-                self._trying = by_name[_POLICY_BASE]  # its forward is not the step that settles (pending)
-                try:
-                    budget = op_timing_budget(run_steps)
-                    report = measure_op_kinds(loss_fn, self.device, _POLICY_BASE, budget_s=budget)
-                finally:
-                    self._trying = None
-                op_report = report.explain()
-                policy = policy_candidate(report, self.device)
+            uniform = len(names) == len(by_name) and not any(":" in n for n in names)  # no policy raced yet
+            if op_policy and not op_report and _POLICY_BASE not in excluded and uniform:
+                with self._selecting(by_name[_POLICY_BASE]):  # its forward is not the step that settles (pending)
+                    report = measure_op_kinds(loss_fn, self.device, _POLICY_BASE, budget_s=op_timing_budget(run_steps))
+                op_report, policy = report.explain(), policy_candidate(report, self.device)
                 if policy is not None:
                     self._add_candidate(policy)
                     names = [p.name for p in self.candidates]  # safest first: fp32, the policy, bf16, ...
-                    by_name[policy.name] = policy
-                    scales[policy.name] = 1.0
+                    by_name[policy.name], scales[policy.name] = policy, 1.0
             steps_left = None if run_steps is None else run_steps // max(1, passes_per_step)
             fp32_weights = all(p.param_dtype == torch.float32 for p in self.candidates)  # any may take a step
             in_run, rounds = in_run_plan(steps_left, len(names), rounds, in_run, fp32_weights)
@@ -414,12 +409,22 @@ class AutoPrecision(Precision):
                 f"{self.device} ({', '.join(by_name)}); resume with precision={decision.chosen!r} on a device "
                 "that runs it, or start a new run"
             )
+        if self._compile_asked and self.cache_key and not decision.compile:  # what compiling it cost before
+            decision = auto_cache.with_cached_compile(self.cache_key, decision)
         self._chosen = by_name[decision.chosen]
         self._chosen.reason = decision.explain()
         self.decision = decision
         self._in_run = self._trying = None  # a resume's decision ends a race running as the steps
         if self._announce is not None:
             self._announce()
+
+    def note_compile(self, figures: CompileFigures) -> None:
+        """This run's compile verdict (trainer/compile_gate.py) joins the decision, its reason and the cache."""
+        if self.decision is not None and self._chosen is not None:
+            self.decision = AutoDecision(**{**self.decision.to_dict(), "compile": figures.to_dict()})
+            self._chosen.reason = self.decision.explain()
+            if self.cache_key and self._is_main and figures.source == "measured" and figures.compile_s is not None:
+                auto_cache.store_compile(self.cache_key, self._chosen.name, figures.to_dict())  # the next run's
 
     def adopt_recorded(self, saved_name: str, record: Mapping[str, Any] | None) -> None:
         """At resume: keep the decision the checkpoint recorded (no measuring), or the precision it ran."""

@@ -1,5 +1,6 @@
 """The on-disk cache of "auto" decisions: a repeated run on the same machine, torch, model and batch shape
-reuses the measurement instead of racing again.
+reuses the measurement instead of racing again. Beside each race's entry, what compiling its chosen mode cost
+(``<key>/compile/<mode>``: compile_choice.py's figures), for a later run asked to compile where it pays.
 
 Where: ``$MIXPREC_AUTO_CACHE`` if set to a file path; else ``$XDG_CACHE_HOME/mixprec/auto-precision.json``
 (``~/.cache/mixprec/auto-precision.json``). ``MIXPREC_AUTO_CACHE=0`` (or ``off``) neither reads nor writes
@@ -82,19 +83,54 @@ def fingerprint(
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def lookup(key: str) -> AutoDecision | None:
+def _entries() -> dict[str, Any]:
     path = cache_file()
     if path is None or not path.is_file():
-        return None
+        return {}
     try:
-        entry = json.loads(path.read_text()).get(key)
+        entries = json.loads(path.read_text())
+        return entries if isinstance(entries, dict) else {}
+    except (OSError, ValueError):  # a damaged cache is a cache miss, never an error
+        return {}
+
+
+def lookup(key: str) -> AutoDecision | None:
+    entry = _entries().get(key)
+    try:
         return AutoDecision.from_dict(entry) if isinstance(entry, dict) else None
-    except (OSError, ValueError, TypeError):  # a damaged cache is a cache miss, never an error
+    except TypeError:
         return None
 
 
 def store(key: str, decision: AutoDecision) -> None:
     """Add the decision to the cache file (atomically; best effort: a read-only home just skips it)."""
+    _write(key, decision.to_dict())
+
+
+def _compile_key(key: str, mode: str) -> str:
+    # apart from the race's entry: a race run again (its re-check off) still finds what compiling this mode cost
+    return f"{key}/compile/{mode}"
+
+
+def lookup_compile(key: str, mode: str) -> dict[str, Any]:
+    """What compiling ``mode`` measured on an earlier run with the race key ``key`` (compile_choice.py's
+    figures), or {} if none did."""
+    entry = _entries().get(_compile_key(key, mode))
+    return entry if isinstance(entry, dict) else {}
+
+
+def store_compile(key: str, mode: str, figures: dict[str, Any]) -> None:
+    """Keep what compiling ``mode`` measured on this run, for the next run with the race key ``key``."""
+    _write(_compile_key(key, mode), figures)
+
+
+def with_cached_compile(key: str, decision: AutoDecision) -> AutoDecision:
+    """``decision`` with what compiling its chosen mode measured on an earlier run (if one did), as "cache"."""
+    prior = lookup_compile(key, decision.chosen)
+    return AutoDecision(**{**decision.to_dict(), "compile": {**prior, "source": "cache"}}) if prior else decision
+
+
+def _write(key: str, value: dict[str, Any]) -> None:
     path = cache_file()
     if path is None:
         return
@@ -104,7 +140,7 @@ def store(key: str, decision: AutoDecision) -> None:
             entries = json.loads(path.read_text()) if path.is_file() else {}
         except ValueError:
             entries = {}
-        entries[key] = decision.to_dict()
+        entries[key] = value
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".auto-precision.", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(entries, f, indent=1, sort_keys=True)

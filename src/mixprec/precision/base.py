@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from mixprec.precision.compile_choice import CompileFigures
 from mixprec.precision.formats import FloatFormat, format_of
 from mixprec.precision.master_weights import gather_grads, master_names, refresh_params, with_master_weights
 from mixprec.scaling.guard import NonFiniteGuard
@@ -213,6 +214,10 @@ class Precision:
     def decision_record(self) -> dict[str, Any] | None:
         """What "auto" measured and chose, for a checkpoint; None for a mode asked for by name."""
         return None
+
+    def note_compile(self, figures: CompileFigures) -> None:
+        """What compiling measured on this run (``mixprec.trainer.compile_gate``): "auto" records it in its
+        decision and cache; a named mode, compiled as asked, keeps no record (the run's summary reports it)."""
 
     def adopt_recorded(self, saved_name: str, record: Mapping[str, Any] | None) -> None:
         """At resume: a named mode keeps its name; a change from the checkpoint's precision is said aloud."""

@@ -7,6 +7,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mixprec.precision.compile_choice import CompileFigures
+
 if TYPE_CHECKING:
     from mixprec.precision.base import Precision
 
@@ -44,6 +46,8 @@ class AutoDecision:
     # the race's trials were the run's first training steps (this many), not trials aside from it: its cost is
     # then their time over the chosen mode's
     in_run_steps: int = 0
+    # asked to compile (issue 36 item 4): what compiling measured and whether it was kept (compile_choice.py)
+    compile: dict[str, Any] = field(default_factory=dict)
 
     def _ordered(self, names: Any) -> list[str]:
         """``names`` safest first (the cache's JSON keeps its keys sorted by name)."""
@@ -115,6 +119,7 @@ class AutoDecision:
                 "in all than the chosen mode's"
             )
         checked = f"; {self.checked}" if self.checked else ""
+        checked += f"; {CompileFigures.from_dict(self.compile).explain()}" if self.compile else ""
         return (
             f"auto on {self.device} {how} the candidates on {self.measured} ({threads}, {self.clock}, "
             f"{self.rounds} paired rounds{when}; medians: {'; '.join(parts) or 'nothing timed'}) and chose "

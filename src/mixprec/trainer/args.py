@@ -193,7 +193,8 @@ class TrainingArguments(HFCompatFields):
     label_names: list[str] | None = None
     """Batch keys holding labels (default: "labels"); they become EvalPrediction.label_ids."""
     torch_compile: bool = False
-    """torch.compile the model before training (backend torch_compile_backend, default "inductor")."""
+    """torch.compile the model (backend torch_compile_backend, default "inductor") once its eager step is timed;
+    under precision "auto" kept only where it wins its compile time back (mixprec.trainer.compile_gate)."""
     use_cpu: bool = False
     """Train on the CPU even when a GPU is present."""
     distributed: str | None = None

@@ -28,6 +28,7 @@ from mixprec.trainer import checkpointing as ckpt  # by module: tests wrap save_
 from mixprec.trainer import weights
 from mixprec.trainer.batches import count_input_tokens, count_samples, count_tokens
 from mixprec.trainer.callbacks import export_callback_states
+from mixprec.trainer.compile_gate import CompileGate
 from mixprec.trainer.hf_loggers import hf_logger
 from mixprec.trainer.neftune import neftune
 from mixprec.trainer.signals import GracefulStop, TrainingInterrupted
@@ -147,7 +148,7 @@ def fit(run: RunContext, plan: Plan, checkpoint: Any, train_stream: Any, example
     ckpt.wait_for_checkpoint(run)  # async_save: the last checkpoint is complete before anything reads it
     if loop.interrupted is None and args.load_best_model_at_end:
         weights.load_best_model(acc, model, args, run.state)
-    output = finish_run(run, steps_before)
+    output = finish_run(run, steps_before, loop.compile.summary(plan.max_steps - run.state.global_step))
     if loop.interrupted is not None:
         last = ckpt.latest_checkpoint(args.output_dir)
         stop = TrainingInterrupted(
@@ -172,6 +173,7 @@ class TrainingLoop:
         self._scaling = False
         self._last_scale: float | None = None
         self._undecided = False  # decided on the steps themselves ("auto"): logged at the step that decides it
+        self.compile = CompileGate(run)  # torch_compile, measured on these steps; under "auto" kept where it pays
         model = run.accelerator.unwrap_model(run.model)
         self._main_input = getattr(model, "main_input_name", "input_ids")  # HF's, for the token count
 
@@ -241,6 +243,7 @@ class TrainingLoop:
             ctx.control.new_step()
             ctx.events.fire("on_step_begin")
             ctx.meter.phases.lap("callbacks_logging")
+            self.compile.step_begins()
         self._micro_in_step += 1
         if acc.precision_pending:
             ctx.meter.phases.lap("callbacks_logging")
@@ -283,6 +286,7 @@ class TrainingLoop:
             batch,
             unsafe_formats=overflowed_formats(ctx.diagnosis),
             run_steps=passes,
+            compile_asked=ctx.args.torch_compile,
         )
         self._undecided = not acc.precision.decided
         if not self._undecided:
@@ -325,6 +329,7 @@ class TrainingLoop:
         events.fire("on_optimizer_step", skipped=skipped)
         ctx.lr_scheduler.step()  # the prepared scheduler holds still after a skipped step
         ctx.optimizer.zero_grad()
+        self.compile.step_ended(self.plan.max_steps - ctx.state.global_step - 1)
         ctx.meter.phases.lap("optimizer")
         if self._undecided and acc.precision.decided:  # decided at this step (auto's race as the steps)
             self._undecided = False

@@ -118,6 +118,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     if "time" in summary:
         lines.append(format_breakdown(summary["time"]))
+    if summary.get("compile"):
+        lines.append(f"  {summary['compile']['explain']}")
     if "best_metric" in summary:
         lines.append(
             f"  best {summary['best_metric_name']} {summary['best_metric']:.4g} at {summary['best_model_checkpoint']}"
@@ -131,10 +133,11 @@ def write_summary(summary: dict[str, Any], output_dir: str | Path) -> Path:
     return path
 
 
-def finish_run(run: RunContext, steps_before: int) -> TrainOutput:
+def finish_run(run: RunContext, steps_before: int, compiled: dict[str, Any] | None = None) -> TrainOutput:
     """Close the bar, summarise (samples and tokens summed over processes: one collective), write the
     summary and the plots (main process), fire ``on_train_end`` (whose callbacks may add a section to the
-    summary, as the precision watch's does: then the file is written again, with it)."""
+    summary, as the precision watch's does: then the file is written again, with it). ``compiled``: what
+    compiling measured and did (compile_gate.py), when the run compiles."""
     acc, args, state, events, meter = run.accelerator, run.args, run.state, run.events, run.meter
     events.close_progress()  # before the summary and plots, which take a moment
     # on the device, which the collective's backend needs (nccl reduces CUDA tensors only)
@@ -162,6 +165,8 @@ def finish_run(run: RunContext, steps_before: int) -> TrainOutput:
     summary["time"] = meter.phases.breakdown(  # issue 36: where the run's time went
         summary["train_runtime"], summary["train_loss_steps"], decision.cost_seconds if decision is not None else 0.0
     )
+    if compiled is not None:
+        summary["compile"] = compiled
     memory: dict[str, int] = {}
     if run.memory is not None:  # HF's <stage>_mem_* metrics: in the returned metrics and the last log entry
         run.memory.stop("train", memory)

@@ -32,6 +32,7 @@ from mixprec.trainer.activation_checkpointing import enable_activation_checkpoin
 from mixprec.trainer.args import TrainingArguments
 from mixprec.trainer.batches import loss_and_outputs
 from mixprec.trainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl
+from mixprec.trainer.compile_gate import compile_model
 from mixprec.trainer.configs import accelerator_kwargs
 from mixprec.trainer.constructor_checks import check_model, check_optimizer_arguments
 from mixprec.trainer.context import RunContext
@@ -185,7 +186,7 @@ class Trainer:
         model = self.accelerator.unwrap_model(self.model)
         return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-    def _prepared_model(self) -> torch.nn.Module:
+    def _prepared_model(self, training: bool = False) -> torch.nn.Module:
         if is_prepared(self.model) and not self.accelerator.prepared_here(self.model):
             # prepared by another Trainer's Accelerator (one model, several Trainers, as in HF): this Trainer's
             # precision takes over; single-process only (release refuses a DDP/FSDP-wrapped model)
@@ -193,9 +194,8 @@ class Trainer:
             self._model_prepared = False
         if not self._model_prepared or not is_prepared(self.model):
             self.model = self.accelerator.prepare_model(self.model.to(self.accelerator.device))
-            if self.args.torch_compile and not self._model_prepared:
-                kwargs = {"backend": self.args.torch_compile_backend, "mode": self.args.torch_compile_mode}
-                self.model.compile(**{k: v for k, v in kwargs.items() if v is not None})
+            if self.args.torch_compile and not self._model_prepared and not training:  # training: compile_gate.py
+                compile_model(self.model, self.args)
             self._model_prepared = True
         return self.model
 
@@ -345,7 +345,7 @@ class Trainer:
         checkpointing, checkpointing_kwargs = args.checkpointing_requested()
         if checkpointing:
             enable_activation_checkpointing(acc.unwrap_model(self.model), checkpointing_kwargs)
-        model = self._prepared_model()
+        model = self._prepared_model(training=True)
         self.create_optimizer_and_scheduler(plan.max_steps)
         self._trained = True
         self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
