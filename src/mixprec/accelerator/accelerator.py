@@ -247,8 +247,10 @@ class Accelerator:
             loss_fn, self._registry.models, batch=batch, passes_per_step=self.gradient_accumulation_steps, **facts
         )
 
-    def note_compile(self, figures: CompileFigures) -> None:  # what compiling cost: "auto"'s decision keeps it
-        self._precision.note_compile(figures)  # (mixprec.trainer.compile_gate; not a delegate: auto overrides it)
+    def note_compile(self, figures: CompileFigures) -> None:
+        """Record what compiling cost and whether it was kept (the Trainer's compile gate calls it): "auto"'s
+        decision and cache keep the figures, for the next run's verdict; a named precision keeps none."""
+        self._precision.note_compile(figures)  # not a delegate: auto overrides the base's no-op
 
     @property
     def device(self) -> torch.device:
