@@ -415,6 +415,12 @@ class AutoPrecision(Precision):
         if self._announce is not None:
             self._announce()
 
+    def note_replay(self, steps: int, seconds: float) -> None:
+        """The race's ``steps`` were taken again in the chosen mode (the Trainer's rewind): say so, and count them."""
+        if self.decision is not None and self._chosen is not None:
+            self.decision = self.decision.with_replay(steps, seconds)
+            self._chosen.reason = self.decision.explain()
+
     def adopt_recorded(self, saved_name: str, record: Mapping[str, Any] | None) -> None:
         """At resume: keep the decision the checkpoint recorded (no measuring), or the precision it ran."""
         if self.decision is not None:

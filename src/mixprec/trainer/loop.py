@@ -30,6 +30,7 @@ from mixprec.trainer.batches import count_input_tokens, count_samples, count_tok
 from mixprec.trainer.callbacks import export_callback_states
 from mixprec.trainer.hf_loggers import hf_logger
 from mixprec.trainer.neftune import neftune
+from mixprec.trainer.race_rewind import RaceRewind
 from mixprec.trainer.signals import GracefulStop, TrainingInterrupted
 from mixprec.trainer.summary import finish_run
 
@@ -171,6 +172,7 @@ class TrainingLoop:
         self._scaling = False
         self._last_scale: float | None = None
         self._undecided = False  # decided on the steps themselves ("auto"): logged at the step that decides it
+        self._rewind: RaceRewind | None = None  # that race's steps, replayed in the chosen mode once it decides
         model = run.accelerator.unwrap_model(run.model)
         self._main_input = getattr(model, "main_input_name", "input_ids")  # HF's, for the token count
 
@@ -215,6 +217,7 @@ class TrainingLoop:
                         break
                 if self.interrupted is not None:
                     return
+                self._drop_rewind("an epoch ended")  # the next epoch's order draws from the RNG a rewind moves
                 if micro >= plan.batches_per_epoch:  # the epoch ran to its end
                     self.position = DataPosition(epoch + 1, 0)
                     ctx.state.epoch = float(epoch + 1)
@@ -245,6 +248,8 @@ class TrainingLoop:
             ctx.meter.phases.lap("callbacks_logging")
             self._settle_precision(batch)
             ctx.meter.phases.lap("race")  # a race aside (a run's own first steps count as forward+backward)
+        if self._rewind is not None:  # a race step's micro-batch: replayed once the race decides
+            self._rewind.keep(batch, acc.gradient_state.end_of_dataloader)
         with acc.accumulate(ctx.model):
             # training_step returns the loss divided by the accumulation steps (HF's); the meter averages the
             # micro-batches' own losses
@@ -259,7 +264,24 @@ class TrainingLoop:
                 return False
             self._optimizer_step()
         self._micro_in_step = 0
+        if self._undecided and acc.precision.decided:  # decided at this step (auto's race as the steps)
+            self._undecided = False
+            self._replay_race()
+            self._precision_decided(steps_done=1)
         return True
+
+    def _replay_race(self) -> None:
+        """The in-run race decided: the run goes back to before it and takes its steps again in the chosen mode
+        (race_rewind.py), outside the accumulation window that just closed; timed as the race's."""
+        rewind, self._rewind = self._rewind, None
+        if rewind is not None:
+            rewind.replay(self.run_ctx)  # the decision records its steps and seconds
+            self.run_ctx.meter.phases.lap("race")
+
+    def _drop_rewind(self, why: str) -> None:
+        if self._rewind is not None:
+            self._rewind = None
+            logger.warning("auto: %s before the race decided: its steps stay as they ran, in mixed modes", why)
 
     def _count_input_tokens(self, batch: Any) -> None:
         """HF's ``state.num_input_tokens_seen``, summed over processes (as HF: one collective per micro-batch
@@ -284,6 +306,8 @@ class TrainingLoop:
         self._undecided = not acc.precision.decided
         if not self._undecided:
             self._precision_decided()
+        else:  # racing as the run's own steps: the state they start from, to replay them in the chosen mode
+            self._rewind = RaceRewind.take(ctx)
 
     def _precision_decided(self, steps_done: int = 0) -> None:
         """Log auto's decision (made now, ``steps_done`` steps into this step: 1 when the race ran as the
@@ -323,9 +347,6 @@ class TrainingLoop:
         ctx.lr_scheduler.step()  # the prepared scheduler holds still after a skipped step
         ctx.optimizer.zero_grad()
         ctx.meter.phases.lap("optimizer")
-        if self._undecided and acc.precision.decided:  # decided at this step (auto's race as the steps)
-            self._undecided = False
-            self._precision_decided(steps_done=1)
         if self._scaling:
             scale = acc.scaler.get_scale()  # a host mirror: no sync
             if scale != self._last_scale:
@@ -339,13 +360,12 @@ class TrainingLoop:
         names = ctx.accelerator.scaler.nonfinite_grad_names(ctx.optimizer)  # reads its param_groups only
         step = ctx.state.global_step + 1
         shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        race = {"race_step": True} if self._undecided else {}  # replayed in the chosen mode once the race decides
         logger.warning(
-            "step %d: optimizer step skipped (loss scale %g): non-finite gradients in %s",
-            step,
-            scale_used,
-            shown or "no parameter (a gradient hook or another process?)",
-        )
-        ctx.events.record("skipped_step", step, loss_scale=scale_used, nonfinite_grads=names)
+            "step %d: optimizer step skipped (loss scale %g%s): non-finite gradients in %s", step, scale_used,
+            ", a step of auto's race" if race else "", shown or "no parameter (a gradient hook or another process?)",
+        )  # fmt: skip
+        ctx.events.record("skipped_step", step, loss_scale=scale_used, nonfinite_grads=names, **race)
 
     def _skips_error(self, err: ConsecutiveSkipsError) -> ConsecutiveSkipsError:
         ctx = self.run_ctx
