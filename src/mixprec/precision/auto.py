@@ -6,9 +6,10 @@ forward and backward on the first training batch (see :mod:`~mixprec.precision.r
 every hook delegates to the chosen strategy. The Trainer calls ``settle`` before its first step; in a
 hand-written Accelerator loop the prepared model calls it at its first training forward.
 
-Nothing of the race reaches training: each trial restores gradients, buffers and RNG states (see
-:mod:`~mixprec.precision.trial`), so the run after the decision is bit-identical to one that asked for the
-chosen mode by name. A decision is made once per run: resuming adopts the one the checkpoint recorded
+Raced aside, nothing of the race reaches training: each trial restores gradients, buffers and RNG states (see
+:mod:`~mixprec.precision.trial`); raced as the run's steps (inrun.py), the Trainer replays them in the chosen mode
+(trainer/race_rewind.py; a hand-written loop keeps them). Either way the run is bit-identical to one that asked
+for the chosen mode by name. A decision is made once per run: resuming adopts the one the checkpoint recorded
 (:meth:`adopt`), every process takes the main one's, and a repeated run may reuse a cached one
 (:mod:`~mixprec.precision.auto_cache`).
 """

@@ -145,8 +145,8 @@ class AutoDecision:
     def with_replay(self, steps: int, seconds: float) -> AutoDecision:
         """This decision after the Trainer replayed the race's ``steps`` in the chosen mode, in ``seconds``
         (counted in the race's cost)."""
-        cost = self.cost_seconds + seconds
-        return AutoDecision(**{**asdict(self), "replayed_steps": steps, "replay_seconds": seconds, "cost_seconds": cost})
+        replay = {"replayed_steps": steps, "replay_seconds": seconds, "cost_seconds": self.cost_seconds + seconds}
+        return AutoDecision(**{**asdict(self), **replay})
 
 
 def excluded_by_format(candidates: Iterable[Precision], unsafe: Mapping[str, str]) -> dict[str, str]:

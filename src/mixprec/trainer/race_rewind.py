@@ -11,7 +11,8 @@ chosen mode (:func:`replay_micro_batch`: the loop's step without its events). Fr
 bit-identical to one that named the chosen mode: its weights, moments, schedule, loss scale, skipped steps and
 RNG are that run's. What stays the race's: the losses, grad norms and skipped-step events already logged for
 those steps (each skip event says ``race_step``), the step count, samples and tokens (the steps are not
-counted twice), and anything a callback did at them. The decision says what was replayed and what it cost
+counted twice), and anything a callback did at them (a ``training_step`` override runs again for each replayed
+micro-batch). The decision says what was replayed and what it cost
 (``replayed_steps``, ``replay_seconds``, within ``cost_seconds``).
 
 Costs: one copy of the parameters, buffers and optimizer state in CPU memory while the race runs (a GPU run
@@ -112,6 +113,7 @@ class RaceRewind:
         self.batches.append((tree_map(lambda leaf: leaf, batch), end_of_dataloader))
 
     def _restore(self, run: RunContext) -> None:
+        run.accelerator.checkpoints.fence()  # an asynchronous save may still be copying the live weights
         for kept in self._tensors:
             kept.put_back()
         self._optimizer.state.clear()
