@@ -46,9 +46,10 @@ def in_run(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def _train(precision: str, folder: Path, model: torch.nn.Module | None = None, resume: str | None = None,
            **kwargs: Any) -> Trainer:  # fmt: skip
+    settings = {"save_strategy": "no", "max_steps": STEPS, "per_device_train_batch_size": 4, **kwargs}
     args = TrainingArguments(
-        output_dir=str(folder), disable_tqdm=True, save_plots=False, precision=precision, max_steps=STEPS,
-        per_device_train_batch_size=4, logging_steps=1000, learning_rate=1e-2, **{"save_strategy": "no", **kwargs},
+        output_dir=str(folder), disable_tqdm=True, save_plots=False, precision=precision, logging_steps=1000,
+        learning_rate=1e-2, **settings,
     )  # fmt: skip
     trainer = Trainer(model if model is not None else make_model(), args, train_dataset=make_examples(64))
     trainer.train(resume_from_checkpoint=resume)
@@ -129,3 +130,14 @@ def test_a_resume_from_a_checkpoint_after_the_race_equals_the_uninterrupted_run(
     _assert_same_run(_end_state(resumed), _end_state(whole))
     named = _train("bf16", tmp_path / "named", **saving)  # and both are the chosen mode's run
     _assert_same_run(_end_state(whole), _end_state(named))
+
+
+def test_a_race_still_running_when_the_epoch_ends_keeps_its_steps_and_says_so(in_run, tmp_path, caplog):
+    # the next epoch's order draws from the RNG, which a rewind would move: the race's steps stay as they ran
+    in_run(SleepyFp32, Bf16MixedPrecision)
+    with caplog.at_level("WARNING", logger="mixprec.trainer"):
+        raced = _train("auto", tmp_path / "auto", max_steps=-1, num_train_epochs=3, per_device_train_batch_size=16)
+    decision = raced.accelerator.auto_decision  # 4 steps an epoch: decided in a later epoch, not replayed
+    assert decision.chosen == "bf16" and decision.in_run_steps > 4 and decision.replayed_steps == 0
+    assert "the epoch or the run ended before the race decided" in caplog.text
+    assert raced.state.global_step == 12

@@ -217,7 +217,7 @@ class TrainingLoop:
                         break
                 if self.interrupted is not None:
                     return
-                self._drop_rewind("an epoch ended")  # the next epoch's order draws from the RNG a rewind moves
+                self._drop_rewind()  # the next epoch's order draws from the RNG a rewind would move
                 if micro >= plan.batches_per_epoch:  # the epoch ran to its end
                     self.position = DataPosition(epoch + 1, 0)
                     ctx.state.epoch = float(epoch + 1)
@@ -278,10 +278,10 @@ class TrainingLoop:
             rewind.replay(self.run_ctx)  # the decision records its steps and seconds
             self.run_ctx.meter.phases.lap("race")
 
-    def _drop_rewind(self, why: str) -> None:
+    def _drop_rewind(self) -> None:
         if self._rewind is not None:
             self._rewind = None
-            logger.warning("auto: %s before the race decided: its steps stay as they ran, in mixed modes", why)
+            logger.warning("auto: the epoch or the run ended before the race decided: its steps stay as they ran")
 
     def _count_input_tokens(self, batch: Any) -> None:
         """HF's ``state.num_input_tokens_seen``, summed over processes (as HF: one collective per micro-batch

@@ -4,7 +4,7 @@ The in-run race (mixprec.precision.inrun) trains the run's first steps each in t
 times next; a short job's final loss moves by whole percents with such early differences (issue 34: the main
 job's 10 seeds ended 0.5% from their race aside at the median, 5% at worst). The Trainer holds what the race
 cannot, the batches. So when the race begins, :class:`RaceRewind` snapshots what a training step changes
-(parameters and buffers, optimizer state and param groups, the LR schedule, every candidate's loss scaler and
+(trainable parameters and buffers, optimizer state and param groups, the LR schedule, every candidate's loss scaler and
 step record, every RNG), and keeps each race micro-batch as the loader gave it; when the race decides,
 :meth:`RaceRewind.replay` puts the snapshot back and trains those micro-batches again as ordinary steps of the
 chosen mode (:func:`replay_micro_batch`: the loop's step without its events). From then on the run is
@@ -83,7 +83,9 @@ class RaceRewind:
     def __init__(self, run: RunContext, auto: AutoPrecision) -> None:
         acc = run.accelerator
         self._auto = auto
-        self._tensors = [_Kept(t) for t in _unique([*run.model.parameters(), *run.model.buffers()])]
+        # a frozen parameter (LoRA's base weights) is no step's to change: only the trainable ones are copied
+        trainable = [p for p in run.model.parameters() if p.requires_grad]
+        self._tensors = [_Kept(t) for t in _unique([*trainable, *run.model.buffers()])]
         optimizer = run.optimizer.optimizer  # the precision's conversion of the user's: the one that steps
         self._optimizer = optimizer
         self._state = {p: {k: _keep(v) for k, v in s.items()} for p, s in optimizer.state.items()}
