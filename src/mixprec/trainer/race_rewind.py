@@ -4,18 +4,18 @@ The in-run race (mixprec.precision.inrun) trains the run's first steps each in t
 times next; a short job's final loss moves by whole percents with such early differences (issue 34: the main
 job's 10 seeds ended 0.5% from their race aside at the median, 5% at worst). The Trainer holds what the race
 cannot, the batches. So when the race begins, :class:`RaceRewind` snapshots what a training step changes
-(trainable parameters and buffers, optimizer state and param groups, the LR schedule, every candidate's loss scaler and
-step record, every RNG), and keeps each race micro-batch as the loader gave it; when the race decides,
-:meth:`RaceRewind.replay` puts the snapshot back and trains those micro-batches again as ordinary steps of the
-chosen mode (:func:`replay_micro_batch`: the loop's step without its events). From then on the run is
+(trainable parameters and buffers, optimizer state and param groups, the LR schedule, every candidate's loss
+scaler and step record, every RNG), and keeps each race micro-batch as the loader gave it; when the race
+decides, :meth:`RaceRewind.replay` puts the snapshot back and trains those micro-batches again as ordinary steps
+of the chosen mode (:func:`replay_micro_batch`: the loop's step without its events). From then on the run is
 bit-identical to one that named the chosen mode: its weights, moments, schedule, loss scale, skipped steps and
 RNG are that run's. What stays the race's: the losses, grad norms and skipped-step events already logged for
-those steps (each skip event says ``race_step``), the step count, samples and tokens (the steps are not
-counted twice), and anything a callback did at them (a ``training_step`` override runs again for each replayed
-micro-batch). The decision says what was replayed and what it cost
-(``replayed_steps``, ``replay_seconds``, within ``cost_seconds``).
+those steps (each skip event says ``race_step``), the step count, samples and tokens (the steps are not counted
+twice), and anything a callback did at them (a ``training_step`` override runs again for each replayed
+micro-batch). The decision says what was replayed and what it cost (``replayed_steps``, ``replay_seconds``,
+within ``cost_seconds``).
 
-Costs: one copy of the parameters, buffers and optimizer state in CPU memory while the race runs (a GPU run
+Costs: one copy of the trainable parameters, buffers and optimizer state in CPU memory while the race runs (a GPU run
 does not double its device memory; the copy and the restore are one device-host transfer each), the race's
 micro-batches held as the loader gave them (on the device), and the race's steps once more in the chosen
 mode: with fp32, bf16 and fp16 racing, ~16 steps. Two host syncs to time the replay.
