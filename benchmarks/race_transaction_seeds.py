@@ -62,6 +62,10 @@ def run_once(seed: int, race: str, folder: Path, extra: list[str]) -> dict[str, 
         "skipped_steps": summary.get("skipped_steps", 0),
         "race_steps": decision.get("in_run_steps", 0),
         "replayed_steps": decision.get("replayed_steps", 0),
+        # the race's cost (its steps' time over the chosen mode's, and the replay's), against the run's time
+        "race_seconds": decision.get("cost_seconds", 0.0),
+        "replay_seconds": decision.get("replay_seconds", 0.0),
+        "train_runtime": summary.get("train_runtime"),
     }
 
 
