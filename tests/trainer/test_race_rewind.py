@@ -44,13 +44,19 @@ def in_run(monkeypatch: pytest.MonkeyPatch) -> Any:
     return candidates
 
 
-def _train(precision: str, folder: Path, model: torch.nn.Module | None = None, resume: str | None = None,
-           **kwargs: Any) -> Trainer:  # fmt: skip
+def _train(
+    precision: str, folder: Path, model: torch.nn.Module | None = None, resume: str | None = None, **kwargs: Any
+) -> Trainer:
     settings = {"save_strategy": "no", "max_steps": STEPS, "per_device_train_batch_size": 4, **kwargs}
     args = TrainingArguments(
-        output_dir=str(folder), disable_tqdm=True, save_plots=False, precision=precision, logging_steps=1000,
-        learning_rate=1e-2, **settings,
-    )  # fmt: skip
+        output_dir=str(folder),
+        disable_tqdm=True,
+        save_plots=False,
+        precision=precision,
+        logging_steps=1000,
+        learning_rate=1e-2,
+        **settings,
+    )
     trainer = Trainer(model if model is not None else make_model(), args, train_dataset=make_examples(64))
     trainer.train(resume_from_checkpoint=resume)
     return trainer

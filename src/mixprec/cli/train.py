@@ -374,8 +374,19 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     eval_loss = last_eval[0]
 
     if _rundir.is_main():
-        _report(args, trainer, summary, eval_loss, baseline, info, training_args, train_dataset, eval_dataset,
-                run_dir, wall_start)  # fmt: skip
+        _report(
+            args,
+            trainer,
+            summary,
+            eval_loss,
+            baseline,
+            info,
+            training_args,
+            train_dataset,
+            eval_dataset,
+            run_dir,
+            wall_start,
+        )
     # every process, once the main one has written the run: leave the process group together (wait for the
     # others, let the backend's threads finish, then destroy it), not at interpreter exit (see
     # mixprec.strategies.process_group: a gloo worker thread racing the shutdown aborted 3 runs in 30)

@@ -38,8 +38,9 @@ def compile_seconds() -> float:
     # "_compile.compile_inner" times a frame's whole compile (forward graph and AOT); the backward compiles at
     # its first call, timed apart as "backward._backward_impl" (torch 2.13; their sum is the first step's
     # extra time within 0.5%)
-    return sum(sum(compilation_time_metrics.get(key, ())) for key in ("_compile.compile_inner",
-                                                                       "backward._backward_impl"))  # fmt: skip
+    return sum(
+        sum(compilation_time_metrics.get(key, ())) for key in ("_compile.compile_inner", "backward._backward_impl")
+    )
 
 
 class PhaseClock:
@@ -94,11 +95,17 @@ def breakdown_rows(breakdown: dict[str, Any]) -> list[tuple[str, str]]:
     run, step = breakdown["run_seconds"], breakdown["step_ms"]
     names = {"forward_backward": "forward+backward", "callbacks_logging": "callbacks/logging"}
     return [
-        ("time split", f"training steps {run['training_steps']:.1f}s, evaluation {run['evaluation']:.1f}s, "
-                       f"saves {run['save']:.1f}s, compile {run['compile']:.1f}s, race {run['race']:.1f}s"),
-        ("per step", ", ".join(f"{names.get(p, p)} {v:.2f}" for p, v in step.items())
-                     + f" ms (host overhead {breakdown['host_overhead_ms_per_step']:.2f} ms)"),
-    ]  # fmt: skip
+        (
+            "time split",
+            f"training steps {run['training_steps']:.1f}s, evaluation {run['evaluation']:.1f}s, "
+            f"saves {run['save']:.1f}s, compile {run['compile']:.1f}s, race {run['race']:.1f}s",
+        ),
+        (
+            "per step",
+            ", ".join(f"{names.get(p, p)} {v:.2f}" for p, v in step.items())
+            + f" ms (host overhead {breakdown['host_overhead_ms_per_step']:.2f} ms)",
+        ),
+    ]
 
 
 def format_breakdown(breakdown: dict[str, Any]) -> str:
