@@ -2,15 +2,19 @@
 
     python -m benchmarks.race_transaction_seeds                       # seeds 1-10, 2 epochs, 2 runs at a time
     python -m benchmarks.race_transaction_seeds --seeds 1-3 --jobs 1 --json seeds.json -- --epochs 3
+    python -m benchmarks.race_transaction_seeds --only in-run --against seeds.json   # the aside runs reused
 
 Per seed, two fresh runs of the main job (``mixprec train --epochs 2 --seed S``, ``MIXPREC_AUTO_CACHE=0``: each
 races afresh; one torch thread each): auto racing in-run (the default for a run of 100 steps or more) and
 auto racing aside (``MIXPREC_AUTO_RACE=aside``, whose run is bit-identical to naming the chosen mode). The two
 runs of a seed start together (``--jobs 2``), so a neighbour's load falls on both. The in-run race's first
-steps mix the candidates, and a step that overflows is a skipped batch (issue 34), so the runs differ; the
-question is by how much. Reports each seed's validation losses (the run's own ``run.json``), the modes each
+steps mix the candidates; since issue 34's rewind the Trainer then goes back to before them and takes them again
+in the chosen mode (trainer/race_rewind.py), so where both races choose the same mode the runs should be
+bit-identical. Reports each seed's validation losses (the run's own ``run.json``), the modes each
 chose, the in-run race's steps and skipped steps, and the gap ``in-run / aside - 1``; the verdict is issue 34's
-goal: median absolute gap <= 0.3%, none over 1%. Arguments after ``--`` go to every ``mixprec train``.
+goal: median absolute gap <= 0.3%, none over 1%. Arguments after ``--`` go to every ``mixprec train``. The aside
+path is untouched by the in-run race's changes: ``--only in-run --against FILE`` runs the in-run half only and
+takes each seed's aside run from ``FILE`` (what ``--json`` wrote, or the same shape by hand from a table).
 """
 
 from __future__ import annotations
@@ -57,6 +61,11 @@ def run_once(seed: int, race: str, folder: Path, extra: list[str]) -> dict[str, 
         "eval_loss": record["eval_loss"],
         "skipped_steps": summary.get("skipped_steps", 0),
         "race_steps": decision.get("in_run_steps", 0),
+        "replayed_steps": decision.get("replayed_steps", 0),
+        # the race's cost (its steps' time over the chosen mode's, and the replay's), against the run's time
+        "race_seconds": decision.get("cost_seconds", 0.0),
+        "replay_seconds": decision.get("replay_seconds", 0.0),
+        "train_runtime": summary.get("train_runtime"),
     }
 
 
@@ -75,20 +84,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="1-10", help="seeds: a range 1-10 or a list 1,4,7 (default: 1-10)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each (default: 2)")
     parser.add_argument("--json", help="also write the table as JSON to this file")
+    parser.add_argument("--only", choices=["in-run"], help="run the in-run half only (needs --against)")
+    parser.add_argument("--against", help="a JSON file of earlier rows (--json's): their aside runs are reused")
     args = parser.parse_args(argv)
     seeds = _seeds(args.seeds)
+    earlier = {}
+    if args.only:
+        if not args.against:
+            parser.error("--only in-run needs --against FILE: the aside runs to compare with")
+        earlier = {row["seed"]: row["aside"] for row in json.loads(Path(args.against).read_text())["rows"]}
+        if [seed for seed in seeds if seed not in earlier]:
+            parser.error(f"--against {args.against}: no aside run for seeds {[s for s in seeds if s not in earlier]}")
+    races = ("in-run",) if args.only else ("in-run", "aside")
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; seeds {seeds}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
         jobs = [
             (seed, race, pool.submit(run_once, seed, race, Path(tmp) / f"{race}-{seed}", extra))
             for seed in seeds
-            for race in ("in-run", "aside")
+            for race in races
         ]
         results: dict[tuple[int, str], dict[str, Any]] = {}
         for seed, race, future in jobs:
             results[seed, race] = future.result()
-            if race == "aside":
+            if args.only:
+                results[seed, "aside"] = earlier[seed]
+            if race == races[-1]:
                 inrun, aside = results[seed, "in-run"], results[seed, "aside"]
                 row = {
                     "seed": seed,
@@ -99,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(
                     f"seed {seed:2d}: in-run {inrun['eval_loss']:.4f} ({inrun['chosen']}, {inrun['race_steps']} race "
-                    f"steps, {inrun['skipped_steps']} skipped)  aside {aside['eval_loss']:.4f} ({aside['chosen']})  "
+                    f"steps, {inrun.get('replayed_steps', 0)} replayed, {inrun['skipped_steps']} skipped)  "
+                    f"aside {aside['eval_loss']:.4f} ({aside['chosen']})  "
                     f"gap {row['gap']:+.2%}",
                     flush=True,
                 )

@@ -6,9 +6,10 @@ forward and backward on the first training batch (see :mod:`~mixprec.precision.r
 every hook delegates to the chosen strategy. The Trainer calls ``settle`` before its first step; in a
 hand-written Accelerator loop the prepared model's first training forward calls :meth:`begin_step`.
 
-Nothing of the race reaches training: each trial restores gradients, buffers and RNG states (see
-:mod:`~mixprec.precision.trial`), so the run after the decision is bit-identical to one that asked for the
-chosen mode by name. A decision is made once per run: resuming adopts the one the checkpoint recorded
+Raced aside, nothing of the race reaches training: each trial restores gradients, buffers and RNG states (see
+:mod:`~mixprec.precision.trial`); raced as the run's steps (inrun.py), the Trainer replays them in the chosen mode
+(trainer/race_rewind.py; a hand-written loop keeps them). Either way the run is bit-identical to one that asked
+for the chosen mode by name. A decision is made once per run: resuming adopts the one the checkpoint recorded
 (:meth:`adopt`), every process takes the main one's, and a repeated run may reuse a cached one
 (:mod:`~mixprec.precision.auto_cache`).
 """
@@ -46,8 +47,12 @@ _POLICY_BASE = "bf16"
 class AutoPrecision(Precision):
     """ "auto": the fastest safe candidate, measured on the training step; the safest one until then."""
 
-    update_rounding = property(lambda self: self.current.update_rounding)  # type: ignore[assignment]
-    hf_flags = property(lambda self: self.current.hf_flags)  # type: ignore[assignment]
+    _NOW = "The current mode's (the safest candidate's before the race, a trial's during it, then the choice's)."
+    update_rounding = property(lambda self: self.current.update_rounding, doc=_NOW)  # type: ignore[assignment]
+    hf_flags = property(lambda self: self.current.hf_flags, doc=_NOW)  # type: ignore[assignment]
+    compute_dtype = property(lambda self: self.current.compute_dtype, doc=_NOW)  # type: ignore[assignment]
+    param_dtype = property(lambda self: self.current.param_dtype, doc=_NOW)  # type: ignore[assignment]
+    needs_loss_scaling = property(lambda self: self.current.needs_loss_scaling, doc=_NOW)  # type: ignore[assignment]
 
     def __init__(self, candidates: Sequence[Precision], *, processes: int = 1, op_policy: bool | None = None) -> None:
         if not candidates:
@@ -102,20 +107,6 @@ class AutoPrecision(Precision):
     @property
     def name(self) -> str:  # type: ignore[override]
         return self._chosen.name if self._chosen is not None else "auto"
-
-    @property
-    def compute_dtype(self) -> torch.dtype:  # type: ignore[override]
-        """The current mode's (the safest candidate's before the race, a trial's during it, then the choice's)."""
-        return self.current.compute_dtype
-
-    @property
-    def param_dtype(self) -> torch.dtype:  # type: ignore[override]
-        """The current mode's (the safest candidate's before the race, a trial's during it, then the choice's)."""
-        return self.current.param_dtype
-
-    @property
-    def needs_loss_scaling(self) -> bool:  # type: ignore[override]
-        return self.current.needs_loss_scaling
 
     @property
     def reason(self) -> str:  # type: ignore[override]
@@ -425,6 +416,12 @@ class AutoPrecision(Precision):
             self._chosen.reason = self.decision.explain()
             if self.cache_key and self._is_main and figures.source == "measured" and figures.compile_s is not None:
                 auto_cache.store_compile(self.cache_key, self._chosen.name, figures.to_dict())  # the next run's
+
+    def note_replay(self, steps: int, seconds: float) -> None:
+        """The race's ``steps`` were taken again in the chosen mode (the Trainer's rewind): say so, and count them."""
+        if self.decision is not None and self._chosen is not None:
+            self.decision = self.decision.with_replay(steps, seconds)
+            self._chosen.reason = self.decision.explain()
 
     def adopt_recorded(self, saved_name: str, record: Mapping[str, Any] | None) -> None:
         """At resume: keep the decision the checkpoint recorded (no measuring), or the precision it ran."""

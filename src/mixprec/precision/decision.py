@@ -48,6 +48,10 @@ class AutoDecision:
     in_run_steps: int = 0
     # asked to compile (issue 36 item 4): what compiling measured and whether it was kept (compile_choice.py)
     compile: dict[str, Any] = field(default_factory=dict)
+    # the Trainer then took those steps again in the chosen mode from a snapshot of the run before them
+    # (trainer/race_rewind.py): this many optimizer steps, in this many seconds (counted in cost_seconds)
+    replayed_steps: int = 0
+    replay_seconds: float = 0.0
 
     def _ordered(self, names: Any) -> list[str]:
         """``names`` safest first (the cache's JSON keeps its keys sorted by name)."""
@@ -118,6 +122,12 @@ class AutoDecision:
                 f"; the race ran as the first {self.in_run_steps} training steps, {self.cost_seconds:.2f}s slower "
                 "in all than the chosen mode's"
             )
+            if self.replayed_steps:
+                cost = (
+                    f"; the race ran as the first {self.in_run_steps} training steps, then the run went back to "
+                    f"before them and took them again in {self.chosen} ({self.replayed_steps} steps, "
+                    f"{self.replay_seconds:.2f}s): {self.cost_seconds:.2f}s in all over the chosen mode's"
+                )
         checked = f"; {self.checked}" if self.checked else ""
         checked += f"; {CompileFigures.from_dict(self.compile).explain()}" if self.compile else ""
         return (
@@ -139,6 +149,12 @@ class AutoDecision:
     def with_source(self, source: str) -> AutoDecision:
         """A copy whose ``source`` says where the decision came from ("measured", "cache", "main process"...)."""
         return AutoDecision(**{**asdict(self), "source": source})
+
+    def with_replay(self, steps: int, seconds: float) -> AutoDecision:
+        """This decision after the Trainer replayed the race's ``steps`` in the chosen mode, in ``seconds``
+        (counted in the race's cost)."""
+        replay = {"replayed_steps": steps, "replay_seconds": seconds, "cost_seconds": self.cost_seconds + seconds}
+        return AutoDecision(**{**asdict(self), **replay})
 
 
 def excluded_by_format(candidates: Iterable[Precision], unsafe: Mapping[str, str]) -> dict[str, str]:

@@ -6,8 +6,10 @@ trial is a real step of one candidate (forward, backward and optimizer update, i
 keep fp32 weights and differ only in autocast, so any of them may take any step), and the race costs only
 those steps' time over the chosen mode's. The protocol is the same generator (race.py's ``decide_steps``):
 ``begin`` tells which mode the step starting now runs in and starts the clock; ``end`` stops it when the
-optimizer step is done, and sends the outcome. The price: the first steps mix the candidates, so the run is
-no longer bit-identical to one that named the chosen mode (``MIXPREC_AUTO_RACE=aside`` races aside instead).
+optimizer step is done, and sends the outcome. The price: the first steps mix the candidates. The Trainer,
+which holds the batches, then replays them in the chosen mode from a snapshot taken when the race began
+(mixprec.trainer.race_rewind), so its run ends bit-identical to one that named that mode; a hand-written loop
+keeps the mixed steps (``MIXPREC_AUTO_RACE=aside`` races aside instead, leaving training untouched).
 Each step is a transaction (race_step.py): one whose gradients are non-finite is a skipped batch of the chosen
 mode, its step record's included; one whose mode raises is undone and the mode leaves the race.
 

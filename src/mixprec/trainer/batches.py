@@ -54,6 +54,15 @@ def count_input_tokens(batch: Any, mode: str, main_input_name: str = "input_ids"
     return int(batch[main_input_name].numel())
 
 
+def input_tokens_seen(accelerator: Any, batch: Any, mode: str, main_input_name: str) -> int:
+    """A micro-batch's share of HF's ``state.num_input_tokens_seen``, summed over processes (as HF: one
+    collective per micro-batch under several processes, and a sync per micro-batch for "non_padding")."""
+    seen = count_input_tokens(batch, mode, main_input_name)
+    if accelerator.num_processes > 1:
+        seen = accelerator.reduce(torch.as_tensor(seen, dtype=torch.int64, device=accelerator.device))
+    return int(seen)
+
+
 def count_samples(batch: Any) -> int:
     """Examples in a batch: the leading dimension of its first tensor (no device sync)."""
     values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else [batch]

@@ -26,11 +26,12 @@ from mixprec.loaders.from_datasets import DataPosition, is_stream
 from mixprec.scaling.scaler import ConsecutiveSkipsError
 from mixprec.trainer import checkpointing as ckpt  # by module: tests wrap save_trainer_checkpoint
 from mixprec.trainer import weights
-from mixprec.trainer.batches import count_input_tokens, count_samples, count_tokens
+from mixprec.trainer.batches import count_samples, count_tokens, input_tokens_seen
 from mixprec.trainer.callbacks import export_callback_states
 from mixprec.trainer.compile_gate import CompileGate
 from mixprec.trainer.hf_loggers import hf_logger
 from mixprec.trainer.neftune import neftune
+from mixprec.trainer.race_rewind import RaceRewind
 from mixprec.trainer.signals import GracefulStop, TrainingInterrupted
 from mixprec.trainer.summary import finish_run
 
@@ -174,6 +175,7 @@ class TrainingLoop:
         self._last_scale: float | None = None
         self._undecided = False  # decided on the steps themselves ("auto"): logged at the step that decides it
         self.compile = CompileGate(run)  # torch_compile, measured on these steps; under "auto" kept where it pays
+        self._rewind: RaceRewind | None = None  # that race's steps, replayed in the chosen mode once it decides
         model = run.accelerator.unwrap_model(run.model)
         self._main_input = getattr(model, "main_input_name", "input_ids")  # HF's, for the token count
 
@@ -218,6 +220,7 @@ class TrainingLoop:
                         break
                 if self.interrupted is not None:
                     return
+                self._drop_rewind()  # the next epoch's order draws from the RNG a rewind would move
                 if micro >= plan.batches_per_epoch:  # the epoch ran to its end
                     self.position = DataPosition(epoch + 1, 0)
                     ctx.state.epoch = float(epoch + 1)
@@ -249,6 +252,8 @@ class TrainingLoop:
             ctx.meter.phases.lap("callbacks_logging")
             self._settle_precision(batch)
             ctx.meter.phases.lap("race")  # a race aside (a run's own first steps count as forward+backward)
+        if self._rewind is not None:  # a race step's micro-batch: replayed once the race decides
+            self._rewind.keep(batch, acc.gradient_state.end_of_dataloader)
         with acc.accumulate(ctx.model):
             # training_step returns the loss divided by the accumulation steps (HF's); the meter averages the
             # micro-batches' own losses
@@ -256,23 +261,31 @@ class TrainingLoop:
             if ctx.args.gradient_accumulation_steps > 1:
                 loss = loss * ctx.args.gradient_accumulation_steps
             ctx.meter.add(loss, count_samples(batch), count_tokens(batch))
-            if ctx.args.include_num_input_tokens_seen != "no":
-                self._count_input_tokens(batch)
+            if (mode := ctx.args.include_num_input_tokens_seen) != "no":
+                ctx.state.num_input_tokens_seen += input_tokens_seen(acc, batch, mode, self._main_input)
             ctx.meter.phases.lap("forward_backward")
             if not acc.sync_gradients:
                 return False
             self._optimizer_step()
         self._micro_in_step = 0
+        if self._undecided and acc.precision.decided:  # decided at this step (auto's race as the steps)
+            self._undecided = False
+            self._replay_race()
+            self._precision_decided(steps_done=1)
         return True
 
-    def _count_input_tokens(self, batch: Any) -> None:
-        """HF's ``state.num_input_tokens_seen``, summed over processes (as HF: one collective per micro-batch
-        under several processes, and a sync per micro-batch for "non_padding"; free otherwise)."""
-        ctx, acc = self.run_ctx, self.run_ctx.accelerator
-        seen = count_input_tokens(batch, ctx.args.include_num_input_tokens_seen, self._main_input)
-        if acc.num_processes > 1:
-            seen = acc.reduce(torch.as_tensor(seen, dtype=torch.int64, device=acc.device))
-        ctx.state.num_input_tokens_seen += int(seen)
+    def _replay_race(self) -> None:
+        """The in-run race decided: the run goes back to before it and takes its steps again in the chosen mode
+        (race_rewind.py), outside the accumulation window that just closed; timed as the race's."""
+        rewind, self._rewind = self._rewind, None
+        if rewind is not None:
+            rewind.replay(self.run_ctx)  # the decision records its steps and seconds
+            self.run_ctx.meter.phases.lap("race")
+
+    def _drop_rewind(self) -> None:
+        if self._rewind is not None:
+            self._rewind = None
+            logger.warning("auto: the epoch or the run ended before the race decided: its steps stay as they ran")
 
     def _settle_precision(self, batch: Any) -> None:
         """A precision decided on the training step ("auto"): it decides on this first batch through the
@@ -291,6 +304,8 @@ class TrainingLoop:
         self._undecided = not acc.precision.decided
         if not self._undecided:
             self._precision_decided()
+        else:  # racing as the run's own steps: the state they start from, to replay them in the chosen mode
+            self._rewind = RaceRewind.take(ctx)
 
     def _precision_decided(self, steps_done: int = 0) -> None:
         """Log auto's decision (made now, ``steps_done`` steps into this step: 1 when the race ran as the
@@ -331,9 +346,6 @@ class TrainingLoop:
         ctx.optimizer.zero_grad()
         self.compile.step_ended(self.plan.max_steps - ctx.state.global_step - 1)
         ctx.meter.phases.lap("optimizer")
-        if self._undecided and acc.precision.decided:  # decided at this step (auto's race as the steps)
-            self._undecided = False
-            self._precision_decided(steps_done=1)
         if self._scaling:
             scale = acc.scaler.get_scale()  # a host mirror: no sync
             if scale != self._last_scale:
@@ -347,13 +359,15 @@ class TrainingLoop:
         names = ctx.accelerator.scaler.nonfinite_grad_names(ctx.optimizer)  # reads its param_groups only
         step = ctx.state.global_step + 1
         shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        race = {"race_step": True} if self._undecided else {}  # replayed in the chosen mode once the race decides
         logger.warning(
-            "step %d: optimizer step skipped (loss scale %g): non-finite gradients in %s",
+            "step %d: optimizer step skipped (loss scale %g%s): non-finite gradients in %s",
             step,
             scale_used,
+            ", a step of auto's race" if race else "",
             shown or "no parameter (a gradient hook or another process?)",
         )
-        ctx.events.record("skipped_step", step, loss_scale=scale_used, nonfinite_grads=names)
+        ctx.events.record("skipped_step", step, loss_scale=scale_used, nonfinite_grads=names, **race)
 
     def _skips_error(self, err: ConsecutiveSkipsError) -> ConsecutiveSkipsError:
         ctx = self.run_ctx
