@@ -242,7 +242,12 @@ def hf_accelerate_loop(s: Setup, model: torch.nn.Module) -> Iterator[None]:
 # -- the Trainers ---------------------------------------------------------------------------------------
 
 
-def _mixprec_trainer(s: Setup, model: torch.nn.Module, max_steps: int, gate: _Gate, tmp: str) -> Callable[[], object]:
+def mixprec_trainer(
+    s: Setup, model: torch.nn.Module, max_steps: int, gate: _Gate, tmp: str, **overrides: object
+) -> Callable[[], object]:
+    """mixprec's Trainer over ``s`` (no logging, evaluation or saves unless ``overrides`` of TrainingArguments
+    say otherwise), parked by ``gate`` at each step's end; returns its ``train``."""
+
     class Park(mixprec.TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001
             gate.train_begin()
@@ -253,8 +258,8 @@ def _mixprec_trainer(s: Setup, model: torch.nn.Module, max_steps: int, gate: _Ga
     args = mixprec.TrainingArguments(
         output_dir=tmp, precision=s.precision, max_steps=max_steps, per_device_train_batch_size=s.batch_size,
         learning_rate=s.lr, lr_scheduler_type="constant", max_grad_norm=s.max_grad_norm, seed=s.seed,
-        save_strategy="no", logging_strategy="no", disable_tqdm=True, save_plots=False, report_to="none",
-        use_cpu=s.device.type == "cpu",
+        save_strategy="no", disable_tqdm=True, save_plots=False, report_to="none", use_cpu=s.device.type == "cpu",
+        **{"logging_strategy": "no", **overrides},
     )  # fmt: skip
     return mixprec.Trainer(model=model, args=args, train_dataset=s.dataset, callbacks=[Park()]).train
 
@@ -295,7 +300,7 @@ LOOPS: dict[str, Callable[[Setup, torch.nn.Module], Iterator[None]]] = {
     "mixprec Accelerator": mixprec_accelerator_loop,
     "HF Accelerate": hf_accelerate_loop,
 }
-TRAINERS = {"mixprec Trainer": _mixprec_trainer, "HF Trainer": _hf_trainer}
+TRAINERS = {"mixprec Trainer": mixprec_trainer, "HF Trainer": _hf_trainer}
 VARIANTS = [*LOOPS, *TRAINERS]
 FLOOR = "torch.amp by hand"
 NEEDS = {"HF Accelerate": "accelerate", "HF Trainer": "transformers"}
