@@ -30,6 +30,7 @@ from mixprec.trainer.batches import count_input_tokens, count_samples, count_tok
 from mixprec.trainer.callbacks import export_callback_states
 from mixprec.trainer.hf_loggers import hf_logger
 from mixprec.trainer.neftune import neftune
+from mixprec.trainer.phase_clock import UNSPLIT
 from mixprec.trainer.signals import GracefulStop, TrainingInterrupted
 from mixprec.trainer.summary import finish_run
 
@@ -244,17 +245,20 @@ class TrainingLoop:
         if acc.precision_pending:
             ctx.meter.phases.lap("callbacks_logging")
             self._settle_precision(batch)
-            ctx.meter.phases.lap("race")  # a race aside (a run's own first steps count as forward+backward)
+            ctx.meter.phases.lap("race")  # a race aside (a run's own first steps count as forward and backward)
         with acc.accumulate(ctx.model):
             # training_step returns the loss divided by the accumulation steps (HF's); the meter averages the
-            # micro-batches' own losses
+            # micro-batches' own losses. Its forward ends with a lap inside it (Trainer.training_step): an
+            # override that never calls it leaves the micro-batch unsplit
             loss = ctx.training_step(ctx.model, batch)
+            clock = ctx.meter.phases
+            clock.lap("backward" if clock.last == "forward" else UNSPLIT)
             if ctx.args.gradient_accumulation_steps > 1:
                 loss = loss * ctx.args.gradient_accumulation_steps
             ctx.meter.add(loss, count_samples(batch), count_tokens(batch))
             if ctx.args.include_num_input_tokens_seen != "no":
                 self._count_input_tokens(batch)
-            ctx.meter.phases.lap("forward_backward")
+            clock.lap("callbacks_logging")  # the meter's running loss and counts
             if not acc.sync_gradients:
                 return False
             self._optimizer_step()

@@ -247,6 +247,7 @@ class Trainer:
         again); returns that divided loss, detached. HF's override point: a subclass may add to it
         (``super().training_step(...)``) or replace it, calling ``self.accelerator.backward(loss)``."""
         loss = self.compute_loss(model, inputs)
+        self.meter.phases.lap("forward")  # the run's time split (issue 36): one perf_counter, no sync
         steps = self.args.gradient_accumulation_steps
         if steps > 1:
             loss = loss / steps
