@@ -34,6 +34,7 @@ from mixprec.cli._common import (
 )
 from mixprec.cli._config_file import add_config_arg, apply_config
 from mixprec.cli._epochs import EpochCallback, EpochChunks, evenly_spaced
+from mixprec.cli._eval_batch import device_memory_bytes, eval_batch_size
 from mixprec.cli._lora import add_lora_args, apply_lora, lora_plan
 from mixprec.cli._subcommand import Subcommand
 from mixprec.cli.main import CliError
@@ -201,7 +202,7 @@ def _z_loss_weight(text: str) -> float:
 # -- the run ----------------------------------------------------------------------------------------------
 
 
-def _training_arguments(args: argparse.Namespace, precision: Precision, output_dir: Path) -> Any:
+def _training_arguments(args: argparse.Namespace, precision: Precision, output_dir: Path, eval_batch: int) -> Any:
     from mixprec.trainer.args import TrainingArguments
 
     return TrainingArguments(
@@ -210,7 +211,7 @@ def _training_arguments(args: argparse.Namespace, precision: Precision, output_d
         num_train_epochs=float(args.epochs),
         max_steps=args.max_steps if args.max_steps is not None else -1,
         per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size,
+        per_device_eval_batch_size=eval_batch,  # no autograd: a larger batch fits (_eval_batch.py)
         learning_rate=args.lr,
         optim=args.optim,
         # nanoGPT's recipe for small models: AdamW(0.9, 0.99), decay 0.1 on matrices, clip 1, warmup + cosine
@@ -329,7 +330,9 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     train_dataset = EpochChunks(train_chunks, chunks_per_epoch, seed=args.seed)
     eval_dataset = _eval_subset(val_chunks, info.seq_len)
     baseline = unigram_entropy(_subset_tokens(eval_dataset))
-    training_args = _training_arguments(args, precision, run_dir)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 256
+    eval_batch = eval_batch_size(args.batch_size, info.seq_len, vocab, len(eval_dataset), device_memory_bytes())
+    training_args = _training_arguments(args, precision, run_dir, eval_batch)
 
     from mixprec.trainer.trainer import Trainer
 
@@ -342,7 +345,8 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         f"  epochs      {args.epochs:g} of {epoch_what} ({len(train_dataset):,} chunks of {info.seq_len}), "
         f"batch {args.batch_size}" + (f", at most {args.max_steps} steps" if args.max_steps else "")
     )
-    _emit(f"  eval        {len(eval_dataset):,} validation chunks per epoch; unigram baseline {baseline:.3f} nats/byte")
+    _emit(f"  eval        {len(eval_dataset):,} validation chunks per epoch (batch {eval_batch}); unigram baseline "
+          f"{baseline:.3f} nats/byte")  # fmt: skip
     if threads is not None:
         _emit(f"  threads     {threads.describe()}")
     _emit(f"  run folder  {run_dir}" + (f" (resuming from {resume_from.name})" if resume_from else ""))
