@@ -38,7 +38,7 @@ from mixprec.cli._eval_batch import device_memory_bytes, eval_batch_size
 from mixprec.cli._lora import add_lora_args, apply_lora, lora_plan
 from mixprec.cli._subcommand import Subcommand
 from mixprec.cli.main import CliError
-from mixprec.data import decode, encode, unigram_entropy
+from mixprec.data import VOCAB_SIZE, decode, encode, unigram_entropy
 from mixprec.models import GPT, GPT_PRESETS
 from mixprec.precision.base import Precision
 from mixprec.strategies.comm import COMM_NAMES
@@ -330,7 +330,7 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     train_dataset = EpochChunks(train_chunks, chunks_per_epoch, seed=args.seed)
     eval_dataset = _eval_subset(val_chunks, info.seq_len)
     baseline = unigram_entropy(_subset_tokens(eval_dataset))
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 256
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or VOCAB_SIZE  # the byte ids at least
     eval_batch = eval_batch_size(args.batch_size, info.seq_len, vocab, len(eval_dataset), device_memory_bytes())
     training_args = _training_arguments(args, precision, run_dir, eval_batch)
 
