@@ -47,8 +47,21 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 
 def tests(a: argparse.Namespace, out: Path, left: float) -> dict[str, Any]:
-    proc = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider",
-                 f"--junitxml={out / 'gpu_tests.xml'}"], timeout=max(left - 5, 30))  # fmt: skip
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-m",
+            "gpu",
+            "tests",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={out / 'gpu_tests.xml'}",
+        ],
+        timeout=max(left - 5, 30),
+    )
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", tail)}
     failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
@@ -60,8 +73,18 @@ def nanogpt(a: argparse.Namespace, out: Path, left: float) -> dict[str, Any]:
 
     if not a.nanogpt:
         return {"not_run": "no --nanogpt checkout given"}
-    argv = ["--nanogpt", a.nanogpt, "--steps", "20", "--variants", "nanogpt,mixprec+chunked",
-            "--device", a.device, "--json", str(out / "nanogpt_rows.json")]  # fmt: skip
+    argv = [
+        "--nanogpt",
+        a.nanogpt,
+        "--steps",
+        "20",
+        "--variants",
+        "nanogpt,mixprec+chunked",
+        "--device",
+        a.device,
+        "--json",
+        str(out / "nanogpt_rows.json"),
+    ]
     args = vs_nanogpt_gpu.parse_args(argv)
     rows, header = vs_nanogpt_gpu.run(args)
     print(vs_nanogpt_gpu.format_rows(rows, header), flush=True)
@@ -100,9 +123,28 @@ def bf16_step(a: argparse.Namespace, out: Path, left: float) -> dict[str, Any]:
 
 def train(a: argparse.Namespace, out: Path, left: float) -> dict[str, Any]:
     run_dir = out / "train_gpt2"
-    proc = _run([sys.executable, "-m", "mixprec.cli.main", "train", "--model", "gpt2", "--precision", "auto",
-                 "--compile", "--seq-len", "1024", "--batch-size", "16", "--max-steps", "60",
-                 "--output-dir", str(run_dir)], timeout=max(left - 5, 30))  # fmt: skip
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "mixprec.cli.main",
+            "train",
+            "--model",
+            "gpt2",
+            "--precision",
+            "auto",
+            "--compile",
+            "--seq-len",
+            "1024",
+            "--batch-size",
+            "16",
+            "--max-steps",
+            "60",
+            "--output-dir",
+            str(run_dir),
+        ],
+        timeout=max(left - 5, 30),
+    )
     summary_file = run_dir / "train_summary.json"
     result: dict[str, Any] = {"returncode": proc.returncode, "stderr_tail": proc.stderr[-1500:]}
     if summary_file.exists():
@@ -113,9 +155,14 @@ def train(a: argparse.Namespace, out: Path, left: float) -> dict[str, Any]:
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace, Path, float], dict[str, Any]]] = {
-    "tests": tests, "nanogpt": nanogpt, "gpt2": gpt2, "gpt-1b": gpt_1b, "bf16-step": bf16_step, "train": train,
+    "tests": tests,
+    "nanogpt": nanogpt,
+    "gpt2": gpt2,
+    "gpt-1b": gpt_1b,
+    "bf16-step": bf16_step,
+    "train": train,
     "gpt2-fp8": gpt2_fp8,
-}  # fmt: skip
+}
 
 
 def goals(results: dict[str, dict]) -> list[str]:
@@ -153,12 +200,16 @@ def goals(results: dict[str, dict]) -> list[str]:
                 goal = " (goal >= 1.15)" if section == "gpt-1b" else " (auto must not pick fp8 where < 1)"
                 lines.append(f"{fp8} vs bf16 + compile at {label}: {ratio:.3f}x{goal}")
     for row in results.get("bf16-step", {}).get("rows", []):
-        lines.append(f"bf16-pure optimizer step ({row['rounding']}): {row['speedup']:.2f}x faster than before, "
-                     f"{row['after_s'] * 1e3:.1f} ms; bits differing {row['differing_share']:.1e}")  # fmt: skip
+        lines.append(
+            f"bf16-pure optimizer step ({row['rounding']}): {row['speedup']:.2f}x faster than before, "
+            f"{row['after_s'] * 1e3:.1f} ms; bits differing {row['differing_share']:.1e}"
+        )
     tr = results.get("train", {})
     if "precision" in tr:
-        lines.append(f"mixprec train --model gpt2 auto --compile: picked {tr['precision']} "
-                     f"({tr.get('precision_reason')}), {tr.get('train_tokens_per_second')} tokens/s")  # fmt: skip
+        lines.append(
+            f"mixprec train --model gpt2 auto --compile: picked {tr['precision']} "
+            f"({tr.get('precision_reason')}), {tr.get('train_tokens_per_second')} tokens/s"
+        )
     for name, r in results.items():
         if "error" in r or "not_run" in r:
             lines.append(f"{name}: {r.get('error') or r.get('not_run')}")
@@ -202,8 +253,10 @@ def run_plan(a: argparse.Namespace, variants_table: Callable[[argparse.Namespace
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else a.device
-    lines = [f"gpu_suite --plan issue28: {device}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
-             f"took {time.perf_counter() - started:.0f} s"] + goals(results)  # fmt: skip
+    lines = [
+        f"gpu_suite --plan issue28: {device}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+        f"took {time.perf_counter() - started:.0f} s"
+    ] + goals(results)
     print("\n" + "\n".join(lines), flush=True)
     (out / "summary.json").write_text(json.dumps({"lines": lines, "sections": results}, indent=2, default=str))
     return 0

@@ -256,11 +256,21 @@ def mixprec_trainer(
             gate.step_end()
 
     args = mixprec.TrainingArguments(
-        output_dir=tmp, precision=s.precision, max_steps=max_steps, per_device_train_batch_size=s.batch_size,
-        learning_rate=s.lr, lr_scheduler_type="constant", max_grad_norm=s.max_grad_norm, seed=s.seed,
-        save_strategy="no", disable_tqdm=True, save_plots=False, report_to="none", use_cpu=s.device.type == "cpu",
+        output_dir=tmp,
+        precision=s.precision,
+        max_steps=max_steps,
+        per_device_train_batch_size=s.batch_size,
+        learning_rate=s.lr,
+        lr_scheduler_type="constant",
+        max_grad_norm=s.max_grad_norm,
+        seed=s.seed,
+        save_strategy="no",
+        disable_tqdm=True,
+        save_plots=False,
+        report_to="none",
+        use_cpu=s.device.type == "cpu",
         **{"logging_strategy": "no", **overrides},
-    )  # fmt: skip
+    )
     return mixprec.Trainer(model=model, args=args, train_dataset=s.dataset, callbacks=[Park()]).train
 
 
@@ -275,12 +285,24 @@ def _hf_trainer(s: Setup, model: torch.nn.Module, max_steps: int, gate: _Gate, t
             gate.step_end()
 
     args = transformers.TrainingArguments(
-        output_dir=tmp, fp16=s.precision == "fp16", bf16=s.precision == "bf16", max_steps=max_steps,
-        per_device_train_batch_size=s.batch_size, learning_rate=s.lr, lr_scheduler_type="constant",
-        max_grad_norm=s.max_grad_norm, seed=s.seed, save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        report_to=[], use_cpu=s.device.type == "cpu", optim="adamw_torch", dataloader_num_workers=0,
+        output_dir=tmp,
+        fp16=s.precision == "fp16",
+        bf16=s.precision == "bf16",
+        max_steps=max_steps,
+        per_device_train_batch_size=s.batch_size,
+        learning_rate=s.lr,
+        lr_scheduler_type="constant",
+        max_grad_norm=s.max_grad_norm,
+        seed=s.seed,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        report_to=[],
+        use_cpu=s.device.type == "cpu",
+        optim="adamw_torch",
+        dataloader_num_workers=0,
         weight_decay=0.0,
-    )  # fmt: skip
+    )
 
     class Trainer(transformers.Trainer):
         # HF counts FLOPs every step via model.num_parameters(exclude_embeddings=True), HF's signature; the

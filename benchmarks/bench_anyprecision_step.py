@@ -36,8 +36,12 @@ OPTIONS = {
 def load_baseline(rev: str) -> ModuleType:
     """``mixprec.trainer.anyprecision`` as of ``rev``, as a standalone module (it imports only optim/kahan.py,
     whose ``kahan_update_`` is unchanged)."""
-    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:src/mixprec/trainer/anyprecision.py"],
-                          check=True, capture_output=True, text=True).stdout  # fmt: skip
+    text = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{rev}:src/mixprec/trainer/anyprecision.py"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     path = Path(tempfile.mkdtemp(prefix="anyprecision_baseline_")) / "anyprecision_baseline.py"
     path.write_text(text)
     spec = importlib.util.spec_from_file_location("anyprecision_baseline", path)
@@ -71,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     before = load_baseline(a.baseline_rev).AnyPrecisionAdamW
     shapes = shapes_of(a.model)
     where = torch.cuda.get_device_name() if a.device == "cuda" else f"cpu, {a.threads} thread(s)"
-    print(f"bench_anyprecision_step: AnyPrecisionAdamW.step() on {a.model}'s {len(shapes)} tensors "
-          f"({sum(s.numel() for s in shapes) / 1e6:.1f}M fp32 parameters); {where}; torch {torch.__version__}; "
-          f"before = {a.baseline_rev}; {a.rounds} interleaved rounds")  # fmt: skip
+    print(
+        f"bench_anyprecision_step: AnyPrecisionAdamW.step() on {a.model}'s {len(shapes)} tensors "
+        f"({sum(s.numel() for s in shapes) / 1e6:.1f}M fp32 parameters); {where}; torch {torch.__version__}; "
+        f"before = {a.baseline_rev}; {a.rounds} interleaved rounds"
+    )
     for label, options in OPTIONS.items():
         opts, weights = {}, {}
         for name, cls in (("before", before), ("after", AnyPrecisionAdamW)):
@@ -89,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(timed(opts[name], a.device))
         s = {k: summarize(v) for k, v in times.items()}
         old, new = s["before"], s["after"]
-        print(f"  {label:<13} before {old.median * 1e3:8.1f} ms (IQR {old.spread * 1e3:.1f})   "
-              f"after {new.median * 1e3:8.1f} ms (IQR {new.spread * 1e3:.1f})   {old.median / new.median:.2f}x   "
-              f"max |weight difference| after 3 steps: {apart:.1e}")  # fmt: skip
+        print(
+            f"  {label:<13} before {old.median * 1e3:8.1f} ms (IQR {old.spread * 1e3:.1f})   "
+            f"after {new.median * 1e3:8.1f} ms (IQR {new.spread * 1e3:.1f})   {old.median / new.median:.2f}x   "
+            f"max |weight difference| after 3 steps: {apart:.1e}"
+        )
         del opts, weights
     return 0
 

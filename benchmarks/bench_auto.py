@@ -117,7 +117,7 @@ def mlp_loop(steps: int, rounds: int, batch: int = 256, width: int = 1024) -> di
             "ratio_to_fastest": ratio,
             "within_tolerance": ratio <= 1 + AUTO_TOLERANCE,
             "tolerance": AUTO_TOLERANCE,
-        },  # fmt: skip
+        },
         "race": decision.to_dict(),
         "first_step_with_race_s": race_wall,
     }
@@ -149,8 +149,16 @@ def train_step_races(repeat: int, clock: str, threads: int | None) -> dict[str, 
         d = acc.precision.settle(  # pending: the "auto" strategy itself
             lambda m=m: m(**batch).loss, [m], batch=batch, use_cache=False, run_steps=300, in_run=False, **kwargs
         )
-        runs.append({"chosen": d.chosen, "speedups": d.speedups(), "interval": d.speedup_interval,
-                     "rounds": d.rounds, "dropped": d.dropped, "cost_s": d.cost_seconds})  # fmt: skip
+        runs.append(
+            {
+                "chosen": d.chosen,
+                "speedups": d.speedups(),
+                "interval": d.speedup_interval,
+                "rounds": d.rounds,
+                "dropped": d.dropped,
+                "cost_s": d.cost_seconds,
+            }
+        )
     choices = [r["chosen"] for r in runs]
     top = max(set(choices), key=choices.count)
     return {
@@ -180,8 +188,10 @@ def repeat_main(args: argparse.Namespace) -> dict[str, Any]:
         for run in r["runs"]:
             sp = ", ".join(f"{k} {v:.2f}x" for k, v in run["speedups"].items())
             iv = ", ".join(f"{k} {lo:.2f}-{hi:.2f}x" for k, (lo, hi) in run["interval"].items())
-            print(f"    {run['chosen']:<5} {sp}; 95% interval {iv or '-'}; {run['rounds']} rounds; "
-                  f"race {run['cost_s']:.1f}s" + (f"; dropped {run['dropped']}" if run["dropped"] else ""))  # fmt: skip
+            print(
+                f"    {run['chosen']:<5} {sp}; 95% interval {iv or '-'}; {run['rounds']} rounds; "
+                f"race {run['cost_s']:.1f}s" + (f"; dropped {run['dropped']}" if run["dropped"] else "")
+            )
     return out
 
 
@@ -222,9 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         v = r["verdict"]
         medians = ", ".join(f"{k} {t:.1f} ms" for k, t in r["medians_ms"].items())
         state = "within" if v["within_tolerance"] else "NOT within"
-        print(f"{key}: {r['workload']}\n  medians: {medians}\n  auto chose {v['chose']}: "
-              f"{v['ratio_to_fastest']:.3f}x the fastest ({v['fastest']}), {state} {v['tolerance']:.0%}; "
-              f"the race took {r['race']['cost_seconds']:.2f}s")  # fmt: skip
+        print(
+            f"{key}: {r['workload']}\n  medians: {medians}\n  auto chose {v['chose']}: "
+            f"{v['ratio_to_fastest']:.3f}x the fastest ({v['fastest']}), {state} {v['tolerance']:.0%}; "
+            f"the race took {r['race']['cost_seconds']:.2f}s"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -42,8 +42,9 @@ def load_baseline(rev: str) -> ModuleType:
             source = Path(rev) / f"{name}.py"
             text = source.read_text() if source.exists() else None
         else:
-            shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:src/mixprec/optim/{name}.py"],
-                                   capture_output=True, text=True)  # fmt: skip
+            shown = subprocess.run(
+                ["git", "-C", str(ROOT), "show", f"{rev}:src/mixprec/optim/{name}.py"], capture_output=True, text=True
+            )
             text = shown.stdout if shown.returncode == 0 else None
         if text is None:
             continue
@@ -140,9 +141,17 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("before", "after") if r % 2 == 0 else ("after", "before"):
                 times[name].append(timed(opts[name], a.device))
         s = {k: summarize(v) for k, v in times.items()}
-        rows.append({"rounding": rounding, "differing_share": share, "before_s": s["before"].median,
-                     "before_iqr_s": s["before"].spread, "after_s": s["after"].median,
-                     "after_iqr_s": s["after"].spread, "speedup": s["before"].median / s["after"].median})  # fmt: skip
+        rows.append(
+            {
+                "rounding": rounding,
+                "differing_share": share,
+                "before_s": s["before"].median,
+                "before_iqr_s": s["before"].spread,
+                "after_s": s["after"].median,
+                "after_iqr_s": s["after"].spread,
+                "speedup": s["before"].median / s["after"].median,
+            }
+        )
         del opts
     where = torch.cuda.get_device_name() if a.device == "cuda" else f"cpu, {a.threads} thread(s)"
     print(
@@ -150,9 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{where}; torch {torch.__version__}; before = {a.baseline_rev}; {a.rounds} interleaved rounds"
     )
     for r in rows:
-        print(f"  {r['rounding']:<10} before {r['before_s'] * 1e3:8.1f} ms (IQR {r['before_iqr_s'] * 1e3:.1f})   "
-              f"after {r['after_s'] * 1e3:8.1f} ms (IQR {r['after_iqr_s'] * 1e3:.1f})   {r['speedup']:.2f}x   "
-              f"bits differing after 3 steps: {r['differing_share']:.2e}")  # fmt: skip
+        print(
+            f"  {r['rounding']:<10} before {r['before_s'] * 1e3:8.1f} ms (IQR {r['before_iqr_s'] * 1e3:.1f})   "
+            f"after {r['after_s'] * 1e3:8.1f} ms (IQR {r['after_iqr_s'] * 1e3:.1f})   {r['speedup']:.2f}x   "
+            f"bits differing after 3 steps: {r['differing_share']:.2e}"
+        )
     if a.json:
         Path(a.json).write_text(json.dumps({"model": a.model, "device": where, "rows": rows}, indent=2))
     return 0

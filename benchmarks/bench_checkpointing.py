@@ -133,12 +133,25 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     n_params = build(False, "cpu").num_parameters()
-    saved = {name: saved_activation_bytes(build(name == "checkpointing", args.device), batch(args.batch, args.device))
-             for name in ("plain", "checkpointing")}  # fmt: skip
+    saved = {
+        name: saved_activation_bytes(build(name == "checkpointing", args.device), batch(args.batch, args.device))
+        for name in ("plain", "checkpointing")
+    }
     peak = {}
     for name in ("plain", "checkpointing"):
-        cmd = [sys.executable, "-m", "benchmarks.bench_checkpointing", "--peak-only", name, "--batch",
-               str(args.batch), "--device", args.device, "--threads", str(args.threads)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_checkpointing",
+            "--peak-only",
+            name,
+            "--batch",
+            str(args.batch),
+            "--device",
+            args.device,
+            "--threads",
+            str(args.threads),
+        ]
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}  # see the module docstring
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
         peak[name] = int(out.split()[-1])
@@ -147,20 +160,38 @@ def main(argv: list[str] | None = None) -> None:
     ratios = [c / p for p, c in zip(times["plain"], times["checkpointing"])]
 
     mib = 2.0**20
-    print(f"GPT {n_params / 1e6:.1f}M params, batch {args.batch} x {CONFIG.block_size}, {args.device}, fp32, "
-          f"torch {torch.__version__}, {platform.processor() or platform.machine()}")  # fmt: skip
+    print(
+        f"GPT {n_params / 1e6:.1f}M params, batch {args.batch} x {CONFIG.block_size}, {args.device}, fp32, "
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}"
+    )
     print(f"{'':24} {'plain':>10} {'checkpointing':>14} {'ratio':>7}")
-    print(f"{'activations kept (MiB)':24} {saved['plain'] / mib:10.1f} {saved['checkpointing'] / mib:14.1f} "
-          f"{saved['checkpointing'] / saved['plain']:7.3f}")  # fmt: skip
-    print(f"{'peak of the step (MiB)':24} {peak['plain'] / mib:10.1f} {peak['checkpointing'] / mib:14.1f} "
-          f"{peak['checkpointing'] / peak['plain']:7.3f}")  # fmt: skip
+    print(
+        f"{'activations kept (MiB)':24} {saved['plain'] / mib:10.1f} {saved['checkpointing'] / mib:14.1f} "
+        f"{saved['checkpointing'] / saved['plain']:7.3f}"
+    )
+    print(
+        f"{'peak of the step (MiB)':24} {peak['plain'] / mib:10.1f} {peak['checkpointing'] / mib:14.1f} "
+        f"{peak['checkpointing'] / peak['plain']:7.3f}"
+    )
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{'step time (s, median)':24} {med['plain']:10.3f} {med['checkpointing']:14.3f} "
-          f"{statistics.median(ratios):7.3f}  (paired ratio range {min(ratios):.3f}-{max(ratios):.3f})")  # fmt: skip
+    print(
+        f"{'step time (s, median)':24} {med['plain']:10.3f} {med['checkpointing']:14.3f} "
+        f"{statistics.median(ratios):7.3f}  (paired ratio range {min(ratios):.3f}-{max(ratios):.3f})"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"params": n_params, "batch": args.batch, "device": args.device, "saved_bytes": saved,
-                       "peak_bytes": peak, "step_seconds": times}, f, indent=2)  # fmt: skip
+            json.dump(
+                {
+                    "params": n_params,
+                    "batch": args.batch,
+                    "device": args.device,
+                    "saved_bytes": saved,
+                    "peak_bytes": peak,
+                    "step_seconds": times,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -54,8 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     for r in range(a.rounds):
         for name in VARIANTS if r % 2 == 0 else reversed(VARIANTS):
-            proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(VARIANTS[name])], capture_output=True,
-                                  text=True, env=env, check=True)  # fmt: skip
+            proc = subprocess.run(
+                [sys.executable, "-c", CHILD, json.dumps(VARIANTS[name])],
+                capture_output=True,
+                text=True,
+                env=env,
+                check=True,
+            )
             runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
     print("bench_chunked_loss: GPT 2 x 128, vocab 50257, 8 x 256 tokens, bf16 autocast, 1 thread, CPU")
     rows = {}
@@ -63,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         step = statistics.median(x["step_s"] for x in results)
         peak = statistics.median(x["peak_rss_growth"] for x in results)
         rows[name] = {"step_s": step, "peak_rss_growth": peak, "loss": results[-1]["loss"]}
-        print(f"  {name:<8} forward+backward {step * 1e3:7.0f} ms   peak RSS growth {peak / 2**20:6.0f} MiB   "
-              f"loss {results[-1]['loss']:.4f}")  # fmt: skip
+        print(
+            f"  {name:<8} forward+backward {step * 1e3:7.0f} ms   peak RSS growth {peak / 2**20:6.0f} MiB   "
+            f"loss {results[-1]['loss']:.4f}"
+        )
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2))
     return 0

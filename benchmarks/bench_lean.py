@@ -152,8 +152,9 @@ def lean_modes(a: argparse.Namespace) -> dict[str, Any]:
         return model.train()
 
     data = batches(4, SEQ)
-    chosen = {name: b for i, (name, b) in enumerate(MODES.items())
-              if i == 0 or not a.modes or any(t in name for t in a.modes)}  # fmt: skip
+    chosen = {
+        name: b for i, (name, b) in enumerate(MODES.items()) if i == 0 or not a.modes or any(t in name for t in a.modes)
+    }
     out: dict[str, Any] = {"params": n_params, "modes": {name: {} for name in chosen}}
     if a.only in (None, "speed"):  # first, so that memory is measured after every first-use cost
         modes = {name: builder(fresh) for name, builder in chosen.items()}

@@ -85,7 +85,7 @@ def variants(precision: str) -> list[Variant]:
             lora=True,
             adapters_in_fp32=False,
             baseline=full,
-        ),  # fmt: skip
+        ),
     ]
 
 
@@ -110,8 +110,7 @@ def with_adapters(model: torch.nn.Module, variant: Variant, rank: int) -> torch.
         return model
     import peft
 
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0,
-                             fan_in_fan_out=True)  # fmt: skip
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0, fan_in_fan_out=True)
     return peft.get_peft_model(model, config, autocast_adapter_dtype=variant.adapters_in_fp32)
 
 
@@ -212,24 +211,37 @@ def main(argv: list[str] | None = None) -> int:
     for v, r in zip(chosen, results):
         total = r["weights"] + r["peak_growth"]
         base = by_name[v.baseline or v.name]
-        rows.append({
-            "variant": v.name,
-            "trainable_params": r["trainable_params"],
-            "weights_mib": r["weights"] / MIB,
-            "training_state_mib": (r["masters"] + r["grads"] + r["optimizer_states"]) / MIB,
-            "masters_mib": r["masters"] / MIB,
-            "peak_growth_mib": r["peak_growth"] / MIB,
-            "total_mib": total / MIB,
-            "checkpoint_mib": r["checkpoint"] / MIB,
-            "vs_full_ft": total / (base["weights"] + base["peak_growth"]),
-            "step_ms_median": 1000 * statistics.median(r["times"]) if r["times"] else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "variant": v.name,
+                "trainable_params": r["trainable_params"],
+                "weights_mib": r["weights"] / MIB,
+                "training_state_mib": (r["masters"] + r["grads"] + r["optimizer_states"]) / MIB,
+                "masters_mib": r["masters"] / MIB,
+                "peak_growth_mib": r["peak_growth"] / MIB,
+                "total_mib": total / MIB,
+                "checkpoint_mib": r["checkpoint"] / MIB,
+                "vs_full_ft": total / (base["weights"] + base["peak_growth"]),
+                "step_ms_median": 1000 * statistics.median(r["times"]) if r["times"] else None,
+            }
+        )
     n = sum(p.numel() for p in build_base(gpt2_config(args), torch.float32).parameters())
-    print(f"GPT-2-like {args.layers} x {args.width}, vocab {args.vocab} ({n / 1e6:.1f}M parameters), batch "
-          f"{args.batch} x {args.seq}, {args.precision} autocast, LoRA r={args.rank} on {', '.join(TARGETS)}, "
-          f"AdamW, {args.threads} thread(s)")  # fmt: skip
-    columns = ["variant", "trained", "weights", "training state (masters)", "peak growth", "total", "vs full FT",
-               "checkpoint", "step"]  # fmt: skip
+    print(
+        f"GPT-2-like {args.layers} x {args.width}, vocab {args.vocab} ({n / 1e6:.1f}M parameters), batch "
+        f"{args.batch} x {args.seq}, {args.precision} autocast, LoRA r={args.rank} on {', '.join(TARGETS)}, "
+        f"AdamW, {args.threads} thread(s)"
+    )
+    columns = [
+        "variant",
+        "trained",
+        "weights",
+        "training state (masters)",
+        "peak growth",
+        "total",
+        "vs full FT",
+        "checkpoint",
+        "step",
+    ]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for row in rows:
@@ -247,8 +259,13 @@ def main(argv: list[str] | None = None) -> int:
         ]
         print("| " + " | ".join(cells) + " |")
     if args.json:
-        meta = {"args": vars(args), "parameters": n, "machine": platform.processor() or platform.machine(),
-                "torch": torch.__version__, "cpus": os.cpu_count()}  # fmt: skip
+        meta = {
+            "args": vars(args),
+            "parameters": n,
+            "machine": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+        }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
     return 0

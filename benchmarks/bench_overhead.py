@@ -97,9 +97,26 @@ def _cli_run(a: argparse.Namespace, steps: int) -> tuple[float, float]:
     """One ``mixprec train --model tiny`` run of ``steps`` steps: (its CPU seconds in all, its training steps'
     wall seconds from its summary)."""
     with tempfile.TemporaryDirectory(prefix="bench_overhead_") as tmp:
-        cmd = [sys.executable, "-m", "mixprec", "train", "--model", "tiny", "--seq-len", str(a.seq_len),
-               "--batch-size", str(a.batch_size), "--max-steps", str(steps), "--precision", a.precision,
-               "--output-dir", str(Path(tmp) / "run"), "--seed", str(a.seed)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "mixprec",
+            "train",
+            "--model",
+            "tiny",
+            "--seq-len",
+            str(a.seq_len),
+            "--batch-size",
+            str(a.batch_size),
+            "--max-steps",
+            str(steps),
+            "--precision",
+            a.precision,
+            "--output-dir",
+            str(Path(tmp) / "run"),
+            "--seed",
+            str(a.seed),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MIXPREC_AUTO_CACHE": "0"}
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run(cmd, check=True, capture_output=True, env=env)
@@ -143,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu")
     torch.manual_seed(a.seed)
     init = GPT.from_preset("tiny").state_dict()
-    s = _loops.Setup("tiny", init, _dataset(512, a.seq_len, a.seed), a.precision, a.batch_size, 1e-3, 1.0, a.seed,
-                     device)  # fmt: skip
+    s = _loops.Setup(
+        "tiny", init, _dataset(512, a.seq_len, a.seed), a.precision, a.batch_size, 1e-3, 1.0, a.seed, device
+    )
     total = a.warmup + a.rounds * a.steps
     steppers: dict[str, _loops.Stepper] = {}
     for name, loop in (("by hand", by_hand), ("Accelerator", accelerator)):
@@ -152,8 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         steppers[name] = _loops.GeneratorStepper(name, _loops.DtypeObserver(model), loop(s, model))
     gate, tmp = _loops._Gate(), tempfile.mkdtemp(prefix="bench_overhead_")
     model = s.fresh_model()
-    steppers["Trainer"] = _loops.ThreadStepper("Trainer", _loops.DtypeObserver(model), _loops.mixprec_trainer(
-        s, model, total, gate, tmp, logging_strategy="steps", logging_steps=LOG_EVERY), gate, tmp)
+    steppers["Trainer"] = _loops.ThreadStepper(
+        "Trainer",
+        _loops.DtypeObserver(model),
+        _loops.mixprec_trainer(s, model, total, gate, tmp, logging_strategy="steps", logging_steps=LOG_EVERY),
+        gate,
+        tmp,
+    )
     names = list(steppers) + ([] if a.no_cli else ["CLI"])
     times: dict[str, list[float]] = {n: [] for n in names}
     try:
@@ -177,18 +200,25 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     for name in names:
         diffs = [t - f for t, f in zip(times[name], floor, strict=True)]
-        rows[name] = {"ms_per_step": statistics.median(times[name]), "range": [min(times[name]), max(times[name])],
-                      "overhead_ms": statistics.median(diffs), "ratio": statistics.median(
-                          [t / f for t, f in zip(times[name], floor, strict=True)])}  # fmt: skip
+        rows[name] = {
+            "ms_per_step": statistics.median(times[name]),
+            "range": [min(times[name]), max(times[name])],
+            "overhead_ms": statistics.median(diffs),
+            "ratio": statistics.median([t / f for t, f in zip(times[name], floor, strict=True)]),
+        }
     load = os.getloadavg()[0]
-    print(f"\nbench_overhead: tiny GPT, {a.batch_size} x {a.seq_len}, {a.precision}, {a.threads} thread(s), "
-          f"{a.rounds} rounds of {a.steps} steps, {a.clock} clock, torch {torch.__version__}, "
-          f"load average {load:.1f}")  # fmt: skip
+    print(
+        f"\nbench_overhead: tiny GPT, {a.batch_size} x {a.seq_len}, {a.precision}, {a.threads} thread(s), "
+        f"{a.rounds} rounds of {a.steps} steps, {a.clock} clock, torch {torch.__version__}, "
+        f"load average {load:.1f}"
+    )
     print(f"{'variant':<12} {'ms/step':>9} {'range':>17} {'vs hand':>8} {'overhead':>10}")
     for name, row in rows.items():
         lo, hi = row["range"]
-        print(f"{name:<12} {row['ms_per_step']:>9.2f} {lo:>8.2f}-{hi:<8.2f} {row['ratio']:>7.3f}x "
-              f"{row['overhead_ms']:>+8.2f} ms")  # fmt: skip
+        print(
+            f"{name:<12} {row['ms_per_step']:>9.2f} {lo:>8.2f}-{hi:<8.2f} {row['ratio']:>7.3f}x "
+            f"{row['overhead_ms']:>+8.2f} ms"
+        )
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows, "load": load}, indent=2))
     return 0

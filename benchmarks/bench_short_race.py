@@ -41,9 +41,17 @@ def one(precision: str, threads: int, steps: int, out_dir: str) -> dict[str, Any
     data = torch.randint(0, 512, (steps * 8, 256), generator=torch.Generator().manual_seed(0))
     rows = [{"input_ids": x, "labels": x} for x in data]
     args = TrainingArguments(
-        output_dir=out_dir, precision=precision, max_steps=steps, per_device_train_batch_size=8, use_cpu=True,
-        report_to="none", save_strategy="no", logging_steps=10, disable_tqdm=True, learning_rate=3e-4,
-    )  # fmt: skip
+        output_dir=out_dir,
+        precision=precision,
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10,
+        disable_tqdm=True,
+        learning_rate=3e-4,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=rows)
     start = time.perf_counter()
     out = trainer.train()
@@ -63,8 +71,19 @@ def one(precision: str, threads: int, steps: int, out_dir: str) -> dict[str, Any
 
 def spawn(precision: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     env = {**os.environ, "MIXPREC_AUTO_CACHE": "0", "OMP_NUM_THREADS": str(args.threads)}
-    cmd = [sys.executable, "-m", "benchmarks.bench_short_race", "--one", precision, "--threads", str(args.threads),
-           "--steps", str(args.steps), "--out", str(out_dir)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_short_race",
+        "--one",
+        precision,
+        "--threads",
+        str(args.threads),
+        "--steps",
+        str(args.steps),
+        "--out",
+        str(out_dir),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{precision}: exit {done.returncode}\n{done.stderr[-3000:]}")
@@ -96,8 +115,10 @@ def main() -> None:
     median = {v: statistics.median(x["wall_s"] for x in rs) for v, rs in runs.items()}
     fixed = [v for v in variants if v != "auto"]
     best = min(fixed, key=median.__getitem__) if fixed else None
-    print(f"Trainer example: GPT-2 4 x 256, vocab 512, {args.steps} steps of 8 x 256, {args.threads} threads, "
-          f"{args.rounds} interleaved rounds (medians; a shared machine: read the ranges too)")  # fmt: skip
+    print(
+        f"Trainer example: GPT-2 4 x 256, vocab 512, {args.steps} steps of 8 x 256, {args.threads} threads, "
+        f"{args.rounds} interleaved rounds (medians; a shared machine: read the ranges too)"
+    )
     for v, rs in runs.items():
         walls = sorted(x["wall_s"] for x in rs)
         ratio = f"{median[v] / median[best]:.3f}x best fixed ({best})" if best else ""

@@ -106,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         n: [overhead(n, times["plain"][i], times["hooked"][i], times["sampled"][i]) for i in range(args.rounds)]
         for n in intervals
     }
-    print(f"precision watch overhead, GPT small, batch {BATCH} x {SEQ}, {precision}, {args.threads} thread(s), "
-          f"{args.clock} time, {args.rounds} rounds x {args.steps} steps")  # fmt: skip
+    print(
+        f"precision watch overhead, GPT small, batch {BATCH} x {SEQ}, {precision}, {args.threads} thread(s), "
+        f"{args.clock} time, {args.rounds} rounds x {args.steps} steps"
+    )
     print(f"  cpu: {platform.processor() or platform.machine()}, torch {torch.__version__}")
     for k in ("plain", "hooked", "sampled"):
         print(f"  {k:8s} step {med[k] * 1e3:8.1f} ms  (rounds {min(times[k]) * 1e3:.1f}-{max(times[k]) * 1e3:.1f})")
@@ -117,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         o = overhead(n, med["plain"], med["hooked"], med["sampled"])
         spread = per_round[n]
         mark = "  <- default" if n == DEFAULT_EVERY else ""
-        print(f"  every {n:4d}: overhead {o * 100:+6.2f}% of medians, {statistics.median(spread) * 100:+6.2f}% "
-              f"median of rounds (rounds {min(spread) * 100:+.2f}% .. {max(spread) * 100:+.2f}%){mark}")  # fmt: skip
+        print(
+            f"  every {n:4d}: overhead {o * 100:+6.2f}% of medians, {statistics.median(spread) * 100:+6.2f}% "
+            f"median of rounds (rounds {min(spread) * 100:+.2f}% .. {max(spread) * 100:+.2f}%){mark}"
+        )
     if args.json:
         record = {
             "precision": precision,

@@ -52,13 +52,20 @@ NEVER = 10**9
 
 
 class Variant:
-    def __init__(self, name: str, precision: str, watch: PrecisionWatch | None = None, probe: type | None = None,
-                 project_dir: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        precision: str,
+        watch: PrecisionWatch | None = None,
+        probe: type | None = None,
+        project_dir: str | None = None,
+    ) -> None:
         self.name = name
         torch.manual_seed(0)
         model = GPT.from_preset("small")
-        self.acc = mixprec.Accelerator(mixed_precision=precision, cpu=True, watch=watch, project_dir=project_dir,
-                                       verbose=False)  # fmt: skip
+        self.acc = mixprec.Accelerator(
+            mixed_precision=precision, cpu=True, watch=watch, project_dir=project_dir, verbose=False
+        )
         self.model, self.opt = self.acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         self.probe = None
         if probe is StagnationProbe:
@@ -137,20 +144,34 @@ def main(argv: list[str] | None = None) -> int:
         "capsules, timed directly": direct / med["plain"],
         "whole watch": ((n - 1) * ratio["capsules"] + ratio["watch"]) / n - 1,
     }
-    print(f"watch numerics overhead, GPT small, batch {BATCH} x {SEQ}, {args.precision}, {args.threads} thread(s), "
-          f"cpu time, {args.rounds} rounds")  # fmt: skip
+    print(
+        f"watch numerics overhead, GPT small, batch {BATCH} x {SEQ}, {args.precision}, {args.threads} thread(s), "
+        f"cpu time, {args.rounds} rounds"
+    )
     print(f"  cpu: {platform.processor() or platform.machine()}, torch {torch.__version__}")
     for k in med:
-        print(f"  {k:10s} step {med[k] * 1e3:8.1f} ms  x{ratio[k]:.3f} plain (median of rounds)  "
-              f"(rounds {min(times[k]) * 1e3:.1f}-{max(times[k]) * 1e3:.1f})")  # fmt: skip
+        print(
+            f"  {k:10s} step {med[k] * 1e3:8.1f} ms  x{ratio[k]:.3f} plain (median of rounds)  "
+            f"(rounds {min(times[k]) * 1e3:.1f}-{max(times[k]) * 1e3:.1f})"
+        )
     for k, c in costs.items():
         where = {"capsules": "every step, vs hooked", "capsules, timed directly": f"every step, {direct * 1e6:.0f} us"}
         where = where.get(k, f"at every={n}")
         print(f"  {k:24s} overhead {c * 100:+6.2f}% of step time ({where})")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"precision": args.precision, "median_step_s": med, "overhead": costs, "rounds": times,
-                       "default_every": n, "argv": sys.argv[1:]}, f, indent=2)  # fmt: skip
+            json.dump(
+                {
+                    "precision": args.precision,
+                    "median_step_s": med,
+                    "overhead": costs,
+                    "rounds": times,
+                    "default_every": n,
+                    "argv": sys.argv[1:],
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 

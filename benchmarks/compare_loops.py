@@ -174,16 +174,34 @@ def format_report(blocks: list[dict], header: str) -> str:
     lines = [header, ""]
     for block in blocks:
         lines.append(f"## {block['precision']}")
-        cols = ["variant", "computed in", "step (median)", "IQR", "vs floor (median paired)", "range", "best/best",
-                "peak mem"]  # fmt: skip
+        cols = [
+            "variant",
+            "computed in",
+            "step (median)",
+            "IQR",
+            "vs floor (median paired)",
+            "range",
+            "best/best",
+            "peak mem",
+        ]
         table = []
         for r in block["rows"]:
             ratio = "-" if r["ratio_vs_floor"] is None else f"{r['ratio_vs_floor']:.3f}x"
             rng = "-" if r["ratio_range"] is None else f"{r['ratio_range'][0]:.2f}..{r['ratio_range'][1]:.2f}"
             best = "-" if r["ratio_of_best"] is None else f"{r['ratio_of_best']:.3f}x"
             mem = "-" if r["peak_mem_bytes"] is None else f"{r['peak_mem_bytes'] / 2**20:.1f} MiB"
-            table.append([r["variant"], _ran_as(r), f"{r['step_time_s'] * 1e3:.2f} ms",
-                          f"{r['step_time_iqr_s'] * 1e3:.2f} ms", ratio, rng, best, mem])  # fmt: skip
+            table.append(
+                [
+                    r["variant"],
+                    _ran_as(r),
+                    f"{r['step_time_s'] * 1e3:.2f} ms",
+                    f"{r['step_time_iqr_s'] * 1e3:.2f} ms",
+                    ratio,
+                    rng,
+                    best,
+                    mem,
+                ]
+            )
         widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(cols)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         lines += [fmt.format(*cols), fmt.format(*("-" * w for w in widths)), *(fmt.format(*row) for row in table)]
@@ -209,8 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady on a shared box)")
-    p.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
-                   help="cpu: this process's CPU time (default; right with 1 thread on a busy box); wall")  # fmt: skip
+    p.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="cpu",
+        help="cpu: this process's CPU time (default; right with 1 thread on a busy box); wall",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON")
     a = p.parse_args(argv)

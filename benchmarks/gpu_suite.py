@@ -230,11 +230,18 @@ def run_variant(name: str, a: argparse.Namespace, batches: list, peaks: dict) ->
 def format_report(results: list[VariantResult], header: str) -> str:
     cols = ["variant", "warm-up", "step (median)", "IQR", "tokens/s", "MFU", "peak mem", "loss (last 5)"]
     rows = [
-        [r.variant, f"{r.warmup_s:.1f} s", f"{r.step_time_s * 1e3:.1f} ms", f"{r.step_time_iqr_s * 1e3:.2f} ms",
-         f"{r.tokens_per_s:,.0f}", f"{r.mfu * 100:.1f}%",
-         "-" if r.peak_mem_bytes is None else f"{r.peak_mem_bytes / 2**30:.2f} GiB", f"{r.final_loss:.3f}"]
+        [
+            r.variant,
+            f"{r.warmup_s:.1f} s",
+            f"{r.step_time_s * 1e3:.1f} ms",
+            f"{r.step_time_iqr_s * 1e3:.2f} ms",
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.mfu * 100:.1f}%",
+            "-" if r.peak_mem_bytes is None else f"{r.peak_mem_bytes / 2**30:.2f} GiB",
+            f"{r.final_loss:.3f}",
+        ]
         for r in results
-    ]  # fmt: skip
+    ]
     widths = [max([len(c), *(len(row[i]) for row in rows)]) for i, c in enumerate(cols)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [header, "", fmt.format(*cols), fmt.format(*("-" * w for w in widths))]

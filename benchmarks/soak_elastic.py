@@ -43,8 +43,16 @@ def launch(out: Path, rdzv: str, env_extra: dict[str, str], restarts: int) -> in
         if rdzv == "c10d"
         else ["--master_addr=127.0.0.1", f"--master_port={port}"]
     )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--max-restarts={restarts}", *where,
-           str(WORKER), str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--max-restarts={restarts}",
+        *where,
+        str(WORKER),
+        str(out),
+    ]
     with open(out / "launcher.log", "w") as log:
         try:
             return subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=300).returncode
@@ -86,13 +94,18 @@ def main() -> int:
             )
             passed += ok
             resumed = finals[0]["first_step"] if finals[0] else None
-            print(f"trial {trial:2d}: kill rank {rank} at step {step:2d}: rc={rc} resumed at step {resumed} "
-                  f"{'identical' if ok else 'FAILED'} ({seconds[-1]:.1f} s)", flush=True)  # fmt: skip
+            print(
+                f"trial {trial:2d}: kill rank {rank} at step {step:2d}: rc={rc} resumed at step {resumed} "
+                f"{'identical' if ok else 'FAILED'} ({seconds[-1]:.1f} s)",
+                flush=True,
+            )
             if not ok:
                 print((out / "launcher.log").read_text()[-2000:])
         seconds.sort()
-        print(f"{passed}/{args.trials} trials completed with final weights bit-identical to the uninterrupted run "
-              f"(rdzv {args.rdzv}; median {seconds[len(seconds) // 2]:.1f} s per trial)")  # fmt: skip
+        print(
+            f"{passed}/{args.trials} trials completed with final weights bit-identical to the uninterrupted run "
+            f"(rdzv {args.rdzv}; median {seconds[len(seconds) // 2]:.1f} s per trial)"
+        )
     return 0 if passed == args.trials else 1
 
 

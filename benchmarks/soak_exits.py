@@ -34,17 +34,41 @@ def main() -> int:
     began = time.perf_counter()
     for i in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "mixprec.cli.torchrun", "--nproc-per-node", "2", "-m", "mixprec.cli.main",
-                   "train", "--model", "tiny", "--max-steps", "5", "--seq-len", "32", "--batch-size", "4",
-                   "--output-dir", str(Path(tmp) / "run"), *args.extra]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "mixprec.cli.torchrun",
+                "--nproc-per-node",
+                "2",
+                "-m",
+                "mixprec.cli.main",
+                "train",
+                "--model",
+                "tiny",
+                "--max-steps",
+                "5",
+                "--seq-len",
+                "32",
+                "--batch-size",
+                "4",
+                "--output-dir",
+                str(Path(tmp) / "run"),
+                *args.extra,
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
         statuses.append(proc.returncode)
         if proc.returncode != 0:
             (keep / f"run{i}.log").write_text(proc.stdout + proc.stderr, encoding="utf-8")
         print(f"run {i + 1}/{args.runs}: exit {proc.returncode}", file=sys.stderr, flush=True)
     clean = sum(s == 0 for s in statuses)
-    report = {"runs": args.runs, "exit_0": clean, "statuses": statuses, "extra": args.extra,
-              "wall_seconds": round(time.perf_counter() - began, 1), "failed_logs": str(keep)}  # fmt: skip
+    report = {
+        "runs": args.runs,
+        "exit_0": clean,
+        "statuses": statuses,
+        "extra": args.extra,
+        "wall_seconds": round(time.perf_counter() - began, 1),
+        "failed_logs": str(keep),
+    }
     print(json.dumps(report, indent=2))
     return 0 if clean == args.runs else 1
 

@@ -311,8 +311,12 @@ def main(argv: list[str] | None = None) -> int:
         def one(job: tuple) -> Run:
             run = run_one(*job, work, args.timeout)
             done.append(run)  # list.append is atomic: the progress count needs no lock
-            print(f"[{len(done)}/{len(jobs)}] {run.script} {run.precision} {run.impl}: {run.result()}"
-                  f" ({run.seconds:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"[{len(done)}/{len(jobs)}] {run.script} {run.precision} {run.impl}: {run.result()}"
+                f" ({run.seconds:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
             return run
 
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:

@@ -105,21 +105,56 @@ def prepare(a: argparse.Namespace, work: Path) -> None:
 def nanogpt_argv(a: argparse.Namespace, work: Path) -> list[str]:
     shape = GPT_PRESETS[a.model]
     flags = {
-        "dataset": "mixprec", "device": "cpu", "dtype": "float32", "compile": False, "out_dir": str(work / "out"),
-        "batch_size": a.batch_size, "block_size": a.seq_len, "gradient_accumulation_steps": 1,
-        "n_layer": shape.n_layer, "n_head": shape.n_head, "n_embd": shape.n_embd, "bias": True, "dropout": 0.0,
-        "learning_rate": float(a.lr), "min_lr": 0.0, "beta2": 0.99, "weight_decay": 0.1, "grad_clip": 1.0,
-        "warmup_iters": math.ceil(WARMUP_RATIO * a.steps), "lr_decay_iters": a.steps, "max_iters": a.steps,
-        "eval_interval": a.steps, "eval_iters": max(1, EVAL_TOKENS // (a.batch_size * a.seq_len)),
-        "log_interval": 1, "always_save_checkpoint": False,
-    }  # fmt: skip
+        "dataset": "mixprec",
+        "device": "cpu",
+        "dtype": "float32",
+        "compile": False,
+        "out_dir": str(work / "out"),
+        "batch_size": a.batch_size,
+        "block_size": a.seq_len,
+        "gradient_accumulation_steps": 1,
+        "n_layer": shape.n_layer,
+        "n_head": shape.n_head,
+        "n_embd": shape.n_embd,
+        "bias": True,
+        "dropout": 0.0,
+        "learning_rate": float(a.lr),
+        "min_lr": 0.0,
+        "beta2": 0.99,
+        "weight_decay": 0.1,
+        "grad_clip": 1.0,
+        "warmup_iters": math.ceil(WARMUP_RATIO * a.steps),
+        "lr_decay_iters": a.steps,
+        "max_iters": a.steps,
+        "eval_interval": a.steps,
+        "eval_iters": max(1, EVAL_TOKENS // (a.batch_size * a.seq_len)),
+        "log_interval": 1,
+        "always_save_checkpoint": False,
+    }
     return [sys.executable, str((a.nanogpt / "train.py").resolve()), *(f"--{k}={v}" for k, v in flags.items())]
 
 
 def mixprec_argv(a: argparse.Namespace, out: Path) -> list[str]:
-    argv = [sys.executable, "-m", "mixprec.cli.main", "train", "--model", a.model, "--batch-size", str(a.batch_size),
-            "--seq-len", str(a.seq_len), "--max-steps", str(a.steps), "--lr", str(a.lr), "--precision", a.precision,
-            "--output-dir", str(out)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "mixprec.cli.main",
+        "train",
+        "--model",
+        a.model,
+        "--batch-size",
+        str(a.batch_size),
+        "--seq-len",
+        str(a.seq_len),
+        "--max-steps",
+        str(a.steps),
+        "--lr",
+        str(a.lr),
+        "--precision",
+        a.precision,
+        "--output-dir",
+        str(out),
+    ]
     if a.data:
         argv += ["--data", a.data]
     if a.fp32_ops:
@@ -241,23 +276,35 @@ def main(argv: list[str] | None = None) -> int:
                     run.shared_val_loss = shared_val_loss(mixprec_logits(a, work / f"mixprec-{r}"), windows)
                 print(f"[vs_nanogpt] round {r + 1}: {run}", file=sys.stderr, flush=True)
                 runs.append(run)
-    med = {t: {f: statistics.median(getattr(x, f) for x in runs if x.tool == t) for f in Run.__dataclass_fields__
-               if f != "tool"} for t in ("nanogpt", "mixprec")}  # fmt: skip
+    med = {
+        t: {
+            f: statistics.median(getattr(x, f) for x in runs if x.tool == t)
+            for f in Run.__dataclass_fields__
+            if f != "tool"
+        }
+        for t in ("nanogpt", "mixprec")
+    }
     mp, ng = med["mixprec"], med["nanogpt"]
     if a.json:
         print(json.dumps({"runs": [asdict(x) for x in runs], "median": med}, indent=1))
         return 0
     precision = a.precision + (f" --fp32-ops {a.fp32_ops}" if a.fp32_ops else "")
-    print(f"{a.model} GPT, batch {a.batch_size} x {a.seq_len}, {a.steps} steps, {a.threads} threads, {a.rounds} "
-          f"interleaved rounds (medians); mixprec --precision {precision}; nanoGPT fp32 (its CPU path)")  # fmt: skip
+    print(
+        f"{a.model} GPT, batch {a.batch_size} x {a.seq_len}, {a.steps} steps, {a.threads} threads, {a.rounds} "
+        f"interleaved rounds (medians); mixprec --precision {precision}; nanoGPT fp32 (its CPU path)"
+    )
     print(f"{'':<10}{'wall s':>9}{'train s':>9}{'tokens/s':>10}{'own val':>10}{'same-windows val':>18}")
     for tool, m in med.items():
-        print(f"{tool:<10}{m['wall_s']:>9.1f}{m['train_s']:>9.1f}{m['tokens_per_s']:>10,.0f}{m['val_loss']:>10.4f}"
-              f"{m['shared_val_loss']:>18.4f}")  # fmt: skip
+        print(
+            f"{tool:<10}{m['wall_s']:>9.1f}{m['train_s']:>9.1f}{m['tokens_per_s']:>10,.0f}{m['val_loss']:>10.4f}"
+            f"{m['shared_val_loss']:>18.4f}"
+        )
     ratio = {f: mp[f] / ng[f] for f in mp}
-    print(f"mixprec / nanoGPT: wall {ratio['wall_s']:.2f}x, train time {ratio['train_s']:.2f}x, "
-          f"tokens/s {ratio['tokens_per_s']:.2f}x, "
-          f"same-windows val loss {ratio['shared_val_loss'] - 1:+.2%}")  # fmt: skip
+    print(
+        f"mixprec / nanoGPT: wall {ratio['wall_s']:.2f}x, train time {ratio['train_s']:.2f}x, "
+        f"tokens/s {ratio['tokens_per_s']:.2f}x, "
+        f"same-windows val loss {ratio['shared_val_loss'] - 1:+.2%}"
+    )
     return 0
 
 

@@ -131,8 +131,10 @@ def padded(vocab: int) -> int:
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """nanoGPT's optimizer groups: weight decay on tensors of 2+ dimensions (matmuls, embeddings) only."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -228,19 +230,27 @@ def run(a: argparse.Namespace) -> tuple[list[Row], str]:
     tokens = a.batch_size * a.seq_len
     for arm in arms:
         s = summarize(arm.timer.times())
-        rows.append(Row(
-            variant=arm.name, warmup_s=arm.warmup_s, step_time_s=s.median, step_time_iqr_s=s.spread,
-            tokens_per_s=tokens / s.median, mfu=flops_per_token * tokens / s.median / peak.flops_per_s,
-            peak_mem_bytes=arm.state_bytes + arm.step_growth if cuda else None,
-            final_loss=float(torch.stack(arm.losses[-3:]).float().mean()),
-        ))  # fmt: skip
+        rows.append(
+            Row(
+                variant=arm.name,
+                warmup_s=arm.warmup_s,
+                step_time_s=s.median,
+                step_time_iqr_s=s.spread,
+                tokens_per_s=tokens / s.median,
+                mfu=flops_per_token * tokens / s.median / peak.flops_per_s,
+                peak_mem_bytes=arm.state_bytes + arm.step_growth if cuda else None,
+                final_loss=float(torch.stack(arm.losses[-3:]).float().mean()),
+            )
+        )
     if a.profile:
         profile(arms, batches[0], Path(a.profile), device)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     mode = "eager" if a.no_compile else f"torch.compile (mode {a.compile_mode or 'default'})"
-    header = (f"vs_nanogpt: {a.preset} (batch {a.batch_size} x {a.seq_len}), bf16 autocast, {mode}, "
-              f"fused AdamW={cuda}; {name}; torch {torch.__version__}; {a.warmup} warm-up steps per variant, "
-              f"{a.steps} interleaved rounds; peak bf16 {peak.source}")  # fmt: skip
+    header = (
+        f"vs_nanogpt: {a.preset} (batch {a.batch_size} x {a.seq_len}), bf16 autocast, {mode}, "
+        f"fused AdamW={cuda}; {name}; torch {torch.__version__}; {a.warmup} warm-up steps per variant, "
+        f"{a.steps} interleaved rounds; peak bf16 {peak.source}"
+    )
     return rows, header
 
 
@@ -266,15 +276,25 @@ def profile(arms: list[Arm], batch: tuple[torch.Tensor, torch.Tensor], folder: P
 def format_rows(rows: list[Row], header: str) -> str:
     base = next((r for r in rows if r.variant == "nanogpt"), None)
     cols = ["variant", "warm-up", "step (median)", "IQR", "tokens/s", "MFU", "peak mem", "vs nanogpt", "loss"]
-    table = [[r.variant, f"{r.warmup_s:.1f} s", f"{r.step_time_s * 1e3:.2f} ms", f"{r.step_time_iqr_s * 1e3:.2f} ms",
-              f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}",
-              "-" if r.peak_mem_bytes is None else f"{r.peak_mem_bytes / 2**30:.2f} GiB",
-              "-" if base is None else f"{base.step_time_s / r.step_time_s:.3f}x", f"{r.final_loss:.3f}"]
-             for r in rows]  # fmt: skip
+    table = [
+        [
+            r.variant,
+            f"{r.warmup_s:.1f} s",
+            f"{r.step_time_s * 1e3:.2f} ms",
+            f"{r.step_time_iqr_s * 1e3:.2f} ms",
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.mfu:.1%}",
+            "-" if r.peak_mem_bytes is None else f"{r.peak_mem_bytes / 2**30:.2f} GiB",
+            "-" if base is None else f"{base.step_time_s / r.step_time_s:.3f}x",
+            f"{r.final_loss:.3f}",
+        ]
+        for r in rows
+    ]
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([header, "", fmt.format(*cols), fmt.format(*("-" * w for w in widths))]
-                     + [fmt.format(*t) for t in table])  # fmt: skip
+    return "\n".join(
+        [header, "", fmt.format(*cols), fmt.format(*("-" * w for w in widths))] + [fmt.format(*t) for t in table]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

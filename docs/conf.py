@@ -57,30 +57,39 @@ GoogleDocstring._parse_attribute_docstring = lambda self: self._consume_to_end()
 # have no pages here (no intersphinx: the build runs offline), nor do mixprec's private submodules; a reference
 # to a public name (mixprec.X, mixprec.precision.X, ...) that does not exist still fails the build.
 nitpick_ignore_regex = [
-    (r"py:.*", r"(torch|nn|collections|contextlib|pathlib|numpy|os|typing|enum|abc|dataclasses|datetime|"
-     r"logging|argparse|transformers|datasets|peft|torchao|accelerate)(\..*)?"),
-    (r"py:.*", r"mixprec\.(scaling|strategies|checkpoint|loaders|accelerator|trainer|watch|diagnostics|models|"
-     r"data|optim|tracking|bench|cli|precision)\.[a-z_]+(\..*)?"),
+    (
+        r"py:.*",
+        r"(torch|nn|collections|contextlib|pathlib|numpy|os|typing|enum|abc|dataclasses|datetime|"
+        r"logging|argparse|transformers|datasets|peft|torchao|accelerate)(\..*)?",
+    ),
+    (
+        r"py:.*",
+        r"mixprec\.(scaling|strategies|checkpoint|loaders|accelerator|trainer|watch|diagnostics|models|"
+        r"data|optim|tracking|bench|cli|precision)\.[a-z_]+(\..*)?",
+    ),
 ]
 # unqualified names in docstrings, resolved by a reader but not by Sphinx (each one documented elsewhere here)
-nitpick_ignore = [
-    ("py:class", name)
-    for name in ("PrecisionNotSupportedError", "DiagnoseConfig", "WatchHost", "DistributedStrategy", "nn.Module")
-] + [
-    ("py:class", "F"),  # PartialState.on_main_process's type variable
-    ("py:class", "default"),  # a napoleon "Returns:" phrase
-] + [
-    ("py:func", "make_precision"),
-    ("py:func", "diagnose"),
-    ("py:func", "fallback.restore"),
-    ("py:meth", "PreparedDataLoader.skip_first_batches"),
-    ("py:attr", "record"),
-    ("py:mod", "mixprec.watch"),
-]
+nitpick_ignore = (
+    [
+        ("py:class", name)
+        for name in ("PrecisionNotSupportedError", "DiagnoseConfig", "WatchHost", "DistributedStrategy", "nn.Module")
+    ]
+    + [
+        ("py:class", "F"),  # PartialState.on_main_process's type variable
+        ("py:class", "default"),  # a napoleon "Returns:" phrase
+    ]
+    + [
+        ("py:func", "make_precision"),
+        ("py:func", "diagnose"),
+        ("py:func", "fallback.restore"),
+        ("py:meth", "PreparedDataLoader.skip_first_batches"),
+        ("py:attr", "record"),
+        ("py:mod", "mixprec.watch"),
+    ]
+)
 
 html_theme = "furo"
 html_title = f"mixprec {release}"
 html_static_path: list[str] = []
 pygments_style = "friendly"
 pygments_dark_style = "monokai"
-

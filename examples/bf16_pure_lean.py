@@ -26,9 +26,16 @@ torch.manual_seed(0)
 train_tokens, _ = stdlib_corpus(20_000).split(0.1)
 model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32))
 with tempfile.TemporaryDirectory() as out:
-    training_args = TrainingArguments(output_dir=out, precision=args.precision, optim=args.optim, max_steps=6,
-                                      learning_rate=3e-3, per_device_train_batch_size=8, save_strategy="no",
-                                      disable_tqdm=True)
+    training_args = TrainingArguments(
+        output_dir=out,
+        precision=args.precision,
+        optim=args.optim,
+        max_steps=6,
+        learning_rate=3e-3,
+        per_device_train_batch_size=8,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=training_args, train_dataset=CausalLMDataset(train_tokens, seq_len=32))
     result = trainer.train()
 
@@ -37,5 +44,7 @@ held = sum(p.numel() * p.element_size() for p in model.parameters())  # weights
 held += sum(p.numel() * p.element_size() for p in model.parameters())  # one gradient per weight, same dtype
 held += sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if torch.is_tensor(t))
 n = sum(p.numel() for p in model.parameters())
-print(f"{args.precision} + {args.optim}: weights {next(model.parameters()).dtype}, "
-      f"{held / n:.2f} bytes/param (weights + gradients + optimizer state); loss {result.training_loss:.3f}")
+print(
+    f"{args.precision} + {args.optim}: weights {next(model.parameters()).dtype}, "
+    f"{held / n:.2f} bytes/param (weights + gradients + optimizer state); loss {result.training_loss:.3f}"
+)

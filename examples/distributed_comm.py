@@ -37,6 +37,8 @@ for inputs, targets in loader:
     optimizer.zero_grad()
 
 mean_loss = accelerator.reduce(loss.detach(), "mean")  # the same number on every process
-accelerator.print(f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
-                  f"gradients in {args.comm_dtype}: last loss {mean_loss.item():.4f}")
+accelerator.print(
+    f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
+    f"gradients in {args.comm_dtype}: last loss {mean_loss.item():.4f}"
+)
 accelerator.end_training()

@@ -34,5 +34,7 @@ for step, batch in enumerate(train_dataloader):
     if step == 5:
         break
 
-print(f"loss {loss.item():.3f}, scale {scaler.get_scale():g}, skipped {scaler.record.skipped_steps} of "
-      f"{scaler.record.steps} steps")
+print(
+    f"loss {loss.item():.3f}, scale {scaler.get_scale():g}, skipped {scaler.record.skipped_steps} of "
+    f"{scaler.record.steps} steps"
+)

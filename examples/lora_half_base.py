@@ -26,13 +26,21 @@ ids = torch.tensor(list(text)).view(64, 32)
 data = [{"input_ids": row, "labels": row} for row in ids]
 
 with tempfile.TemporaryDirectory() as out:
-    args = TrainingArguments(output_dir=out, bf16=True, max_steps=6, learning_rate=1e-2,
-                             per_device_train_batch_size=8, save_strategy="no", disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=out,
+        bf16=True,
+        max_steps=6,
+        learning_rate=1e-2,
+        per_device_train_batch_size=8,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=data)
     result = trainer.train()
 
 trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
 adapters = {p.dtype for p in model.parameters() if p.requires_grad}
-print(f"trained {trainable:,} adapter parameters ({adapters}) on a frozen {frozen} base; "
-      f"loss {result.training_loss:.3f}")
+print(
+    f"trained {trainable:,} adapter parameters ({adapters}) on a frozen {frozen} base; loss {result.training_loss:.3f}"
+)

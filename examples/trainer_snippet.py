@@ -53,11 +53,7 @@ def main() -> None:
     model = GPT(GPT_PRESETS["tiny"])
 
     # --- the seed's snippet ---------------------------------------------------------------------------
-    training_args = TrainingArguments(
-        output_dir="./results",
-        evaluation_strategy="epoch",
-        fp16=True
-    )  # fmt: skip
+    training_args = TrainingArguments(output_dir="./results", evaluation_strategy="epoch", fp16=True)
 
     trainer = Trainer(
         model=model,

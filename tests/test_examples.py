@@ -94,8 +94,16 @@ def test_distributed_example_under_torchrun(distributed: str, tmp_path: Path) ->
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-           str(EXAMPLES / "distributed_comm.py"), "--distributed", distributed]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={port}",
+        str(EXAMPLES / "distributed_comm.py"),
+        "--distributed",
+        distributed,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     kind = {"ddp": "MULTI_CPU", "fsdp": "FSDP"}[distributed]

@@ -27,9 +27,18 @@ seen = computed_dtypes(model.net)
 rows = [{"inputs": b["inputs"][i], "targets": b["targets"][i]} for b in model.batches for i in range(32)]
 
 with tempfile.TemporaryDirectory() as out:
-    args = TrainingArguments(output_dir=out, evaluation_strategy="epoch", fp16=True, num_train_epochs=1,
-                             per_device_train_batch_size=32, learning_rate=1e-2, report_to="none",
-                             save_strategy="no", disable_tqdm=True, use_cpu=True)
+    args = TrainingArguments(
+        output_dir=out,
+        evaluation_strategy="epoch",
+        fp16=True,
+        num_train_epochs=1,
+        per_device_train_batch_size=32,
+        learning_rate=1e-2,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows[:64])
     result = trainer.train()
 

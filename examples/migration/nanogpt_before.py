@@ -38,5 +38,7 @@ for _ in range(6):
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
-print(f"nanoGPT: asked for {dtype}, computed in {sorted(map(str, seen))}, "
-      f"loss scaling {'on' if scaler.is_enabled() else 'OFF'}, loss {loss.item():.3f}")
+print(
+    f"nanoGPT: asked for {dtype}, computed in {sorted(map(str, seen))}, "
+    f"loss scaling {'on' if scaler.is_enabled() else 'OFF'}, loss {loss.item():.3f}"
+)

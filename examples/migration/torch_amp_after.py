@@ -18,5 +18,7 @@ for batch in batches:
     scaler.update()
     optimizer.zero_grad()
 
-print(f"mixprec: computed in {sorted(map(str, seen))}, loss scaling {'on' if scaler.is_enabled() else 'OFF'} "
-      f"(scale {scaler.get_scale():g}, {scaler.record.skipped_steps} skipped), loss {loss.item():.4f}")
+print(
+    f"mixprec: computed in {sorted(map(str, seen))}, loss scaling {'on' if scaler.is_enabled() else 'OFF'} "
+    f"(scale {scaler.get_scale():g}, {scaler.record.skipped_steps} skipped), loss {loss.item():.4f}"
+)

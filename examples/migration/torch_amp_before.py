@@ -20,5 +20,7 @@ for batch in batches:
     scaler.update()
     optimizer.zero_grad()
 
-print(f"torch.amp: computed in {sorted(map(str, seen))}, loss scaling {'on' if scaler.is_enabled() else 'OFF'}, "
-      f"loss {loss.item():.4f}")
+print(
+    f"torch.amp: computed in {sorted(map(str, seen))}, loss scaling {'on' if scaler.is_enabled() else 'OFF'}, "
+    f"loss {loss.item():.4f}"
+)

@@ -57,8 +57,9 @@ def test_seed_snippet_verbatim(precision: str, dtype: torch.dtype) -> None:
     # --- the seed's snippet, verbatim (plus the loss record) ---
     accelerator = Accelerator(mixed_precision=precision)
 
-    model, optimizer, train_dataloader, lr_scheduler = \
-        accelerator.prepare(model, optimizer, train_dataloader, lr_scheduler)  # fmt: skip
+    model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, lr_scheduler
+    )
 
     for _epoch in range(3):
         for batch in train_dataloader:
@@ -329,8 +330,9 @@ def test_auto_reports_what_it_chose_and_why(capsys: pytest.CaptureFixture[str]) 
     assert capsys.readouterr().err == ""  # nothing is decided yet: the decision is told once, when made
     model = accelerator.prepare(make_tiny_lm())
     batch = token_data(8)
-    accelerator.backward(model(torch.stack([b["input_ids"] for b in batch]), labels=torch.stack(
-        [b["labels"] for b in batch])).loss)  # fmt: skip
+    accelerator.backward(
+        model(torch.stack([b["input_ids"] for b in batch]), labels=torch.stack([b["labels"] for b in batch])).loss
+    )
     assert accelerator.mixed_precision in ("fp32", "fp16", "bf16")  # never "auto" once resolved
     line = capsys.readouterr().err
     assert f"mixprec: {accelerator.mixed_precision} on cpu" in line and "auto on cpu raced the candidates" in line
@@ -354,8 +356,11 @@ def test_the_example_script_runs(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(script), *args, "--save", str(tmp_path / "state")],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "done: 2 optimizer steps" in proc.stdout and (tmp_path / "state" / "model.safetensors").is_file()
     assert "mixprec: fp16 on cpu" in proc.stderr
@@ -366,8 +371,20 @@ def test_the_example_restarted_by_the_launcher_continues_from_its_newest_checkpo
     from mixprec.checkpoint import load_tensors
 
     script = Path(__file__).resolve().parents[2] / "examples" / "accelerator_loop.py"
-    args = ["--max-steps", "6", "--corpus-bytes", "20000", "--batch-size", "4", "--seq-len", "32",
-            "--project-dir", str(tmp_path / "run"), "--save-every", "2"]  # fmt: skip
+    args = [
+        "--max-steps",
+        "6",
+        "--corpus-bytes",
+        "20000",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--project-dir",
+        str(tmp_path / "run"),
+        "--save-every",
+        "2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def run(out: str, **extra: str) -> str:

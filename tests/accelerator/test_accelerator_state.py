@@ -54,9 +54,15 @@ def test_folder_layout_and_extra_json(tmp_path: Path) -> None:
     path = accelerator.save_state(tmp_path / "ckpt", extra_json={"trainer_state": {"global_step": 2}})
     names = sorted(p.name for p in path.iterdir())
     assert names == [
-        "accelerator.json", "manifest.json", "model.safetensors", "optimizer.pt", "rng_state_0.pt", "scaler.json",
-        "scheduler.pt", "trainer_state.json",
-    ]  # fmt: skip
+        "accelerator.json",
+        "manifest.json",
+        "model.safetensors",
+        "optimizer.pt",
+        "rng_state_0.pt",
+        "scaler.json",
+        "scheduler.pt",
+        "trainer_state.json",
+    ]
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary folder left behind
 
 

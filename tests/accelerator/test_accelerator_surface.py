@@ -51,7 +51,12 @@ def _sync_flags(plugin: GradientAccumulationPlugin) -> list[bool]:
 def test_sync_with_dataloader_decides_whether_the_last_batch_steps() -> None:
     assert _sync_flags(GradientAccumulationPlugin(num_steps=2)) == [False, True, False, True, True]
     assert _sync_flags(GradientAccumulationPlugin(num_steps=2, sync_with_dataloader=False)) == [
-        False, True, False, True, False]  # fmt: skip
+        False,
+        True,
+        False,
+        True,
+        False,
+    ]
 
 
 def test_sync_each_batch_skips_no_sync(monkeypatch: pytest.MonkeyPatch) -> None:

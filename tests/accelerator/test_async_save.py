@@ -133,9 +133,18 @@ acc.save_state({str(tmp_path / "ckpt")!r}, async_save=True)
 def test_trainer_async_save_checkpoints_are_complete_and_resume_exactly(tmp_path):
     def trainer(out: Path, max_steps: int) -> Trainer:
         torch.manual_seed(0)
-        args = TrainingArguments(str(out), max_steps=max_steps, save_steps=2, save_total_limit=2, async_save=True,
-                                 per_device_train_batch_size=4, learning_rate=1e-2, report_to="none", use_cpu=True,
-                                 logging_steps=100)  # fmt: skip
+        args = TrainingArguments(
+            str(out),
+            max_steps=max_steps,
+            save_steps=2,
+            save_total_limit=2,
+            async_save=True,
+            per_device_train_batch_size=4,
+            learning_rate=1e-2,
+            report_to="none",
+            use_cpu=True,
+            logging_steps=100,
+        )
         return Trainer(model=TinyLM(), args=args, train_dataset=data())
 
     straight = trainer(tmp_path / "a", 6)

@@ -143,10 +143,19 @@ def test_trainer_trains_stepping_in_backward(tmp_path: Path) -> None:
             return self.rows[i]
 
     args = TrainingArguments(
-        output_dir=str(tmp_path), precision="bf16-pure", step_in_backward=True, max_grad_norm=0,
-        learning_rate=1e-2, num_train_epochs=2, per_device_train_batch_size=8, logging_steps=1,
-        save_strategy="no", report_to="none", disable_tqdm=True, save_plots=False,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        precision="bf16-pure",
+        step_in_backward=True,
+        max_grad_norm=0,
+        learning_rate=1e-2,
+        num_train_epochs=2,
+        per_device_train_batch_size=8,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        save_plots=False,
+    )
     trainer = Trainer(model=make_tiny_lm(), args=args, train_dataset=Rows())
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]

@@ -9,8 +9,18 @@ import pytest
 from conftest import make_batches, make_tiny_lm
 from mixprec.bench import BenchConfig, Workload, format_table, run_bench, to_json, write_chart
 
-REQUIRED = {"precision", "step_time_s", "step_time_spread_s", "tokens_per_s", "speedup_vs_fp32", "peak_mem_bytes",
-            "loss", "loss_vs_fp32", "mfu", "peak_flops_source"}  # fmt: skip
+REQUIRED = {
+    "precision",
+    "step_time_s",
+    "step_time_spread_s",
+    "tokens_per_s",
+    "speedup_vs_fp32",
+    "peak_mem_bytes",
+    "loss",
+    "loss_vs_fp32",
+    "mfu",
+    "peak_flops_source",
+}
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +28,14 @@ def result():
     batches = make_batches(n=3, batch=4)
     workload = Workload(make_tiny_lm(), batches[:2], batches[2], description="tiny LM", flops_per_token=1e3)
     # memory is covered in test_bench_runner; here only how the report shows it
-    cfg = BenchConfig(precisions=("fp32", "fp16", "bf16", "auto"), steps=1, rounds=1, warmup=0, measure_peak=False,
-                      measure_memory=False)  # fmt: skip
+    cfg = BenchConfig(
+        precisions=("fp32", "fp16", "bf16", "auto"),
+        steps=1,
+        rounds=1,
+        warmup=0,
+        measure_peak=False,
+        measure_memory=False,
+    )
     return run_bench(workload, cfg)
 
 

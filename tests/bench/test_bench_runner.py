@@ -76,8 +76,9 @@ def test_mfu_uses_the_peak_of_the_compute_dtype(monkeypatch):
     from mixprec.bench import peak
 
     monkeypatch.setattr(peak, "_MAX_SIZE", {"cuda": 8192, "cpu": 256})
-    result = run_bench(_workload(), BenchConfig(precisions=("fp32", "bf16"), steps=1, rounds=1, warmup=0,
-                                                measure_memory=False))  # fmt: skip
+    result = run_bench(
+        _workload(), BenchConfig(precisions=("fp32", "bf16"), steps=1, rounds=1, warmup=0, measure_memory=False)
+    )
     fp32, bf16 = result.rows
     assert fp32.peak.dtype == "float32" and bf16.peak.dtype == "bfloat16"
     assert fp32.mfu == pytest.approx(1000.0 * fp32.tokens_per_s / fp32.peak.flops_per_s)

@@ -72,8 +72,13 @@ def test_ran_as_flags_a_loop_that_did_not_compute_in_the_asked_dtype():
 
 
 def _row(name, ms, dtypes=("float16",), ratio=None, mem=100):
-    return {"variant": name, "matmul_dtypes": list(dtypes), "step_time_s": ms / 1e3, "ratio_vs_floor": ratio,
-            "peak_mem_bytes": mem}  # fmt: skip
+    return {
+        "variant": name,
+        "matmul_dtypes": list(dtypes),
+        "step_time_s": ms / 1e3,
+        "ratio_vs_floor": ratio,
+        "peak_mem_bytes": mem,
+    }
 
 
 def test_goal_verdicts_follow_the_stated_limits():
@@ -165,8 +170,24 @@ def test_gpu_suite_cpu_dry_run_of_the_lean_rows_converts_the_model(tmp_path, mon
     monkeypatch.setenv("MIXPREC_FP8_EMULATE", "1")  # the test-only switch: a CPU has no fp8 matmuls
     monkeypatch.setattr(peak, "_MAX_SIZE", {"cuda": 8192, "cpu": 256})
     out = tmp_path / "gpu.json"
-    argv = ["--device", "cpu", "--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "2",
-            "--warmup", "1", "--variants", "bf16,fp8,bf16-pure", "--json", str(out)]  # fmt: skip
+    argv = [
+        "--device",
+        "cpu",
+        "--model",
+        "tiny",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--variants",
+        "bf16,fp8,bf16-pure",
+        "--json",
+        str(out),
+    ]
     assert gpu_suite.main(argv) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["fp8"]["precision"] == "fp8" and rows["bf16-pure"]["precision"] == "bf16-pure"
@@ -194,8 +215,24 @@ def test_gpu_suite_cpu_dry_run_goes_through_the_whole_path(tmp_path, monkeypatch
 
     monkeypatch.setattr(peak, "_MAX_SIZE", {"cuda": 8192, "cpu": 256})
     out = tmp_path / "gpu.json"
-    argv = ["--device", "cpu", "--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "2",
-            "--warmup", "1", "--variants", "fp32,bf16", "--json", str(out)]  # fmt: skip
+    argv = [
+        "--device",
+        "cpu",
+        "--model",
+        "tiny",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--variants",
+        "fp32,bf16",
+        "--json",
+        str(out),
+    ]
     assert gpu_suite.main(argv) == 0
     doc = json.loads(out.read_text())
     assert [r["variant"] for r in doc["results"]] == ["fp32", "bf16"]
@@ -207,8 +244,22 @@ def test_gpu_suite_cpu_dry_run_goes_through_the_whole_path(tmp_path, monkeypatch
 @pytest.mark.gpu
 def test_gpu_suite_compiled_bf16_on_a_gpu(tmp_path):
     out = tmp_path / "gpu.json"
-    argv = ["--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--steps", "3", "--warmup", "2",
-            "--variants", "bf16,bf16+compile", "--json", str(out)]  # fmt: skip
+    argv = [
+        "--model",
+        "tiny",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "64",
+        "--steps",
+        "3",
+        "--warmup",
+        "2",
+        "--variants",
+        "bf16,bf16+compile",
+        "--json",
+        str(out),
+    ]
     assert gpu_suite.main(argv) == 0
     rows = json.loads(out.read_text())["results"]
     assert all(r["peak_mem_bytes"] > 0 and r["mfu"] > 0 for r in rows)
@@ -233,8 +284,20 @@ def test_the_issue28_plan_records_failures_skips_what_the_time_limit_leaves_and_
 
     monkeypatch.setattr(_gpu_plan, "RUNNERS", {**_gpu_plan.RUNNERS, "tests": slow, "nanogpt": nanogpt, "gpt2": broken})
     monkeypatch.setattr(_gpu_plan, "MIN_SECONDS", {**_gpu_plan.MIN_SECONDS, "tests": 0, "nanogpt": 0, "gpt2": 0})
-    a = gpu_suite.parse_args(["--plan", "issue28", "--out", str(tmp_path), "--sections", "tests,nanogpt,gpt2,gpt-1b",
-                              "--time-limit", "100", "--device", "cpu"])  # fmt: skip
+    a = gpu_suite.parse_args(
+        [
+            "--plan",
+            "issue28",
+            "--out",
+            str(tmp_path),
+            "--sections",
+            "tests,nanogpt,gpt2,gpt-1b",
+            "--time-limit",
+            "100",
+            "--device",
+            "cpu",
+        ]
+    )
     assert _gpu_plan.run_plan(a, gpu_suite.variants_table) == 0
     doc = json.loads((tmp_path / "summary.json").read_text())
     sections = doc["sections"]

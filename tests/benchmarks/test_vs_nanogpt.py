@@ -49,9 +49,29 @@ def test_every_variant_runs_side_by_side_on_the_cpu(tmp_path, monkeypatch):
     (tmp_path / "nanogpt").mkdir()
     (tmp_path / "nanogpt" / "model.py").write_text(STAND_IN)
     out = tmp_path / "vs.json"
-    argv = ["--nanogpt", str(tmp_path / "nanogpt"), "--device", "cpu", "--preset", "tiny", "--batch-size", "2",
-            "--seq-len", "16", "--steps", "2", "--warmup", "1", "--no-compile", "--loss-chunk", "7",
-            "--variants", ",".join(vs_nanogpt_gpu.VARIANTS), "--json", str(out)]  # fmt: skip
+    argv = [
+        "--nanogpt",
+        str(tmp_path / "nanogpt"),
+        "--device",
+        "cpu",
+        "--preset",
+        "tiny",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--no-compile",
+        "--loss-chunk",
+        "7",
+        "--variants",
+        ",".join(vs_nanogpt_gpu.VARIANTS),
+        "--json",
+        str(out),
+    ]
     assert vs_nanogpt_gpu.main(argv) == 0
     rows = json.loads(out.read_text())["results"]
     assert [r["variant"] for r in rows] == list(vs_nanogpt_gpu.VARIANTS)

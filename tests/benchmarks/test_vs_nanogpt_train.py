@@ -18,8 +18,18 @@ def _args(tmp_path, **kw):
     checkout = tmp_path / "nanoGPT"
     checkout.mkdir(exist_ok=True)
     (checkout / "configurator.py").write_text("# nanoGPT's\n")
-    base = dict(nanogpt=checkout, data=None, model="small", batch_size=16, seq_len=128, steps=300, lr=3e-3,
-                precision="bf16", fp32_ops="attention", threads=2)  # fmt: skip
+    base = dict(
+        nanogpt=checkout,
+        data=None,
+        model="small",
+        batch_size=16,
+        seq_len=128,
+        steps=300,
+        lr=3e-3,
+        precision="bf16",
+        fp32_ops="attention",
+        threads=2,
+    )
     return argparse.Namespace(**{**base, **kw})
 
 

@@ -74,8 +74,15 @@ def test_an_async_save_prunes_only_after_its_folder_has_landed(tmp_path, held_wr
 
 
 def test_the_trainer_deletes_old_checkpoints_off_the_training_thread(tmp_path, deleting_threads):
-    args = TrainingArguments(output_dir=str(tmp_path), disable_tqdm=True, save_plots=False, max_steps=4,
-                             save_steps=1, save_total_limit=1, per_device_train_batch_size=4)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        disable_tqdm=True,
+        save_plots=False,
+        max_steps=4,
+        save_steps=1,
+        save_total_limit=1,
+        per_device_train_batch_size=4,
+    )
     Trainer(make_model(), args, train_dataset=make_examples(16)).train()
     assert _numbered(tmp_path) == ["checkpoint-4"]
     assert len(deleting_threads) == 3 and threading.main_thread().name not in deleting_threads, deleting_threads
@@ -102,8 +109,18 @@ def test_a_capsule_names_the_checkpoint_the_trainer_would_resume_from(tmp_path):
     (tmp_path / "checkpoint-2").mkdir()  # no manifest, none of the Trainer's files: not a checkpoint
     (tmp_path / "checkpoint-2" / "notes.txt").write_text("someone's folder")
     model = torch.nn.Linear(2, 2)
-    capsule = write_capsule(tmp_path, step=3, reason="nonfinite", model=model, batches=[{"x": torch.ones(2)}],
-                            rng=(torch.get_rng_state(), None), precision="fp16", loss=None, loss_scale=1.0,
-                            fallbacks=[], optimizer=None)  # fmt: skip
+    capsule = write_capsule(
+        tmp_path,
+        step=3,
+        reason="nonfinite",
+        model=model,
+        batches=[{"x": torch.ones(2)}],
+        rng=(torch.get_rng_state(), None),
+        precision="fp16",
+        loss=None,
+        loss_scale=1.0,
+        fallbacks=[],
+        optimizer=None,
+    )
     reference = json.loads((capsule / "capsule.json").read_text())["state_reference"]
     assert reference["latest_checkpoint"] == "checkpoint-1"

@@ -12,8 +12,21 @@ import torch
 
 from mixprec.cli.main import main
 
-FAST = ["bench", "--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--rounds", "1", "--steps", "1",
-        "--warmup", "0"]  # fmt: skip
+FAST = [
+    "bench",
+    "--model",
+    "tiny",
+    "--batch-size",
+    "2",
+    "--seq-len",
+    "16",
+    "--rounds",
+    "1",
+    "--steps",
+    "1",
+    "--warmup",
+    "0",
+]
 
 
 def test_table_on_stdout_has_every_precision(capsys):

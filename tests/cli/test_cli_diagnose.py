@@ -24,10 +24,22 @@ def corpus(tmp_path):
 def test_json_is_the_report_alone_on_stdout(corpus, tmp_path):
     png = tmp_path / "hist.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "mixprec.cli.main", "diagnose", "--data", str(corpus), *FAST, "--json",
-         "--plot", str(png)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mixprec.cli.main",
+            "diagnose",
+            "--data",
+            str(corpus),
+            *FAST,
+            "--json",
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)  # nothing else on stdout
     assert report["recommended_precision"] in ("fp16", "bf16", "fp32")

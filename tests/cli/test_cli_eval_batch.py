@@ -37,8 +37,15 @@ def test_the_run_evaluates_at_a_larger_batch_and_reports_the_same_validation_los
 
     # the trained model, evaluated on the same windows at the training batch: the same figure
     model = trainer.accelerator.unwrap_model(trainer.model)
-    args = TrainingArguments(output_dir=str(tmp_path / "again"), precision="fp32", per_device_eval_batch_size=4,
-                             report_to="none", disable_tqdm=True, save_plots=False, use_cpu=True)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "again"),
+        precision="fp32",
+        per_device_eval_batch_size=4,
+        report_to="none",
+        disable_tqdm=True,
+        save_plots=False,
+        use_cpu=True,
+    )
     again = Trainer(model, args, eval_dataset=trainer.eval_dataset).evaluate()["eval_loss"]
     assert record["eval_loss"] == pytest.approx(again, rel=1e-5)
 

@@ -267,8 +267,10 @@ def test_z_loss_flag_adds_the_term_to_the_built_in_gpts_loss(tmp_path, corpus, c
 def test_comm_dtype_is_shown_beside_the_precision(tmp_path, corpus, capsys):
     # issue 34: --comm-dtype was recorded only in config.toml; in one process it does nothing, said so
     run = tmp_path / "run"
-    assert main(["train", "--data", corpus, *FAST, "--max-steps", "1", "--comm-dtype", "bf16",
-                 "--output-dir", str(run)]) == 0  # fmt: skip
+    assert (
+        main(["train", "--data", corpus, *FAST, "--max-steps", "1", "--comm-dtype", "bf16", "--output-dir", str(run)])
+        == 0
+    )
     captured = capsys.readouterr()
     said = "comm_dtype bf16 unused (one process: no gradients travel)"
     header = next(line for line in captured.err.splitlines() if line.startswith("mixprec: fp32 on cpu"))
@@ -279,8 +281,17 @@ def test_comm_dtype_is_shown_beside_the_precision(tmp_path, corpus, capsys):
 @pytest.mark.parametrize("precision", ["bf16-pure", "bf16-pure-kahan"])
 def test_an_optimizer_the_pure_mode_cannot_step_is_refused_in_flags(tmp_path, capsys, precision):
     # issue 34: refused with Python advice ("pass torch.optim.AdamW or Adam") on a command line
-    argv = ["train", "--model", "tiny", "--precision", precision, "--optim", "adamw_anyprecision",
-            "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    argv = [
+        "train",
+        "--model",
+        "tiny",
+        "--precision",
+        precision,
+        "--optim",
+        "adamw_anyprecision",
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
     assert main(argv) == 2
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("mixprec train: error:")]
     assert line.startswith(f"mixprec train: error: --precision {precision} --optim adamw_anyprecision: ")

@@ -38,8 +38,9 @@ def cell(precision: str, comm: str, rank: int, run: Path) -> dict:
     set_race(precision, Env())
     with listening() as said:
         try:
-            acc = Accelerator(mixed_precision=precision_name(precision), cpu=True, comm_dtype=comm, project_dir=run,
-                              verbose=False)  # fmt: skip
+            acc = Accelerator(
+                mixed_precision=precision_name(precision), cpu=True, comm_dtype=comm, project_dir=run, verbose=False
+            )
         except ValueError as refused:
             return {"refused": str(refused)}
         model = make_tiny_lm(0)

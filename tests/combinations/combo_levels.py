@@ -117,13 +117,12 @@ def accelerator_skip_capsule(precision: str, run: Path, findings: Findings, said
     step must be skipped (weights, moments, scheduler, counters) and its capsule written into the run folder.
     Returns the capsules' folders."""
     torch.manual_seed(0)
-    acc = Accelerator(mixed_precision=precision_name(precision), cpu=True, watch={"every": 2}, project_dir=run,
-                      verbose=False)  # fmt: skip
+    acc = Accelerator(
+        mixed_precision=precision_name(precision), cpu=True, watch={"every": 2}, project_dir=run, verbose=False
+    )
     model = GPT.from_preset("tiny")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer, scheduler = acc.prepare(
-        model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _lambda)
-    )
+    model, optimizer, scheduler = acc.prepare(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _lambda))
     plant = Plant(model.get_submodule("transformer.h.1.mlp.c_fc").weight)
     g = torch.Generator().manual_seed(1)
     for step in range(1, 5):
@@ -217,8 +216,16 @@ def accelerator_lora(precision: str, hf_folder: str, findings: Findings) -> None
 
 
 def trainer_args(run: Path, precision: str, **kwargs: Any) -> mixprec.TrainingArguments:
-    defaults = dict(output_dir=str(run), precision=precision_name(precision), disable_tqdm=True, save_plots=False,
-                    save_strategy="no", logging_steps=1, learning_rate=1e-2, report_to="none")  # fmt: skip
+    defaults = dict(
+        output_dir=str(run),
+        precision=precision_name(precision),
+        disable_tqdm=True,
+        save_plots=False,
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=1e-2,
+        report_to="none",
+    )
     return mixprec.TrainingArguments(**{**defaults, **kwargs})
 
 
@@ -311,8 +318,22 @@ def trainer_hf_parser(precision: str, run: Path, findings: Findings) -> None:
 
     from trainer_utils import make_examples, make_model
 
-    argv = ["--output_dir", str(run), "--precision", precision_name(precision), "--max_steps", "2", "--logging_steps",
-            "1", "--save_strategy", "no", "--disable_tqdm", "true", "--report_to", "none"]  # fmt: skip
+    argv = [
+        "--output_dir",
+        str(run),
+        "--precision",
+        precision_name(precision),
+        "--max_steps",
+        "2",
+        "--logging_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--disable_tqdm",
+        "true",
+        "--report_to",
+        "none",
+    ]
     (args,) = transformers.HfArgumentParser(mixprec.TrainingArguments).parse_args_into_dataclasses(argv)
     assert args.precision == precision_name(precision)
     trainer = mixprec.Trainer(make_model(dropout=0.0), args, train_dataset=make_examples(32))
@@ -324,4 +345,3 @@ def trainer_hf_parser(precision: str, run: Path, findings: Findings) -> None:
 
 def env_without_ranks() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-

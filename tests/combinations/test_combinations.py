@@ -64,12 +64,26 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # matplotlib builds its font cache under HOME on its first import: its own first-run cost, not a run's write
 pytest.importorskip("matplotlib.pyplot")
 
-PRECISIONS = ["fp32", "fp16", "bf16", "bf16-pure", "bf16-pure-kahan", "bf16:fp32_ops=attention", "auto-inrun",
-              "auto-aside"]  # fmt: skip
+PRECISIONS = [
+    "fp32",
+    "fp16",
+    "bf16",
+    "bf16-pure",
+    "bf16-pure-kahan",
+    "bf16:fp32_ops=attention",
+    "auto-inrun",
+    "auto-aside",
+]
 CLI_FEATURE = {
-    "fp32": "resume", "fp16": "watch", "bf16": "z-loss", "bf16-pure": "lora", "bf16-pure-kahan": "resume",
-    "bf16:fp32_ops=attention": "watch", "auto-inrun": "lora", "auto-aside": "resume",
-}  # fmt: skip
+    "fp32": "resume",
+    "fp16": "watch",
+    "bf16": "z-loss",
+    "bf16-pure": "lora",
+    "bf16-pure-kahan": "resume",
+    "bf16:fp32_ops=attention": "watch",
+    "auto-inrun": "lora",
+    "auto-aside": "resume",
+}
 
 # Known defects: each mark names the invariant it breaks (raises=...), so the cell still fails on anything
 # else; strict, so a fix flips it to a failure to unmark. None is left.
@@ -130,8 +144,12 @@ def test_cell(precision, level, feature, tmp_path, monkeypatch, request, capsys)
             else:
                 accelerator_lora(precision, hf, findings)
         elif level == "trainer":
-            {"watch": trainer_watch, "hf-parser": trainer_hf_parser, "z-loss": trainer_z_loss,
-             "resume": trainer_resume}[feature](precision, run, findings)  # fmt: skip
+            {
+                "watch": trainer_watch,
+                "hf-parser": trainer_hf_parser,
+                "z-loss": trainer_z_loss,
+                "resume": trainer_resume,
+            }[feature](precision, run, findings)
         else:
             cli_cell(precision, feature, run, corpus, hf, findings, said, capsys, monkeypatch)
     printed = capsys.readouterr()
@@ -174,8 +192,9 @@ def cli_cell(precision, feature, run, corpus, hf_folder, findings, said, capsys,
     said.add_text(printed.out + printed.err)
     from safetensors.torch import load_file
 
-    moved = differing(load_file(run / "checkpoint-4" / "model.safetensors"),
-                      load_file(again / "checkpoint-4" / "model.safetensors"))  # fmt: skip
+    moved = differing(
+        load_file(run / "checkpoint-4" / "model.safetensors"), load_file(again / "checkpoint-4" / "model.safetensors")
+    )
     findings.expect(not moved, ResumeDiffers, f"{precision} command line resumed: {moved[:4]} differ")
     summary = check_cli_figures(printed.out, again, findings)
     findings.expect(
@@ -221,29 +240,46 @@ def check_cli_figures(out: str, run: Path, findings: Findings) -> dict:
     return summary
 
 
-
 # -- the cells that cannot combine: refused at the edge, one line naming the argument and the fix ------------
 
 # (flags, what the one line must hold): each a real limitation, said in the comment
 REFUSED = [
     # pure bf16 holds bf16 weights: an op kept in fp32 would need fp32 weights, which is what "bf16" keeps
-    pytest.param(["--model", "tiny", "--precision", "bf16-pure", "--fp32-ops", "attention"],
-                 ["--fp32-ops", "use precision='bf16' or 'fp16'"], id="bf16-pure-fp32-ops"),  # fmt: skip
+    pytest.param(
+        ["--model", "tiny", "--precision", "bf16-pure", "--fp32-ops", "attention"],
+        ["--fp32-ops", "use precision='bf16' or 'fp16'"],
+        id="bf16-pure-fp32-ops",
+    ),
     # auto measures its own per-op policy; kinds named beside it would be overruled
-    pytest.param(["--model", "tiny", "--precision", "auto", "--fp32-ops", "attention"],
-                 ["--fp32-ops", "use precision='bf16' or 'fp16'"], id="auto-fp32-ops"),  # fmt: skip
+    pytest.param(
+        ["--model", "tiny", "--precision", "auto", "--fp32-ops", "attention"],
+        ["--fp32-ops", "use precision='bf16' or 'fp16'"],
+        id="auto-fp32-ops",
+    ),
     # a Hugging Face model computes its own loss: the z-loss term is the built-in GPT's
-    pytest.param(["--model", "HF", "--precision", "bf16", "--z-loss", "0.01"],
-                 ["--z-loss", "drop --z-loss for --model"], id="z-loss-hf-model"),  # fmt: skip
+    pytest.param(
+        ["--model", "HF", "--precision", "bf16", "--z-loss", "0.01"],
+        ["--z-loss", "drop --z-loss for --model"],
+        id="z-loss-hf-model",
+    ),
     # the adapters go on a frozen Hugging Face model (peft), not on the built-in GPT
-    pytest.param(["--model", "tiny", "--precision", "bf16", "--lora-r", "4"],
-                 ["--lora-r 4", "pass --model"], id="lora-built-in-gpt"),  # fmt: skip
+    pytest.param(
+        ["--model", "tiny", "--precision", "bf16", "--lora-r", "4"],
+        ["--lora-r 4", "pass --model"],
+        id="lora-built-in-gpt",
+    ),
     # fp16's skip is decided after the whole backward; a parameter updated during it cannot be taken back
-    pytest.param(["--model", "tiny", "--precision", "fp16", "--step-in-backward"],
-                 ["--step-in-backward", "use bf16, bf16-pure or fp32"], id="fp16-step-in-backward"),  # fmt: skip
+    pytest.param(
+        ["--model", "tiny", "--precision", "fp16", "--step-in-backward"],
+        ["--step-in-backward", "use bf16, bf16-pure or fp32"],
+        id="fp16-step-in-backward",
+    ),
     # pure bf16 steps with its own Adam (rounding the bf16 weights); another optimizer would round to nearest
-    pytest.param(["--model", "tiny", "--precision", "bf16-pure", "--optim", "adamw_anyprecision"],
-                 ["--optim", "adamw_torch"], id="bf16-pure-optim"),  # fmt: skip
+    pytest.param(
+        ["--model", "tiny", "--precision", "bf16-pure", "--optim", "adamw_anyprecision"],
+        ["--optim", "adamw_torch"],
+        id="bf16-pure-optim",
+    ),
 ]
 
 

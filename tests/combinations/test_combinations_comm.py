@@ -21,9 +21,15 @@ pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("combo_comm_worker.py")
 # each precision with one comm dtype: every dtype under a mode that computes in another one at least once
 COMM = {
-    "fp32": "bf16", "fp16": "fp16", "bf16": "fp16", "bf16-pure": "bf16", "bf16-pure-kahan": "fp32",
-    "bf16:fp32_ops=attention": "bf16", "auto-inrun": "bf16", "auto-aside": "fp16",
-}  # fmt: skip
+    "fp32": "bf16",
+    "fp16": "fp16",
+    "bf16": "fp16",
+    "bf16-pure": "bf16",
+    "bf16-pure-kahan": "fp32",
+    "bf16:fp32_ops=attention": "bf16",
+    "auto-inrun": "bf16",
+    "auto-aside": "fp16",
+}
 KNOWN: dict[str, tuple[type[BaseException], str]] = {}
 
 
@@ -42,14 +48,31 @@ def launched(tmp_path_factory) -> dict:
         d.mkdir()
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MIXPREC_AUTO_RACE")
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(OMP_NUM_THREADS="1", HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), TMPDIR=str(tmp),
-               COMBO_COMM=json.dumps(COMM))  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(WORKER), str(out)]  # fmt: skip
+    env.update(
+        OMP_NUM_THREADS="1",
+        HOME=str(home),
+        XDG_CACHE_HOME=str(home / ".cache"),
+        TMPDIR=str(tmp),
+        COMBO_COMM=json.dumps(COMM),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        str(WORKER),
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    outside = [p.relative_to(root) for p in root.rglob("*") if p.is_file() and not p.is_relative_to(out)
-               and not any(p.is_relative_to(cwd / f"run-{i}") for i in range(len(COMM)))]  # fmt: skip
+    outside = [
+        p.relative_to(root)
+        for p in root.rglob("*")
+        if p.is_file()
+        and not p.is_relative_to(out)
+        and not any(p.is_relative_to(cwd / f"run-{i}") for i in range(len(COMM)))
+    ]
     ranks = [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
     return {"ranks": ranks, "outside": outside, "printed": proc.stdout + proc.stderr}
 
@@ -76,4 +99,3 @@ def test_comm_cell(launched, precision, comm):
     said.formats_named(precision, findings, also=frozenset({comm}))  # the gradients travel in it
     findings.expect(not launched["outside"], WroteOutside, f"written outside the run folders: {launched['outside']}")
     findings.check()
-

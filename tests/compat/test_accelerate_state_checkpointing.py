@@ -192,8 +192,9 @@ def test_invalid_registration(use_safetensors):
     net = Line()
     accelerator = make_accelerator()
     with pytest.raises(ValueError) as raised:
-        accelerator.register_for_checkpointing(torch.tensor([1, 2, 3]), torch.tensor([2, 3, 4]), net,
-                                               torch.optim.Adam(net.parameters()))  # fmt: skip
+        accelerator.register_for_checkpointing(
+            torch.tensor([1, 2, 3]), torch.tensor([2, 3, 4]), net, torch.optim.Adam(net.parameters())
+        )
     message = str(raised.value)
     assert "Item at index 0" in message and "Item at index 1" in message
     assert "Item at index 2" not in message and "Item at index 3" not in message

@@ -30,11 +30,35 @@ class DataTrainingArguments:
 
 
 ARGV = [
-    "--model_name_or_path", "tiny", "--block_size", "16", "--output_dir", "OUT", "--do_train", "--bf16",
-    "--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "2", "--max_steps", "5",
-    "--lr_scheduler_type", "cosine", "--save_steps", "500", "--logging_steps", "0.1", "--warmup_steps", "2",
-    "--report_to", "none", "--ddp_find_unused_parameters", "false", "--seed", "7",
-]  # fmt: skip
+    "--model_name_or_path",
+    "tiny",
+    "--block_size",
+    "16",
+    "--output_dir",
+    "OUT",
+    "--do_train",
+    "--bf16",
+    "--per_device_train_batch_size",
+    "3",
+    "--gradient_accumulation_steps",
+    "2",
+    "--max_steps",
+    "5",
+    "--lr_scheduler_type",
+    "cosine",
+    "--save_steps",
+    "500",
+    "--logging_steps",
+    "0.1",
+    "--warmup_steps",
+    "2",
+    "--report_to",
+    "none",
+    "--ddp_find_unused_parameters",
+    "false",
+    "--seed",
+    "7",
+]
 
 
 @pytest.mark.parametrize("cls", [TrainingArguments, Seq2SeqTrainingArguments])

@@ -50,8 +50,17 @@ class Line(torch.nn.Module):
 
 def trainer_for(tmp_path, cls=Trainer, **kwargs):
     extra = {"save_plots": False} if IMPL == "mixprec" else {}
-    args = TrainingArguments(str(tmp_path / "out"), report_to="none", disable_tqdm=True, max_steps=4,
-                             eval_strategy="steps", eval_steps=2, save_strategy="no", **extra, **kwargs)  # fmt: skip
+    args = TrainingArguments(
+        str(tmp_path / "out"),
+        report_to="none",
+        disable_tqdm=True,
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="no",
+        **extra,
+        **kwargs,
+    )
     return cls(Line(), args, train_dataset=Regression(), eval_dataset=Regression(8, 1))
 
 
@@ -174,19 +183,39 @@ def test_compute_loss_func_and_optimizer_cls_and_kwargs(tmp_path):
         return (outputs[0] - labels).abs().mean()
 
     extra = {"save_plots": False} if IMPL == "mixprec" else {}
-    args = TrainingArguments(str(tmp_path / "out"), report_to="none", disable_tqdm=True, max_steps=4, logging_steps=1,
-                             save_strategy="no", per_device_train_batch_size=8, **extra)  # fmt: skip
-    trainer = Trainer(Line(), args, train_dataset=Regression(), eval_dataset=Regression(8, 1), compute_loss_func=l1,
-                      optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))  # fmt: skip
+    args = TrainingArguments(
+        str(tmp_path / "out"),
+        report_to="none",
+        disable_tqdm=True,
+        max_steps=4,
+        logging_steps=1,
+        save_strategy="no",
+        per_device_train_batch_size=8,
+        **extra,
+    )
+    trainer = Trainer(
+        Line(),
+        args,
+        train_dataset=Regression(),
+        eval_dataset=Regression(8, 1),
+        compute_loss_func=l1,
+        optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}),
+    )
     trainer.train()
     assert seen and seen[0] == torch.Size([8])  # the function got the labels; the model did not (no mse)
-    assert isinstance(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer,
-                      torch.optim.SGD)  # fmt: skip
+    assert isinstance(
+        trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer, torch.optim.SGD
+    )
     first = next(e for e in trainer.state.log_history if "loss" in e)
     data = Regression()
     assert first["loss"] == pytest.approx(float(data.y[:8].abs().mean()), rel=0.5)  # an L1 loss at a = b = 0
     ev = trainer.evaluate()
     assert ev["eval_loss"] > 0  # evaluation's loss is the function's too
     with pytest.raises((ValueError, RuntimeError), match="optimizer"):  # HF: RuntimeError; mixprec: ValueError
-        Trainer(Line(), args, train_dataset=Regression(), optimizers=(torch.optim.SGD(Line().parameters(), 0.1), None),
-                optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))  # fmt: skip
+        Trainer(
+            Line(),
+            args,
+            train_dataset=Regression(),
+            optimizers=(torch.optim.SGD(Line().parameters(), 0.1), None),
+            optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}),
+        )

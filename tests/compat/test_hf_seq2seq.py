@@ -47,17 +47,40 @@ def pad_collate(features):
 
 def tiny_t5():
     torch.manual_seed(0)
-    config = transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
-                                   decoder_start_token_id=PAD, pad_token_id=PAD, eos_token_id=EOS)  # fmt: skip
+    config = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+        decoder_start_token_id=PAD,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+    )
     return transformers.T5ForConditionalGeneration(config)
 
 
 def trainer_for(tmp_path, compute_metrics=None, **kwargs):
     extra = {"save_plots": False} if IMPL == "mixprec" else {}
-    args = Seq2SeqTrainingArguments(str(tmp_path / "out"), report_to="none", disable_tqdm=True, max_steps=4,
-                                    per_device_eval_batch_size=4, save_strategy="no", **extra, **kwargs)  # fmt: skip
-    return Seq2SeqTrainer(tiny_t5(), args, train_dataset=copy_task(16, 0), eval_dataset=copy_task(6, 1),
-                          data_collator=pad_collate, compute_metrics=compute_metrics)  # fmt: skip
+    args = Seq2SeqTrainingArguments(
+        str(tmp_path / "out"),
+        report_to="none",
+        disable_tqdm=True,
+        max_steps=4,
+        per_device_eval_batch_size=4,
+        save_strategy="no",
+        **extra,
+        **kwargs,
+    )
+    return Seq2SeqTrainer(
+        tiny_t5(),
+        args,
+        train_dataset=copy_task(16, 0),
+        eval_dataset=copy_task(6, 1),
+        data_collator=pad_collate,
+        compute_metrics=compute_metrics,
+    )
 
 
 @pytest.mark.parametrize("precision", [{}, {"bf16": True, "use_cpu": True}], ids=["fp32", "bf16"])

@@ -104,8 +104,13 @@ def get_trainer(tmp_path, callbacks=None, train_len=64, eval_len=64, **kwargs):
     extra = {"save_plots": False} if IMPL == "mixprec" else {}
     kwargs.setdefault("disable_tqdm", True)
     args = TrainingArguments(str(tmp_path / "out"), report_to=[], **extra, **kwargs)
-    return Trainer(RegressionModel(), args, train_dataset=Regression(train_len), eval_dataset=Regression(eval_len),
-                   callbacks=callbacks)  # fmt: skip
+    return Trainer(
+        RegressionModel(),
+        args,
+        train_dataset=Regression(train_len),
+        eval_dataset=Regression(eval_len),
+        callbacks=callbacks,
+    )
 
 
 def recorder(trainer):
@@ -275,14 +280,16 @@ def test_event_flow(tmp_path, kwargs):
 
 # -- callbacks whose state goes into checkpoints ---------------------------------------------------------------
 
-STATEFUL = dict(load_best_model_at_end=True, save_strategy="steps", eval_strategy="steps", save_steps=2, eval_steps=2,
-                max_steps=2)  # fmt: skip
+STATEFUL = dict(
+    load_best_model_at_end=True, save_strategy="steps", eval_strategy="steps", save_steps=2, eval_steps=2, max_steps=2
+)
 
 
 def test_stateful_callbacks(tmp_path):
     get_trainer(tmp_path, callbacks=[EarlyStoppingCallback(5, 0.2)], **STATEFUL).train()
-    trainer = get_trainer(tmp_path, callbacks=[EarlyStoppingCallback()], restore_callback_states_from_checkpoint=True,
-                          **STATEFUL)  # fmt: skip
+    trainer = get_trainer(
+        tmp_path, callbacks=[EarlyStoppingCallback()], restore_callback_states_from_checkpoint=True, **STATEFUL
+    )
     trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, EarlyStoppingCallback))
     assert (cb.early_stopping_patience, cb.early_stopping_threshold) == (5, 0.2)
@@ -290,8 +297,12 @@ def test_stateful_callbacks(tmp_path):
 
 def test_stateful_mixed_callbacks(tmp_path):
     get_trainer(tmp_path, callbacks=[Recorder("another value"), EarlyStoppingCallback(5, 0.2)], **STATEFUL).train()
-    trainer = get_trainer(tmp_path, callbacks=[EarlyStoppingCallback(), Recorder()],
-                          restore_callback_states_from_checkpoint=True, **STATEFUL)  # fmt: skip
+    trainer = get_trainer(
+        tmp_path,
+        callbacks=[EarlyStoppingCallback(), Recorder()],
+        restore_callback_states_from_checkpoint=True,
+        **STATEFUL,
+    )
     trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     early = next(c for c in trainer.callback_handler.callbacks if isinstance(c, EarlyStoppingCallback))
     assert (early.early_stopping_patience, early.early_stopping_threshold) == (5, 0.2)
@@ -309,8 +320,15 @@ def test_stateful_duplicate_callbacks(tmp_path):
 
 def test_missing_stateful_callback_warns(tmp_path, caplog):
     get_trainer(tmp_path, callbacks=[EarlyStoppingCallback()], **STATEFUL).train()
-    trainer = get_trainer(tmp_path, save_strategy="steps", eval_strategy="steps", save_steps=2, eval_steps=2,
-                          max_steps=2, restore_callback_states_from_checkpoint=True)  # fmt: skip
+    trainer = get_trainer(
+        tmp_path,
+        save_strategy="steps",
+        eval_strategy="steps",
+        save_steps=2,
+        eval_steps=2,
+        max_steps=2,
+        restore_callback_states_from_checkpoint=True,
+    )
     with caplog.at_level(logging.WARNING):
         trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     assert any("EarlyStoppingCallback" in r.getMessage() for r in caplog.records)
@@ -335,9 +353,15 @@ def test_control_state_is_saved(tmp_path):
 
 def test_early_stopping_callback(tmp_path):
     # patience 1, threshold 0.0001: the loss of this task falls slowly, so training stops before max_steps
-    trainer = get_trainer(tmp_path, callbacks=[EarlyStoppingCallback(1, 0.0001)], num_train_epochs=20,
-                          eval_strategy="epoch", save_strategy="epoch", load_best_model_at_end=True,
-                          learning_rate=1e-5)  # fmt: skip
+    trainer = get_trainer(
+        tmp_path,
+        callbacks=[EarlyStoppingCallback(1, 0.0001)],
+        num_train_epochs=20,
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        load_best_model_at_end=True,
+        learning_rate=1e-5,
+    )
     trainer.train()
     assert trainer.state.global_step < trainer.state.max_steps
 
@@ -350,8 +374,15 @@ def test_early_stopping_needs_a_metric(tmp_path):
 
 def test_early_stopping_patience_counts_evaluations_without_improvement(tmp_path):
     cb = EarlyStoppingCallback(early_stopping_patience=2)
-    trainer = get_trainer(tmp_path, callbacks=[cb], eval_strategy="steps", eval_steps=1, max_steps=10,
-                          metric_for_best_model="loss", save_strategy="no")  # fmt: skip
+    trainer = get_trainer(
+        tmp_path,
+        callbacks=[cb],
+        eval_strategy="steps",
+        eval_steps=1,
+        max_steps=10,
+        metric_for_best_model="loss",
+        save_strategy="no",
+    )
     trainer.state.best_metric = 0.5
     for value in (0.6, 0.7):
         cb.on_evaluate(trainer.args, trainer.state, trainer.control, metrics={"eval_loss": value})

@@ -55,8 +55,12 @@ class RegressionModel(torch.nn.Module):
 def trainer_for(tmp_path, train_len=64, eval=False, **kwargs):
     extra = {"save_plots": False} if IMPL == "mixprec" else {}
     args = TrainingArguments(str(tmp_path), report_to="none", disable_tqdm=True, **extra, **kwargs)
-    return Trainer(RegressionModel(), args, train_dataset=RegressionDataset(train_len),
-                   eval_dataset=RegressionDataset(32, seed=1) if eval else None)  # fmt: skip
+    return Trainer(
+        RegressionModel(),
+        args,
+        train_dataset=RegressionDataset(train_len),
+        eval_dataset=RegressionDataset(32, seed=1) if eval else None,
+    )
 
 
 def checkpoints(folder) -> list[str]:
@@ -136,8 +140,13 @@ def test_resume_with_a_different_batch_size_uses_the_new_one(tmp_path):
 
 
 def test_resume_with_gradient_accumulation(tmp_path):
-    kwargs = {"train_len": 128, "save_steps": 5, "learning_rate": 0.1, "gradient_accumulation_steps": 2,
-              "per_device_train_batch_size": 4}  # fmt: skip
+    kwargs = {
+        "train_len": 128,
+        "save_steps": 5,
+        "learning_rate": 0.1,
+        "gradient_accumulation_steps": 2,
+        "per_device_train_batch_size": 4,
+    }
     trainer = trainer_for(tmp_path, **kwargs)
     trainer.train()
     a, b = trainer.model.a.item(), trainer.model.b.item()
@@ -152,8 +161,16 @@ def test_save_total_limit_keeps_the_latest(tmp_path):
 
 
 def test_save_total_limit_keeps_the_best_too(tmp_path):
-    trainer = trainer_for(tmp_path, eval=True, save_steps=5, eval_strategy="steps", eval_steps=5,
-                          load_best_model_at_end=True, save_total_limit=1, learning_rate=0.1)  # fmt: skip
+    trainer = trainer_for(
+        tmp_path,
+        eval=True,
+        save_steps=5,
+        eval_strategy="steps",
+        eval_steps=5,
+        load_best_model_at_end=True,
+        save_total_limit=1,
+        learning_rate=0.1,
+    )
     trainer.train()
     kept = checkpoints(tmp_path)
     best = Path(trainer.state.best_model_checkpoint).name
@@ -161,8 +178,15 @@ def test_save_total_limit_keeps_the_best_too(tmp_path):
 
 
 def test_load_best_model_at_end_restores_the_best_weights(tmp_path):
-    trainer = trainer_for(tmp_path, eval=True, save_steps=5, eval_strategy="steps", eval_steps=5,
-                          load_best_model_at_end=True, learning_rate=0.1)  # fmt: skip
+    trainer = trainer_for(
+        tmp_path,
+        eval=True,
+        save_steps=5,
+        eval_strategy="steps",
+        eval_steps=5,
+        load_best_model_at_end=True,
+        learning_rate=0.1,
+    )
     trainer.train()
     assert trainer.state.best_metric == min(e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e)
     from safetensors.torch import load_file
@@ -185,8 +209,9 @@ def test_planted_evaluate_metrics_choose_the_best_checkpoint(tmp_path, eval_ever
     from unittest.mock import patch
 
     save = {"save_strategy": "steps", "save_steps": 1} if eval_every_step else {"save_strategy": "epoch"}
-    trainer = trainer_for(tmp_path, eval=True, eval_strategy="epoch", metric_for_best_model="accuracy",
-                          greater_is_better=True, **save)  # fmt: skip
+    trainer = trainer_for(
+        tmp_path, eval=True, eval_strategy="epoch", metric_for_best_model="accuracy", greater_is_better=True, **save
+    )
     planted = [{"eval_accuracy": 0.59}, {"eval_accuracy": 0.57}, {"eval_accuracy": 0.55}]
     with patch.object(trainer, "_evaluate", side_effect=planted):
         trainer.train()

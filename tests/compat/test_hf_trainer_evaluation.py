@@ -89,16 +89,22 @@ class AlmostAccuracyBatched:
         return None
 
 
-def regression_trainer(tmp_path, a=0.0, b=0.0, double_output=False, eval_len=64, label_names=None, eval_dataset=None,
-                       **kwargs):  # fmt: skip
+def regression_trainer(
+    tmp_path, a=0.0, b=0.0, double_output=False, eval_len=64, label_names=None, eval_dataset=None, **kwargs
+):
     extra = {"save_plots": False} if IMPL == "mixprec" else {}
     trainer_kwargs = {k: kwargs.pop(k) for k in ("compute_metrics", "preprocess_logits_for_metrics") if k in kwargs}
-    args = TrainingArguments(str(tmp_path / "out"), report_to="none", disable_tqdm=True, label_names=label_names,
-                             **extra, **kwargs)  # fmt: skip
+    args = TrainingArguments(
+        str(tmp_path / "out"), report_to="none", disable_tqdm=True, label_names=label_names, **extra, **kwargs
+    )
     names = tuple(label_names or ("labels",))
-    return Trainer(RegressionModel(a, b, double_output), args, train_dataset=RegressionDataset(64, names),
-                   eval_dataset=eval_dataset if eval_dataset is not None else RegressionDataset(eval_len, names),
-                   **trainer_kwargs)  # fmt: skip
+    return Trainer(
+        RegressionModel(a, b, double_output),
+        args,
+        train_dataset=RegressionDataset(64, names),
+        eval_dataset=eval_dataset if eval_dataset is not None else RegressionDataset(eval_len, names),
+        **trainer_kwargs,
+    )
 
 
 def expected(trainer, shift=0.0):
@@ -117,8 +123,13 @@ def test_evaluate(tmp_path, eval_len):
 
 
 def test_evaluate_with_preprocess_logits_for_metrics(tmp_path):
-    trainer = regression_trainer(tmp_path, 1.5, 2.5, compute_metrics=AlmostAccuracy(),
-                                 preprocess_logits_for_metrics=lambda logits, labels: logits + 1)  # fmt: skip
+    trainer = regression_trainer(
+        tmp_path,
+        1.5,
+        2.5,
+        compute_metrics=AlmostAccuracy(),
+        preprocess_logits_for_metrics=lambda logits, labels: logits + 1,
+    )
     results = trainer.evaluate()
     loss, accuracy = expected(trainer, shift=1.0)
     assert results["eval_loss"] == pytest.approx(loss, abs=1e-5)
@@ -149,8 +160,9 @@ def test_predict_with_two_outputs_and_two_labels(tmp_path):
 
 @pytest.mark.parametrize("eval_len", [64, 66], ids=["whole-batches", "ragged-last-batch"])
 def test_evaluate_with_batch_eval_metrics(tmp_path, eval_len):
-    trainer = regression_trainer(tmp_path, 1.5, 2.5, eval_len=eval_len, compute_metrics=AlmostAccuracyBatched(),
-                                 batch_eval_metrics=True)  # fmt: skip
+    trainer = regression_trainer(
+        tmp_path, 1.5, 2.5, eval_len=eval_len, compute_metrics=AlmostAccuracyBatched(), batch_eval_metrics=True
+    )
     results = trainer.evaluate()
     loss, accuracy = expected(trainer)
     assert results["eval_loss"] == pytest.approx(loss, abs=1e-5)
@@ -187,8 +199,9 @@ def test_training_on_an_iterable_dataset_needs_max_steps(tmp_path):
 
 def test_training_on_an_iterable_dataset_with_max_steps(tmp_path):
     extra = {"save_plots": False} if IMPL == "mixprec" else {}
-    args = TrainingArguments(str(tmp_path / "out"), report_to="none", disable_tqdm=True, max_steps=10,
-                             save_strategy="no", **extra)  # fmt: skip
+    args = TrainingArguments(
+        str(tmp_path / "out"), report_to="none", disable_tqdm=True, max_steps=10, save_strategy="no", **extra
+    )
     trainer = Trainer(RegressionModel(), args, train_dataset=RegressionStream())
     assert trainer.train().global_step == 10  # 8 batches a pass: the stream is read again
 

@@ -45,25 +45,46 @@ def test_transformers_callbacks_collator_and_scheduler_with_our_trainer(tmp_path
     config = transformers.GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=16)
     model = transformers.GPT2LMHeadModel(config)
     args = TrainingArguments(
-        str(tmp_path), max_steps=12, per_device_train_batch_size=4, eval_strategy="steps", eval_steps=2,
-        save_steps=2, logging_steps=2, load_best_model_at_end=True, metric_for_best_model="eval_loss",
-        report_to="none", bf16=True, learning_rate=1e-2, disable_tqdm=True,
-    )  # fmt: skip
+        str(tmp_path),
+        max_steps=12,
+        per_device_train_batch_size=4,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_steps=2,
+        logging_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        report_to="none",
+        bf16=True,
+        learning_rate=1e-2,
+        disable_tqdm=True,
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = transformers.get_scheduler("cosine", optimizer=opt, num_warmup_steps=2, num_training_steps=12)
     recorder = Recorder()
     # A threshold no evaluation can beat: transformers' callback stops the run after patience=1 evaluation.
     stopper = transformers.EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=10.0)
     trainer = Trainer(
-        model=model, args=args, train_dataset=data, eval_dataset=data[:8], optimizers=(opt, sched),
-        data_collator=transformers.DataCollatorForLanguageModeling(tok, mlm=False), callbacks=[recorder, stopper],
-    )  # fmt: skip
+        model=model,
+        args=args,
+        train_dataset=data,
+        eval_dataset=data[:8],
+        optimizers=(opt, sched),
+        data_collator=transformers.DataCollatorForLanguageModeling(tok, mlm=False),
+        callbacks=[recorder, stopper],
+    )
     result = trainer.train()
 
     assert result.global_step == 4 and trainer.state.global_step == 4  # stopped by transformers' callback
     assert recorder.events == [
-        "train_begin", ("step", 1), ("step", 2), ("evaluate", 2, True), ("step", 3), ("step", 4), ("evaluate", 4, True),
-    ]  # fmt: skip
+        "train_begin",
+        ("step", 1),
+        ("step", 2),
+        ("evaluate", 2, True),
+        ("step", 3),
+        ("step", 4),
+        ("evaluate", 4, True),
+    ]
     assert math.isfinite(result.training_loss) and trainer.accelerator.mixed_precision == "bf16"
     # get_scheduler's cosine schedule advanced once per optimizer step: 2 warmup steps, then 2 of 10 decaying.
     assert sched.get_last_lr()[0] == pytest.approx(1e-2 * 0.5 * (1 + math.cos(math.pi * 2 / 10)))

@@ -58,8 +58,14 @@ def test_torch_empty_cache_steps_must_be_a_positive_int(bad):
 
 
 def test_strategy_strings_are_accepted_and_bad_ones_refused():
-    a = args(eval_strategy="steps", eval_steps=10, logging_strategy="steps", save_strategy="epoch",
-             lr_scheduler_type="linear", optim="adamw_torch")  # fmt: skip
+    a = args(
+        eval_strategy="steps",
+        eval_steps=10,
+        logging_strategy="steps",
+        save_strategy="epoch",
+        lr_scheduler_type="linear",
+        optim="adamw_torch",
+    )
     assert (plain(a.eval_strategy), plain(a.save_strategy), plain(a.optim)) == ("steps", "epoch", "adamw_torch")
     with pytest.raises(ValueError):
         args(eval_strategy="invalid_strategy")
@@ -103,8 +109,9 @@ def test_load_best_model_needs_matching_strategies():
         args(load_best_model_at_end=True, eval_strategy="steps", eval_steps=10, save_strategy="epoch")
     with pytest.raises(ValueError):
         args(load_best_model_at_end=True, eval_strategy="steps", eval_steps=10, save_strategy="steps", save_steps=15)
-    assert args(load_best_model_at_end=True, eval_strategy="steps", eval_steps=10, save_strategy="steps",
-                save_steps=20).load_best_model_at_end  # fmt: skip
+    assert args(
+        load_best_model_at_end=True, eval_strategy="steps", eval_steps=10, save_strategy="steps", save_steps=20
+    ).load_best_model_at_end
 
 
 @pytest.mark.parametrize(

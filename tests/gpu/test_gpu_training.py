@@ -100,9 +100,17 @@ def test_trainer_trains_on_cuda_in(tmp_path, precision, dtype):
     model = make_model(dropout=0.0, width=1088 if precision == "fp8" else 32)
     seen = _linear_dtypes(model)
     lr = 3e-3 if precision == "fp8" else 3e-2
-    args = TrainingArguments(output_dir=str(tmp_path), precision=precision, max_steps=40, learning_rate=lr,
-                             logging_steps=10, disable_tqdm=True, save_plots=False, save_strategy="no",
-                             report_to="none")  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        precision=precision,
+        max_steps=40,
+        learning_rate=lr,
+        logging_steps=10,
+        disable_tqdm=True,
+        save_plots=False,
+        save_strategy="no",
+        report_to="none",
+    )
     trainer = Trainer(model, args, train_dataset=make_examples(128))
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -189,8 +197,21 @@ def test_diagnose_runs_on_cuda(tmp_path, capsys):
 
     corpus = tmp_path / "notes.txt"
     corpus.write_text("def add(a, b):\n    return a + b\n" * 200)
-    argv = ["diagnose", "--data", str(corpus), "--model", "tiny", "--batch-size", "2", "--seq-len", "32",
-            "--batches", "2", "--json", "--no-plot"]  # fmt: skip
+    argv = [
+        "diagnose",
+        "--data",
+        str(corpus),
+        "--model",
+        "tiny",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--batches",
+        "2",
+        "--json",
+        "--no-plot",
+    ]
     assert main(argv) == 0
     captured = capsys.readouterr()
     report = json.loads(captured.out)
@@ -201,8 +222,24 @@ def test_diagnose_runs_on_cuda(tmp_path, capsys):
 def test_bench_runs_on_cuda(capsys):
     from mixprec.cli.main import main
 
-    argv = ["bench", "--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--rounds", "1", "--steps", "1",
-            "--warmup", "1", "--precisions", "fp32,fp16,bf16", "--json"]  # fmt: skip
+    argv = [
+        "bench",
+        "--model",
+        "tiny",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--rounds",
+        "1",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--precisions",
+        "fp32,fp16,bf16",
+        "--json",
+    ]
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["device"].startswith("cuda")

@@ -104,8 +104,9 @@ def test_a_padded_vocabulary_is_the_same_model_with_aligned_shapes():
     plain, padded = _gpt(), _gpt(vocab_multiple=64)
     assert padded.lm_head.weight.shape == (64, 16) and padded.config.padded_vocab_size == 64
     with torch.no_grad():
-        padded.load_state_dict({k: v for k, v in plain.state_dict().items() if "wte" not in k and "lm_head" not in k},
-                               strict=False)  # fmt: skip
+        padded.load_state_dict(
+            {k: v for k, v in plain.state_dict().items() if "wte" not in k and "lm_head" not in k}, strict=False
+        )
         padded.transformer.wte.weight[:50] = plain.transformer.wte.weight
     a, b = plain(ids, labels=ids), padded(ids, labels=ids)
     assert b.logits.shape == (2, 16, 50) and math.isclose(a.loss.item(), b.loss.item(), rel_tol=1e-6)

@@ -116,9 +116,17 @@ def test_both_optimizers_take_the_same_step_for_the_same_rule():
     w0, grads = case(torch.bfloat16)
     a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
     bf16 = Bf16AdamW([a], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, rounding="kahan")
-    anyp = AnyPrecisionAdamW([b], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, use_kahan_summation=True,
-                             momentum_dtype=torch.bfloat16, variance_dtype=torch.bfloat16,
-                             compensation_buffer_dtype=torch.bfloat16)  # fmt: skip
+    anyp = AnyPrecisionAdamW(
+        [b],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=WD,
+        use_kahan_summation=True,
+        momentum_dtype=torch.bfloat16,
+        variance_dtype=torch.bfloat16,
+        compensation_buffer_dtype=torch.bfloat16,
+    )
     for g in grads:
         a.grad, b.grad = g.clone(), g.clone()
         bf16.step()

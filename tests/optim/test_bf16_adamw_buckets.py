@@ -28,8 +28,7 @@ def _params() -> list[torch.nn.Parameter]:
 def _run(rounding: str, bucket: int | None, steps: int = 4, decoupled: bool = True) -> list[torch.Tensor]:
     params = _params()
     groups = [{"params": params[:3]}, {"params": params[3:], "weight_decay": 0.0, "lr": 3e-3}]
-    opt = Bf16AdamW(groups, lr=1e-2, weight_decay=0.1, rounding=rounding, decoupled=decoupled,
-                    bucket_elements=bucket)  # fmt: skip
+    opt = Bf16AdamW(groups, lr=1e-2, weight_decay=0.1, rounding=rounding, decoupled=decoupled, bucket_elements=bucket)
     torch.manual_seed(1)  # the rounding noise's key comes from torch's generator
     g = torch.Generator().manual_seed(2)
     for step in range(steps):

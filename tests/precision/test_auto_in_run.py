@@ -124,9 +124,15 @@ def test_the_trainer_races_a_long_run_as_its_steps_and_a_short_one_aside(monkeyp
         monkeypatch.setenv("MIXPREC_AUTO_RACE", env)
     _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
     args = TrainingArguments(
-        output_dir=str(tmp_path), disable_tqdm=True, save_plots=False, save_strategy="no", precision="auto",
-        max_steps=max_steps, per_device_train_batch_size=4, logging_steps=1000,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        disable_tqdm=True,
+        save_plots=False,
+        save_strategy="no",
+        precision="auto",
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        logging_steps=1000,
+    )
     trainer = Trainer(make_model(), args, train_dataset=make_examples(64))
     trainer.train()
     decision = trainer.accelerator.auto_decision
@@ -176,9 +182,15 @@ def test_a_short_trainer_run_races_as_its_steps_and_its_summary_says_what_the_ra
     monkeypatch.delenv("MIXPREC_AUTO_RACE", raising=False)
     _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
     args = TrainingArguments(
-        output_dir=str(tmp_path), disable_tqdm=True, save_plots=False, save_strategy="no", precision="auto",
-        max_steps=40, per_device_train_batch_size=4, logging_steps=1000,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        disable_tqdm=True,
+        save_plots=False,
+        save_strategy="no",
+        precision="auto",
+        max_steps=40,
+        per_device_train_batch_size=4,
+        logging_steps=1000,
+    )
     trainer = Trainer(make_model(), args, train_dataset=make_examples(64))
     trainer.train()
     decision = trainer.accelerator.auto_decision

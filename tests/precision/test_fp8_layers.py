@@ -19,8 +19,11 @@ def _decisions(config: GPTConfig, layer_filter: Fp8LayerFilter) -> dict[str, str
     with torch.device("meta"):
         model = GPT(config)
     embeddings = embedding_weight_ids(model)
-    return {name.removeprefix("transformer.h.0."): layer_filter.why_not(name, m, embeddings)
-            for name, m in model.named_modules() if isinstance(m, nn.Linear)}  # fmt: skip
+    return {
+        name.removeprefix("transformer.h.0."): layer_filter.why_not(name, m, embeddings)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    }
 
 
 def test_on_gpt2_tensorwise_converts_the_two_wide_layers_and_leaves_the_small_and_the_head():

@@ -238,8 +238,9 @@ def test_accumulated_micro_batches_step_the_master_once_with_their_sum() -> None
 
     def stepped(accumulate: bool) -> torch.Tensor:
         model = half_base()
-        accelerator = Accelerator(mixed_precision="fp16", gradient_accumulation_steps=2 if accumulate else 1,
-                                  verbose=False)  # fmt: skip
+        accelerator = Accelerator(
+            mixed_precision="fp16", gradient_accumulation_steps=2 if accumulate else 1, verbose=False
+        )
         model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.head.parameters(), lr=1.0))
         full = batch()
         parts = [{k: v[:4] for k, v in full.items()}, {k: v[4:] for k, v in full.items()}] if accumulate else [full]

@@ -38,12 +38,18 @@ def test_a_tie_stays_with_autocast_and_the_margin_decides_what_a_tie_is():
 
 def test_a_kind_whose_fp32_saving_is_immaterial_stays_with_autocast_so_fresh_races_name_one_policy():
     # the main job: embedding 20% faster in fp32 but 0.1 ms of a ~100 ms step; it flipped on noise alone
-    timings = (KindTiming("linear", 17, 60.0, 120.0), KindTiming("attention", 4, 48.0, 12.0),
-               KindTiming("embedding", 2, 0.5, 0.4))  # fmt: skip
+    timings = (
+        KindTiming("linear", 17, 60.0, 120.0),
+        KindTiming("attention", 4, 48.0, 12.0),
+        KindTiming("embedding", 2, 0.5, 0.4),
+    )
     policy = policy_from_timings("bf16", timings)
     assert policy == "bf16:fp32_ops=attention"
-    embedding = next(line for line in OpTimingReport("bf16", "cpu", timings, policy, 1.0).explain().splitlines()
-                     if line.strip().startswith("embedding"))  # fmt: skip
+    embedding = next(
+        line
+        for line in OpTimingReport("bf16", "cpu", timings, policy, 1.0).explain().splitlines()
+        if line.strip().startswith("embedding")
+    )
     assert embedding.endswith("bf16 (fp32 would save < 2% of the step)")
 
 

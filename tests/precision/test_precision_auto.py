@@ -284,8 +284,9 @@ def test_an_unscaled_fp16_overflow_of_the_gradient_alone_retries_lower_scales(mo
     # Gradients that overflow only at the scaler's 2^16 are what loss scaling backs off from: not a reason
     # to exclude fp16.
     _auto_with(monkeypatch, SleepyFp32, Fp16MixedPrecision)
-    accelerator = Accelerator(mixed_precision="auto", verbose=False, scaler_kwargs={"init_scale": 2.0**24,
-                              "max_scale": 2.0**24})  # fmt: skip
+    accelerator = Accelerator(
+        mixed_precision="auto", verbose=False, scaler_kwargs={"init_scale": 2.0**24, "max_scale": 2.0**24}
+    )
     model = accelerator.prepare(torch.nn.Linear(8, 8))
     x = torch.full((4, 8), 30.0)
     accelerator.backward(model(x).float().pow(2).sum())
@@ -425,8 +426,9 @@ def test_a_diagnosis_that_saw_fp16_overflow_excludes_fp16_from_the_race(monkeypa
     accelerator = Accelerator(mixed_precision="auto", verbose=False)
     model = accelerator.prepare(make_tiny_lm())
     batch = make_batches(1)[0]
-    accelerator.settle_precision(lambda: model(batch["input_ids"], labels=batch["labels"]).loss, batch,
-                                 unsafe_formats=unsafe)  # fmt: skip
+    accelerator.settle_precision(
+        lambda: model(batch["input_ids"], labels=batch["labels"]).loss, batch, unsafe_formats=unsafe
+    )
     assert accelerator.mixed_precision == "fp32" and "diagnosis saw fp16 overflow" in accelerator.precision.reason
 
 

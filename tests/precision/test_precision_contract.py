@@ -41,8 +41,11 @@ def test_name_round_trips(precision):
 
 def test_parameters_are_held_in_the_declared_dtype(precision, tiny_lm):
     # fp32 master weights for every autocast mode; the pure modes say so and convert
-    assert precision.param_dtype == (torch.float32 if precision.compute_dtype != precision.param_dtype or
-                                     precision.name == "fp32" else precision.compute_dtype)  # fmt: skip
+    assert precision.param_dtype == (
+        torch.float32
+        if precision.compute_dtype != precision.param_dtype or precision.name == "fp32"
+        else precision.compute_dtype
+    )
     model = precision.convert_module(tiny_lm)
     assert isinstance(model, torch.nn.Module)
     assert all(p.dtype == precision.param_dtype for p in model.parameters())

@@ -127,9 +127,27 @@ def test_mixprec_train_parses_the_precision_once_and_the_accelerator_runs_that_o
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        argv = ["train", "--data", str(corpus), "--model", "tiny", "--seq-len", "32", "--batch-size", "4",
-                "--epoch-tokens", "128", "--max-steps", "1", "--precision", "bf16-mixed", "--fp32-ops", "norm",
-                "--output-dir", str(tmp_path / "run")]  # fmt: skip
+        argv = [
+            "train",
+            "--data",
+            str(corpus),
+            "--model",
+            "tiny",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--epoch-tokens",
+            "128",
+            "--max-steps",
+            "1",
+            "--precision",
+            "bf16-mixed",
+            "--fp32-ops",
+            "norm",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ]
         assert main(argv) == 0
     finally:
         torch.set_num_threads(threads)

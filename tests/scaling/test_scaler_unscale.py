@@ -23,8 +23,7 @@ def _grads(dtype: torch.dtype, *, poison: float | None = None) -> list[torch.Ten
     g = torch.Generator().manual_seed(0)
     # magnitudes over the whole range, so the rounding back to a half type is exercised; one non-contiguous
     shapes, e = [(7,), (3, 5), (1,), (40,)], 12 if dtype is torch.float16 else 20  # finite in the dtype
-    grads = [(torch.randn(s, generator=g) * torch.exp2(torch.randint(-e, e, s, generator=g))).to(dtype)
-             for s in shapes]  # fmt: skip
+    grads = [(torch.randn(s, generator=g) * torch.exp2(torch.randint(-e, e, s, generator=g))).to(dtype) for s in shapes]
     grads[1] = grads[1].t()
     if poison is not None:
         grads[2][0] = poison
@@ -73,8 +72,9 @@ def cuda_like_kernel(monkeypatch):
     def kernel(grads, found_inf, inv_scale):
         if grads and grads[0].dtype is torch.bfloat16:
             calls["refused"] += 1
-            raise NotImplementedError('"_amp_foreach_non_finite_check_and_unscale_cuda" not implemented for '
-                                      "'BFloat16'")  # fmt: skip
+            raise NotImplementedError(
+                "\"_amp_foreach_non_finite_check_and_unscale_cuda\" not implemented for 'BFloat16'"
+            )
         return real(grads, found_inf, inv_scale)
 
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", kernel)
@@ -135,8 +135,9 @@ def test_fsdp2s_dtensor_gradients_are_staged_through_their_local_shards():
         pytest.skip("a process group is already set up in this process")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        grad = distribute_tensor(torch.tensor([2.0, NAN, 6.0]).to(torch.bfloat16), init_device_mesh("cpu", (1,)),
-                                 [Shard(0)])  # fmt: skip
+        grad = distribute_tensor(
+            torch.tensor([2.0, NAN, 6.0]).to(torch.bfloat16), init_device_mesh("cpu", (1,)), [Shard(0)]
+        )
         flag = torch.zeros(())
         staged_check_and_unscale_([grad], flag, torch.tensor(0.5))
         full = grad.full_tensor()

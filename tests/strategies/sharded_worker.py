@@ -44,8 +44,9 @@ def full_state(acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.
 
 
 def state_round_trip(mode: str, out: Path, src: Path | None) -> None:
-    acc = Accelerator(cpu=True, distributed="fsdp", fsdp_state_dict_type="sharded", mixed_precision="fp16",
-                      verbose=False)  # fmt: skip
+    acc = Accelerator(
+        cpu=True, distributed="fsdp", fsdp_state_dict_type="sharded", mixed_precision="fp16", verbose=False
+    )
     # a dict output: FSDP2 re-gathers parameters for the backward through the output's pytree
     model = make_model(seed=0 if mode == "state-save" else 1, dropout=0.0, returns="dict")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -20,10 +20,15 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 @pytest.mark.parametrize(
     ("given", "name", "dtype"),
-    [(None, "fp32", torch.float32), ("no", "fp32", torch.float32), ("bf16", "bf16", torch.bfloat16),
-     ("bfloat16", "bf16", torch.bfloat16), ("FP16", "fp16", torch.float16),
-     (CommPrecision("bf16"), "bf16", torch.bfloat16)],
-)  # fmt: skip
+    [
+        (None, "fp32", torch.float32),
+        ("no", "fp32", torch.float32),
+        ("bf16", "bf16", torch.bfloat16),
+        ("bfloat16", "bf16", torch.bfloat16),
+        ("FP16", "fp16", torch.float16),
+        (CommPrecision("bf16"), "bf16", torch.bfloat16),
+    ],
+)
 def test_names_are_parsed_in_one_place(given, name: str, dtype: torch.dtype) -> None:
     comm = make_comm(given)
     assert (comm.name, comm.wire_dtype) == (name, dtype)

@@ -41,9 +41,14 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-        str(WORKER), str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        str(WORKER),
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
@@ -276,8 +281,14 @@ def test_an_overflow_on_the_fp16_wire_is_a_skipped_step_on_every_rank(ranks: lis
     # same gradients, steps: so the skip came from the wire, and no inf was silently applied.
     for r in ranks:
         assert r["comm_overflow"]["fp16"] == {
-            "skipped": True, "finite_after_all_reduce": False, "unchanged": True, "scale": 32768.0,
-        }  # fmt: skip
+            "skipped": True,
+            "finite_after_all_reduce": False,
+            "unchanged": True,
+            "scale": 32768.0,
+        }
         assert r["comm_overflow"]["fp32"] == {
-            "skipped": False, "finite_after_all_reduce": True, "unchanged": False, "scale": 65536.0,
-        }  # fmt: skip
+            "skipped": False,
+            "finite_after_all_reduce": True,
+            "unchanged": False,
+            "scale": 65536.0,
+        }

@@ -272,9 +272,12 @@ def auto_in_run(max_steps: int = 60) -> dict:
     decision = accelerator.auto_decision
     params = torch.cat([_local(p).detach().flatten().float() for p in model.parameters()])
     return {
-        "chosen": accelerator.mixed_precision, "source": decision and decision.source, "steps": steps,
-        "race_steps": decision and decision.in_run_steps, "params": params.tolist(),
-    }  # fmt: skip
+        "chosen": accelerator.mixed_precision,
+        "source": decision and decision.source,
+        "steps": steps,
+        "race_steps": decision and decision.in_run_steps,
+        "params": params.tolist(),
+    }
 
 
 def main() -> None:

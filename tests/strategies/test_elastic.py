@@ -49,9 +49,16 @@ def torchrun(
     """Launch the worker under torchrun on the loopback address; the launcher's exit status."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}", *flags, str(worker), str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        *flags,
+        str(worker),
+        str(out),
+    ]
     with open(out / "launcher.log", "w") as log:
         return subprocess.run(cmd, env=_env(env), stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
 
@@ -71,10 +78,19 @@ def two_nodes(
     flags = tuple(f for f in flags if not f.startswith("--nnodes"))
     for node, extra in enumerate(node_env):
         cmd = [
-            sys.executable, "-m", launcher, *nnodes, "--nproc_per_node=1", *flags,
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes",
-            "--local-addr=127.0.0.1", str(WORKER), str(out),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            launcher,
+            *nnodes,
+            "--nproc_per_node=1",
+            *flags,
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=two-nodes",
+            "--local-addr=127.0.0.1",
+            str(WORKER),
+            str(out),
+        ]
         log = open(out / f"node{node}.log", "w")  # noqa: SIM115 (closed with the process)
         procs.append(
             subprocess.Popen(cmd, env=_env(extra), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -161,9 +177,17 @@ class Steps(TrainerCallback):
 
 def _trainer(out: Path, steps: Steps | None = None, **kwargs: object) -> Trainer:
     args = TrainingArguments(
-        output_dir=str(out), max_steps=6, save_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
-        logging_steps=1, disable_tqdm=True, save_plots=False, use_cpu=True, **kwargs,
-    )  # fmt: skip
+        output_dir=str(out),
+        max_steps=6,
+        save_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        logging_steps=1,
+        disable_tqdm=True,
+        save_plots=False,
+        use_cpu=True,
+        **kwargs,
+    )
     trainer = Trainer(make_model(), args, train_dataset=make_examples(40))
     trainer.add_callback(steps or Steps())
     return trainer
@@ -282,8 +306,25 @@ def test_mixprec_train_restarted_by_the_launcher_resumes_its_run(
     corpus = tmp_path / "corpus.py"
     corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)))
     run = str(tmp_path / "run")
-    argv = ["train", "--data", str(corpus), "--model", "tiny", "--seq-len", "32", "--batch-size", "4",
-            "--epoch-tokens", "256", "--precision", "fp32", "--epochs", "2", "--output-dir", run]  # fmt: skip
+    argv = [
+        "train",
+        "--data",
+        str(corpus),
+        "--model",
+        "tiny",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--epoch-tokens",
+        "256",
+        "--precision",
+        "fp32",
+        "--epochs",
+        "2",
+        "--output-dir",
+        run,
+    ]
     assert main(argv) == 0
     assert main(argv) == 2  # the same command line again, by hand: refused (it would overwrite the run)
     capsys.readouterr()
@@ -346,15 +387,43 @@ def test_mixprec_train_on_two_nodes_survives_a_killed_worker_and_resumes(tmp_pat
     corpus = tmp_path / "corpus.py"
     corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)))
     run = tmp_path / "run"
-    train = ["-m", "mixprec.cli.main", "train", "--data", str(corpus), "--model", "tiny", "--seq-len", "32",
-             "--batch-size", "2", "--epoch-tokens", "256", "--epochs", "10", "--precision", "fp32",
-             "--output-dir", str(run)]  # fmt: skip
+    train = [
+        "-m",
+        "mixprec.cli.main",
+        "train",
+        "--data",
+        str(corpus),
+        "--model",
+        "tiny",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--epoch-tokens",
+        "256",
+        "--epochs",
+        "10",
+        "--precision",
+        "fp32",
+        "--output-dir",
+        str(run),
+    ]
     port = _free_port()
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "mixprec.cli.torchrun", "--nnodes=2", "--nproc_per_node=1", "--max-restarts=2",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=cli", "--local-addr=127.0.0.1",
-               *train]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "mixprec.cli.torchrun",
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            "--max-restarts=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=cli",
+            "--local-addr=127.0.0.1",
+            *train,
+        ]
         log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 (closed with the process)
         procs.append(
             subprocess.Popen(cmd, env=_env(None), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -441,8 +510,16 @@ def test_a_lost_node_stops_the_other_cleanly_with_the_checkpoint_intact(tmp_path
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_then_ends_with_143_and_no_traceback(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "mixprec.cli.torchrun", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", str(WORKER), str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mixprec.cli.torchrun",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(WORKER),
+        str(tmp_path),
+    ]
     with open(tmp_path / "launcher.log", "w") as log:
         launcher = subprocess.Popen(cmd, env=_env({"ELASTIC_STEPS": "100000"}), stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -482,8 +559,13 @@ def test_mixprec_train_on_several_nodes_needs_a_shared_output_dir(
 def test_several_nodes_restarting_on_torchruns_shared_store_are_warned(caplog: pytest.LogCaptureFixture) -> None:
     from mixprec.strategies import peers
 
-    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "3"}  # fmt: skip
+    env = {
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "GROUP_WORLD_SIZE": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "3",
+    }
     server = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), is_master=True, wait_for_workers=False)
     with caplog.at_level("WARNING", logger="mixprec.accelerator"):
         assert peers.launcher_store(peers.timeout_delta(5), env) is not None

@@ -30,8 +30,16 @@ def run_worker(processes: int, *args: str) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-               "--master_addr=127.0.0.1", f"--master_port={port}", str(WORKER), *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={processes}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            str(WORKER),
+            *args,
+        ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 

@@ -24,8 +24,12 @@ def _free_port() -> int:
 
 
 def _both_ranks(check) -> list[object]:
-    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-            "TORCHELASTIC_RUN_ID": uuid.uuid4().hex}  # fmt: skip
+    base = {
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "TORCHELASTIC_RUN_ID": uuid.uuid4().hex,
+    }
     outcome: list[object] = [None, None]
 
     def rank(r: int) -> None:

@@ -76,8 +76,12 @@ def test_every_event_fires_with_hf_arguments(tmp_path):
     # HF's order within a step: begin, micro-batch(es), pre-optimizer, optimizer, end
     first = rec.order.index("on_step_begin")
     assert rec.order[first : first + 5] == [
-        "on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end"
-    ]  # fmt: skip
+        "on_step_begin",
+        "on_substep_end",
+        "on_pre_optimizer_step",
+        "on_optimizer_step",
+        "on_step_end",
+    ]
 
 
 def test_a_callback_can_stop_training_and_request_a_save(tmp_path):
@@ -185,12 +189,20 @@ def test_callback_states_are_saved_and_restored_on_resume(tmp_path):
 
     def run(callbacks, restore, resume=None):
         args = TrainingArguments(
-            output_dir=str(tmp_path / "out"), max_steps=4, save_strategy="steps", save_steps=2, eval_strategy="steps",
-            eval_steps=2, load_best_model_at_end=True, disable_tqdm=True, save_plots=False,
+            output_dir=str(tmp_path / "out"),
+            max_steps=4,
+            save_strategy="steps",
+            save_steps=2,
+            eval_strategy="steps",
+            eval_steps=2,
+            load_best_model_at_end=True,
+            disable_tqdm=True,
+            save_plots=False,
             restore_callback_states_from_checkpoint=restore,
-        )  # fmt: skip
-        trainer = Trainer(make_model(), args, train_dataset=make_examples(16), eval_dataset=make_examples(8),
-                          callbacks=callbacks)  # fmt: skip
+        )
+        trainer = Trainer(
+            make_model(), args, train_dataset=make_examples(16), eval_dataset=make_examples(8), callbacks=callbacks
+        )
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 
@@ -219,14 +231,21 @@ def test_a_saved_callback_state_with_no_callback_to_take_it_is_a_warning_naming_
     from mixprec.trainer.hf_loggers import hf_logger
 
     def args(**kwargs):
-        return _args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2, eval_strategy="steps",
-                     eval_steps=2, **kwargs)  # fmt: skip
+        return _args(
+            tmp_path, max_steps=2, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2, **kwargs
+        )
 
     data = make_examples(16)
-    Trainer(make_model(), args(load_best_model_at_end=True), train_dataset=data, eval_dataset=data,
-            callbacks=[EarlyStoppingCallback()]).train()  # fmt: skip
-    resumed = Trainer(make_model(), args(restore_callback_states_from_checkpoint=True), train_dataset=data,
-                      eval_dataset=data)  # fmt: skip
+    Trainer(
+        make_model(),
+        args(load_best_model_at_end=True),
+        train_dataset=data,
+        eval_dataset=data,
+        callbacks=[EarlyStoppingCallback()],
+    ).train()
+    resumed = Trainer(
+        make_model(), args(restore_callback_states_from_checkpoint=True), train_dataset=data, eval_dataset=data
+    )
     # Where HF's own test looks for it: a patched transformers.trainer logger (mixprec's without transformers).
     with patch.object(hf_logger("trainer"), "warning") as warn:
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))

@@ -183,8 +183,10 @@ def test_resume_at_an_epochs_last_step_still_runs_that_epochs_end(tmp_path):
         return [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))} for e in history[:-1]]
 
     assert [(e["step"], e["epoch"]) for e in resumed.state.log_history if "eval_loss" in e] == [
-        (5, 1.0), (10, 2.0), (15, 3.0)
-    ]  # fmt: skip
+        (5, 1.0),
+        (10, 2.0),
+        (15, 3.0),
+    ]
     assert measured(resumed.state.log_history) == measured(full.state.log_history)
     assert_bit_identical(flat_params(resumed.model), flat_params(full.model))
 

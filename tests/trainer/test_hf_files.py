@@ -22,8 +22,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, 
 
 
 def _train(out: Path, **kwargs) -> Trainer:
-    args = TrainingArguments(str(out), disable_tqdm=True, save_plots=False, per_device_train_batch_size=4,
-                             max_steps=4, save_steps=2, **kwargs)  # fmt: skip
+    args = TrainingArguments(
+        str(out),
+        disable_tqdm=True,
+        save_plots=False,
+        per_device_train_batch_size=4,
+        max_steps=4,
+        save_steps=2,
+        **kwargs,
+    )
     trainer = Trainer(make_model(), args, train_dataset=make_examples(16))
     trainer.train()
     return trainer
@@ -63,16 +70,20 @@ def test_an_hf_models_checkpoint_has_config_json_for_from_pretrained(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2)
     rows = [{"input_ids": torch.arange(8) % 32, "labels": torch.arange(8) % 32} for _ in range(8)]
-    args = TrainingArguments(str(tmp_path), disable_tqdm=True, save_plots=False, max_steps=2, save_steps=2,
-                             per_device_train_batch_size=4)  # fmt: skip
+    args = TrainingArguments(
+        str(tmp_path), disable_tqdm=True, save_plots=False, max_steps=2, save_steps=2, per_device_train_batch_size=4
+    )
     Trainer(transformers.GPT2LMHeadModel(config), args, train_dataset=rows).train()
     reloaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "checkpoint-2"))
     assert reloaded.config.n_embd == 16
 
 
 def test_resume_from_a_missing_folder_says_hfs_words(tmp_path):
-    fresh = Trainer(make_model(), TrainingArguments(str(tmp_path / "fresh"), disable_tqdm=True, save_plots=False),
-                    train_dataset=make_examples(16))  # fmt: skip
+    fresh = Trainer(
+        make_model(),
+        TrainingArguments(str(tmp_path / "fresh"), disable_tqdm=True, save_plots=False),
+        train_dataset=make_examples(16),
+    )
     with pytest.raises(ValueError, match=r"^No valid checkpoint found in output directory \(.*fresh\)"):
         fresh.train(resume_from_checkpoint=True)
     trainer = _train(tmp_path)
@@ -85,8 +96,9 @@ def test_resume_from_a_missing_folder_says_hfs_words(tmp_path):
 
 def test_resume_with_changed_intervals_or_batch_size_warns_in_hfs_words(tmp_path):
     _train(tmp_path)  # save_steps 2, batch size 4
-    args = TrainingArguments(str(tmp_path), disable_tqdm=True, save_plots=False, per_device_train_batch_size=2,
-                             max_steps=6, save_steps=3)  # fmt: skip
+    args = TrainingArguments(
+        str(tmp_path), disable_tqdm=True, save_plots=False, per_device_train_batch_size=2, max_steps=6, save_steps=3
+    )
     with captured_records(hf_logger("trainer")) as records:
         resumed = Trainer(make_model(), args, train_dataset=make_examples(16))
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))  # mid-epoch

@@ -29,8 +29,15 @@ def restore_levels():
 
 
 def args(tmp_path, **kwargs) -> TrainingArguments:
-    return TrainingArguments(output_dir=str(tmp_path), disable_tqdm=True, save_plots=False, save_strategy="no",
-                             max_steps=1, per_device_train_batch_size=2, **kwargs)  # fmt: skip
+    return TrainingArguments(
+        output_dir=str(tmp_path),
+        disable_tqdm=True,
+        save_plots=False,
+        save_strategy="no",
+        max_steps=1,
+        per_device_train_batch_size=2,
+        **kwargs,
+    )
 
 
 @needs_transformers

@@ -73,9 +73,17 @@ def test_a_resumed_trainers_train_loss_is_the_mean_of_the_steps_it_took(tmp_path
     from trainer_utils import make_examples, make_model
 
     def args(out, **kw):
-        return TrainingArguments(output_dir=str(tmp_path / out), disable_tqdm=True, save_plots=False, logging_steps=1,
-                                 learning_rate=1e-2, per_device_train_batch_size=4, max_steps=6, precision="fp32",
-                                 **kw)  # fmt: skip
+        return TrainingArguments(
+            output_dir=str(tmp_path / out),
+            disable_tqdm=True,
+            save_plots=False,
+            logging_steps=1,
+            learning_rate=1e-2,
+            per_device_train_batch_size=4,
+            max_steps=6,
+            precision="fp32",
+            **kw,
+        )
 
     full = Trainer(make_model(), args("full", save_steps=2), train_dataset=make_examples(20))
     full.train()

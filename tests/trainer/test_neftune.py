@@ -26,8 +26,15 @@ class EmbeddedLM(torch.nn.Module):
 
 
 def args(tmp_path, **kwargs) -> TrainingArguments:
-    return TrainingArguments(str(tmp_path / "out"), disable_tqdm=True, save_plots=False, save_strategy="no",
-                             max_steps=4, learning_rate=1e-2, **kwargs)  # fmt: skip
+    return TrainingArguments(
+        str(tmp_path / "out"),
+        disable_tqdm=True,
+        save_plots=False,
+        save_strategy="no",
+        max_steps=4,
+        learning_rate=1e-2,
+        **kwargs,
+    )
 
 
 def test_noise_is_uniform_within_alpha_over_sqrt_length_times_width_in_training_only():

@@ -113,10 +113,19 @@ def test_the_fused_default_trains_like_the_loop_and_skips_an_overflowing_fp16_st
     def run(optim_args: str | None) -> tuple[list[torch.Tensor], dict]:
         torch.manual_seed(0)
         model = make_model(width=32)
-        trainer = Trainer(model, args(tmp_path / str(optim_args), max_steps=8, precision="fp16",
-                                      optim_args=optim_args, learning_rate=1e-2, per_device_train_batch_size=4,
-                                      init_loss_scale=2.0**40),
-                          train_dataset=make_examples(64))  # fmt: skip
+        trainer = Trainer(
+            model,
+            args(
+                tmp_path / str(optim_args),
+                max_steps=8,
+                precision="fp16",
+                optim_args=optim_args,
+                learning_rate=1e-2,
+                per_device_train_batch_size=4,
+                init_loss_scale=2.0**40,
+            ),
+            train_dataset=make_examples(64),
+        )
         out = trainer.train()
         return [p.detach().clone() for p in model.parameters()], out.metrics
 

@@ -30,9 +30,18 @@ def test_compile_time_is_reported_apart_and_taken_out_of_the_step(monkeypatch):
 
 
 def test_a_trainer_run_says_where_its_time_went(tmp_path):
-    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", disable_tqdm=True, save_plots=False,
-                             max_steps=6, eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=3,
-                             logging_steps=1)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        report_to="none",
+        disable_tqdm=True,
+        save_plots=False,
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=3,
+        save_strategy="steps",
+        save_steps=3,
+        logging_steps=1,
+    )
     trainer = Trainer(make_model(), args, train_dataset=make_examples(48), eval_dataset=make_examples(16))
     start = time.perf_counter()
     summary = trainer.train().metrics
@@ -59,8 +68,9 @@ def test_a_training_step_override_that_never_laps_stays_unsplit(tmp_path):
             self.accelerator.backward(loss)
             return loss.detach()
 
-    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", disable_tqdm=True, save_plots=False,
-                             max_steps=4, save_strategy="no")  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", disable_tqdm=True, save_plots=False, max_steps=4, save_strategy="no"
+    )
     out = Own(make_model(), args, train_dataset=make_examples(32)).train().metrics["time"]
     step = out["step_ms"]
     assert set(step) == {*STEP_PHASES, "forward_backward", "other"}

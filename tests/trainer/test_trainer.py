@@ -52,11 +52,7 @@ def test_seed_snippet_runs_verbatim_and_trains_in_fp16(tmp_path, monkeypatch):
     dtypes = linear_output_dtypes(model)
 
     # --- the seed's third snippet, verbatim ---
-    training_args = TrainingArguments(
-        output_dir="./results",
-        evaluation_strategy="epoch",
-        fp16=True
-    )  # fmt: skip
+    training_args = TrainingArguments(output_dir="./results", evaluation_strategy="epoch", fp16=True)
 
     trainer = Trainer(
         model=model,
@@ -295,8 +291,15 @@ def test_the_last_progress_line_shows_what_metrics_jsonl_logged_at_the_last_step
             trainer.events.progress.refresh_seconds = 3600.0
 
     monkeypatch.setattr(ProgressCallback, "refresh_seconds", 0.0)
-    args = quiet_args(tmp_path, disable_tqdm=False, max_steps=6, logging_steps=3, learning_rate=0.5,
-                      lr_scheduler_type="linear", report_to="none")  # fmt: skip
+    args = quiet_args(
+        tmp_path,
+        disable_tqdm=False,
+        max_steps=6,
+        logging_steps=3,
+        learning_rate=0.5,
+        lr_scheduler_type="linear",
+        report_to="none",
+    )
     trainer = Trainer(make_model(), args, train_dataset=make_examples(48), callbacks=[SlowRefresh()])
     trainer.train()
     last = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train: 6/6 steps")][-1]
@@ -330,8 +333,15 @@ def test_tensorboard_gets_the_loss_the_loss_scale_and_eval_scalars(tmp_path):
     pytest.importorskip("tensorboard")  # a test extra: installed in CI
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    args = quiet_args(tmp_path, report_to="tensorboard", logging_steps=1, eval_strategy="epoch", num_train_epochs=1,
-                      per_device_train_batch_size=4, fp16=True)  # fmt: skip
+    args = quiet_args(
+        tmp_path,
+        report_to="tensorboard",
+        logging_steps=1,
+        eval_strategy="epoch",
+        num_train_epochs=1,
+        per_device_train_batch_size=4,
+        fp16=True,
+    )
     Trainer(make_model(), args, train_dataset=make_examples(8), eval_dataset=make_examples(4)).train()
     events = EventAccumulator(args.logging_dir)
     events.Reload()

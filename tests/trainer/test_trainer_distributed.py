@@ -35,9 +35,14 @@ def run(tmp_path_factory) -> tuple[Path, list[dict]]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-        str(SCRIPT), str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        str(SCRIPT),
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return out, [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
@@ -96,13 +101,24 @@ def fsdp_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trainer-fsdp")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     env["OMP_NUM_THREADS"] = "1"
-    two = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(FSDP_SCRIPT), str(out / "fsdp")]  # fmt: skip
+    two = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        str(FSDP_SCRIPT),
+        str(out / "fsdp"),
+    ]
     two_sharded = [*two[:4], f"--master_port={_free_port()}", str(FSDP_SCRIPT), str(out / "sharded")]
-    runs = [(two, env), ([sys.executable, str(FSDP_SCRIPT), str(out / "single")], env),
-            (two_sharded, {**env, "FSDP_STATE_DICT_TYPE": "sharded"})]  # fmt: skip
-    procs = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd, e in runs]  # fmt: skip
+    runs = [
+        (two, env),
+        ([sys.executable, str(FSDP_SCRIPT), str(out / "single")], env),
+        (two_sharded, {**env, "FSDP_STATE_DICT_TYPE": "sharded"}),
+    ]
+    procs = [
+        subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for cmd, e in runs
+    ]
     for proc in procs:
         text, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"{proc.args}:\n{text[-3000:]}"
@@ -110,8 +126,13 @@ def fsdp_runs(tmp_path_factory) -> Path:
     shutil.copytree(out / "sharded" / "run", out / "resumed" / "run")
     shutil.rmtree(out / "resumed" / "run" / "checkpoint-3")
     again = [*two[:4], f"--master_port={_free_port()}", str(FSDP_SCRIPT), str(out / "resumed")]
-    proc = subprocess.run(again, env={**env, "FSDP_STATE_DICT_TYPE": "sharded", "RESUME": "1"},
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        again,
+        env={**env, "FSDP_STATE_DICT_TYPE": "sharded", "RESUME": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return out
 

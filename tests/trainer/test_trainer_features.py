@@ -87,8 +87,12 @@ def test_early_stopping_threshold_counts_small_gains_as_none():
 
 
 def test_early_stopping_without_a_metric_is_refused(tmp_path):
-    trainer = Trainer(make_model(), quiet_args(tmp_path, max_steps=2), train_dataset=make_examples(8),
-                      callbacks=[EarlyStoppingCallback()])  # fmt: skip
+    trainer = Trainer(
+        make_model(),
+        quiet_args(tmp_path, max_steps=2),
+        train_dataset=make_examples(8),
+        callbacks=[EarlyStoppingCallback()],
+    )
     with pytest.raises(ValueError, match="metric_for_best_model"):
         trainer.train()
 
@@ -163,8 +167,11 @@ def test_train_twice_continues_the_model_with_a_fresh_state_and_resumes(tmp_path
     assert trainer.state.global_step == 4  # a fresh state, as HF
     assert any(not torch.equal(v, flat_params(trainer.model)[k]) for k, v in after_first.items())
     # the second run's checkpoint holds one model/optimizer/scheduler: a new Trainer resumes from it
-    fresh = Trainer(make_model(), quiet_args(tmp_path, max_steps=5, save_strategy="steps", save_steps=4),
-                    train_dataset=make_examples(32))  # fmt: skip
+    fresh = Trainer(
+        make_model(),
+        quiet_args(tmp_path, max_steps=5, save_strategy="steps", save_steps=4),
+        train_dataset=make_examples(32),
+    )
     fresh.train(resume_from_checkpoint=True)
     assert fresh.state.global_step == 5
 
@@ -207,8 +214,9 @@ def test_training_argument_turns_checkpointing_on_or_names_the_field(tmp_path):
     rows = [{**r, "labels": r["input_ids"]} for r in rows]
     Trainer(gpt, quiet_args(tmp_path, max_steps=1, gradient_checkpointing=True), train_dataset=rows).train()
     assert gpt.is_gradient_checkpointing
-    trainer = Trainer(make_model(), quiet_args(tmp_path, max_steps=1, activation_checkpointing=True),
-                      train_dataset=make_examples(8))  # fmt: skip
+    trainer = Trainer(
+        make_model(), quiet_args(tmp_path, max_steps=1, activation_checkpointing=True), train_dataset=make_examples(8)
+    )
     with pytest.raises(ValueError, match=r"activation_checkpointing=True\): DropLM has no"):
         trainer.train()
 
@@ -236,8 +244,12 @@ def test_a_stream_is_split_into_whole_batches_with_no_example_twice():
 
 def test_trainer_trains_a_stream_for_max_steps_rereading_it(tmp_path):
     stream = Numbers(20)
-    trainer = Trainer(make_model(), quiet_args(tmp_path, max_steps=7, per_device_train_batch_size=4),
-                      train_dataset=stream, eval_dataset=Numbers(8))  # fmt: skip
+    trainer = Trainer(
+        make_model(),
+        quiet_args(tmp_path, max_steps=7, per_device_train_batch_size=4),
+        train_dataset=stream,
+        eval_dataset=Numbers(8),
+    )
     trainer.train()
     assert trainer.state.global_step == 7 and stream.passes == 2  # 5 batches a pass
     assert "eval_loss" in trainer.evaluate()
@@ -317,8 +329,15 @@ def test_a_stream_under_torchrun_gives_each_process_its_own_examples(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     env["OMP_NUM_THREADS"] = "1"
     script = Path(__file__).with_name("trainer_stream_torchrun_script.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-           str(script), str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={port}",
+        str(script),
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
@@ -335,8 +354,23 @@ def test_cli_train_gradient_checkpointing_flag(tmp_path, monkeypatch):
     corpus.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200)))
     seen = []
     monkeypatch.setattr(GPT, "gradient_checkpointing_enable", lambda self, **kw: seen.append(kw))
-    args = ["train", "--data", str(corpus), "--model", "tiny", "--seq-len", "32", "--batch-size", "4",
-            "--max-steps", "1", "--precision", "fp32", "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    args = [
+        "train",
+        "--data",
+        str(corpus),
+        "--model",
+        "tiny",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "1",
+        "--precision",
+        "fp32",
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
     assert main([*args, "--gradient-checkpointing"]) == 0
     assert seen == [{"gradient_checkpointing_kwargs": None}]
     record = json.loads((tmp_path / "run" / "run.json").read_text())
@@ -395,8 +429,12 @@ class HoldsMemory(Trainer):
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="the CPU peak needs Linux's clear_refs")
 def test_memory_metrics_per_stage_as_hf_names_them(tmp_path):
     data = make_examples(16)
-    trainer = HoldsMemory(make_model(), quiet_args(tmp_path, max_steps=2, skip_memory_metrics=False),
-                          train_dataset=data, eval_dataset=data)  # fmt: skip
+    trainer = HoldsMemory(
+        make_model(),
+        quiet_args(tmp_path, max_steps=2, skip_memory_metrics=False),
+        train_dataset=data,
+        eval_dataset=data,
+    )
     metrics = trainer.train().metrics
     for stage in ("init", "train"):  # init's are reported with the first train()
         assert isinstance(metrics[f"{stage}_mem_cpu_alloc_delta"], int)
@@ -436,8 +474,9 @@ def padded_examples(n: int) -> list[dict[str, torch.Tensor]]:
 def test_num_input_tokens_seen_counts_as_hf_and_survives_a_resume(tmp_path, mode):
     data = padded_examples(24)
     kwargs = dict(per_device_train_batch_size=4, include_num_input_tokens_seen=mode, logging_steps=2)
-    trainer = Trainer(MaskedLM(), quiet_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, **kwargs),
-                      train_dataset=data)  # fmt: skip
+    trainer = Trainer(
+        MaskedLM(), quiet_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, **kwargs), train_dataset=data
+    )
     trainer.train()
     seen = trainer.state.num_input_tokens_seen
     if mode == "no":

@@ -82,12 +82,30 @@ def test_text_columns_are_removed_before_the_collator_for_models_whose_forward_t
     texts = [" ".join(words[: 1 + i % 4]) for i in range(32)]
     data = datasets.Dataset.from_dict({"text": texts, "label": [i % 2 for i in range(32)]})
     data = data.map(lambda b: tok(b["text"]), batched=True)
-    config = transformers.BertConfig(vocab_size=tok.vocab_size, hidden_size=16, num_hidden_layers=1,
-                                     num_attention_heads=2, intermediate_size=32, num_labels=2)  # fmt: skip
-    args = TrainingArguments(str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8, report_to="none",
-                             disable_tqdm=True, save_plots=False, save_strategy="no")  # fmt: skip
-    trainer = Trainer(transformers.BertForSequenceClassification(config), args, train_dataset=data,
-                      eval_dataset=data, data_collator=transformers.DataCollatorWithPadding(tok))  # fmt: skip
+    config = transformers.BertConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=2,
+    )
+    args = TrainingArguments(
+        str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=8,
+        report_to="none",
+        disable_tqdm=True,
+        save_plots=False,
+        save_strategy="no",
+    )
+    trainer = Trainer(
+        transformers.BertForSequenceClassification(config),
+        args,
+        train_dataset=data,
+        eval_dataset=data,
+        data_collator=transformers.DataCollatorWithPadding(tok),
+    )
     trainer.train()
     metrics = trainer.evaluate()
     assert metrics["eval_loss"] > 0 and metrics["eval_steps_per_second"] > 0 and metrics["epoch"] > 0  # HF's keys
@@ -109,9 +127,18 @@ def test_patched_evaluate_plants_the_metrics_that_choose_the_best_checkpoint(tmp
 
     from trainer_utils import make_examples, make_model
 
-    args = TrainingArguments(str(tmp_path), disable_tqdm=True, save_plots=False, max_steps=4, eval_strategy="steps",
-                             eval_steps=1, save_steps=1, load_best_model_at_end=True, metric_for_best_model="accuracy",
-                             per_device_train_batch_size=4)  # fmt: skip
+    args = TrainingArguments(
+        str(tmp_path),
+        disable_tqdm=True,
+        save_plots=False,
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="accuracy",
+        per_device_train_batch_size=4,
+    )
     trainer = Trainer(make_model(), args, train_dataset=make_examples(16), eval_dataset=make_examples(8, seed=1))
     planted = [{"eval_accuracy": a} for a in (0.1, 0.9, 0.5, 0.2)]
     with patch.object(trainer, "_evaluate", side_effect=planted) as evaluate:

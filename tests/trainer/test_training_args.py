@@ -14,14 +14,43 @@ from mixprec import TrainerState, TrainingArguments
 # Fields whose names exist in both classes: the defaults must agree, so a script moving over from
 # transformers keeps its behaviour.
 SHARED = [
-    "num_train_epochs", "max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
-    "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-    "warmup_steps", "lr_scheduler_type", "max_grad_norm", "seed", "fp16", "bf16", "dataloader_num_workers",
-    "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "torch_compile", "eval_strategy",
-    "eval_steps", "save_strategy", "save_steps", "save_total_limit", "logging_steps", "logging_strategy",
-    "logging_first_step", "dataloader_drop_last", "remove_unused_columns", "label_names", "disable_tqdm",
-    "prediction_loss_only", "use_cpu", "data_seed",
-]  # fmt: skip
+    "num_train_epochs",
+    "max_steps",
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "warmup_steps",
+    "lr_scheduler_type",
+    "max_grad_norm",
+    "seed",
+    "fp16",
+    "bf16",
+    "dataloader_num_workers",
+    "load_best_model_at_end",
+    "metric_for_best_model",
+    "greater_is_better",
+    "torch_compile",
+    "eval_strategy",
+    "eval_steps",
+    "save_strategy",
+    "save_steps",
+    "save_total_limit",
+    "logging_steps",
+    "logging_strategy",
+    "logging_first_step",
+    "dataloader_drop_last",
+    "remove_unused_columns",
+    "label_names",
+    "disable_tqdm",
+    "prediction_loss_only",
+    "use_cpu",
+    "data_seed",
+]
 
 
 def _plain(value):
@@ -212,11 +241,25 @@ def test_every_hf_field_name_is_a_field_here():
 def test_an_hf_scripts_arguments_construct_unchanged(tmp_path):
     args = TrainingArguments(
         str(tmp_path),  # output_dir stays the first positional argument
-        do_train=True, do_eval=True, eval_strategy="steps", eval_steps=0.25, logging_steps=0.1, save_steps=0.5,
-        gradient_checkpointing=True, eval_accumulation_steps=4, label_smoothing_factor=0.0, report_to="none",
-        dataloader_pin_memory=True, push_to_hub=False, hub_model_id="me/model", log_level="info",
-        ddp_find_unused_parameters=False, tf32=None, load_best_model_at_end=True, save_strategy="steps",
-    )  # fmt: skip
+        do_train=True,
+        do_eval=True,
+        eval_strategy="steps",
+        eval_steps=0.25,
+        logging_steps=0.1,
+        save_steps=0.5,
+        gradient_checkpointing=True,
+        eval_accumulation_steps=4,
+        label_smoothing_factor=0.0,
+        report_to="none",
+        dataloader_pin_memory=True,
+        push_to_hub=False,
+        hub_model_id="me/model",
+        log_level="info",
+        ddp_find_unused_parameters=False,
+        tf32=None,
+        load_best_model_at_end=True,
+        save_strategy="steps",
+    )
     assert args.activation_checkpointing is True and args.gradient_checkpointing is True
     state = TrainerState()
     state.compute_steps(args, max_steps=40)  # ratios of the run, rounded up (HF's TrainerState.compute_steps)
@@ -326,16 +369,18 @@ def test_fsdp_state_dict_type_takes_both_spellings_and_needs_fsdp_for_sharded() 
 
 
 def test_hfs_fsdp_config_sets_the_checkpoint_type_and_refuses_the_rest(tmp_path) -> None:
-    args = TrainingArguments(output_dir="unused", fsdp="full_shard",
-                             fsdp_config={"fsdp_state_dict_type": "SHARDED_STATE_DICT"})  # fmt: skip
+    args = TrainingArguments(
+        output_dir="unused", fsdp="full_shard", fsdp_config={"fsdp_state_dict_type": "SHARDED_STATE_DICT"}
+    )
     assert args.distributed == "fsdp" and args.fsdp_state_dict_type == "sharded"
     path = tmp_path / "fsdp.json"
     path.write_text('{"state_dict_type": "FULL_STATE_DICT"}')
     from_file = TrainingArguments(output_dir="unused", fsdp="full_shard", fsdp_config=str(path))
     assert from_file.fsdp_state_dict_type == "full"
     with pytest.raises(ValueError, match="fsdp_config.*transformer_layer_cls_to_wrap is not supported"):
-        TrainingArguments(output_dir="unused", fsdp="full_shard",
-                          fsdp_config={"transformer_layer_cls_to_wrap": ["Block"]})  # fmt: skip
+        TrainingArguments(
+            output_dir="unused", fsdp="full_shard", fsdp_config={"transformer_layer_cls_to_wrap": ["Block"]}
+        )
     with pytest.raises(ValueError, match="fsdp_state_dict_type.*distributed='fsdp'"):
         TrainingArguments(output_dir="unused", fsdp_config={"state_dict_type": "SHARDED_STATE_DICT"})
 

@@ -33,8 +33,14 @@ def main() -> None:
         batch["labels"] = batch["labels"] % VOCAB
         return batch
 
-    args = TrainingArguments(output_dir=str(out / "run"), max_steps=5, per_device_train_batch_size=4,
-                             disable_tqdm=True, save_plots=False, save_strategy="no")  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(out / "run"),
+        max_steps=5,
+        per_device_train_batch_size=4,
+        disable_tqdm=True,
+        save_plots=False,
+        save_strategy="no",
+    )
     trainer = Trainer(make_model(), args, data_collator=collate, train_dataset=Numbered())
     trainer.train()
     rank = trainer.accelerator.process_index

@@ -25,9 +25,15 @@ from mixprec.watch.trend import TrendWatch, fit_slope
 
 @pytest.mark.parametrize(
     ("value", "every", "fallback"),
-    [(5, 5, False), ("7", 7, False), ("watch", 100, False), ("fallback", 100, True), ("fallback:3", 3, True),
-     ({"every": 4, "fallback": True}, 4, True)],
-)  # fmt: skip
+    [
+        (5, 5, False),
+        ("7", 7, False),
+        ("watch", 100, False),
+        ("fallback", 100, True),
+        ("fallback:3", 3, True),
+        ({"every": 4, "fallback": True}, 4, True),
+    ],
+)
 def test_every_way_to_ask_for_a_watch_parses_to_one_config(value, every, fallback):
     config = WatchConfig.parse(value)
     assert (config.every, config.fallback) == (every, fallback)
@@ -218,9 +224,17 @@ def test_the_trainer_sends_the_samples_to_tensorboard_and_metrics(tmp_path):
 
     g = torch.Generator().manual_seed(0)
     data = [{"x": torch.randn(8, generator=g), "y": torch.randn((), generator=g)} for _ in range(32)]
-    args = TrainingArguments(output_dir=str(tmp_path), fp16=True, max_steps=4, per_device_train_batch_size=8,
-                             precision_watch=2, report_to="tensorboard", disable_tqdm=True, save_strategy="no",
-                             logging_steps=2)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        fp16=True,
+        max_steps=4,
+        per_device_train_batch_size=8,
+        precision_watch=2,
+        report_to="tensorboard",
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=2,
+    )
     torch.manual_seed(0)
     Trainer(DropoutNet(), args, train_dataset=data).train()
     events = EventAccumulator(args.logging_dir)
@@ -269,8 +283,9 @@ class Overflows(nn.Module):
 
 def test_after_k_skips_traced_to_a_forward_the_module_falls_back_without_a_warning():
     torch.manual_seed(0)
-    acc = Accelerator(mixed_precision="fp16", watch={"every": 1000, "fallback": True, "fallback_after": 2},
-                      verbose=False)  # fmt: skip
+    acc = Accelerator(
+        mixed_precision="fp16", watch={"every": 1000, "fallback": True, "fallback_after": 2}, verbose=False
+    )
     model = Overflows()
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
     for _ in range(4):

@@ -23,14 +23,16 @@ from mixprec.watch.replay import replay
 PLANTED = "transformer.h.1.mlp.c_fc"
 
 
-def _run(tmp_path, precision: str, steps: int, plant_at: int | None, factor: float = 1e6, watch=None,
-         planted: str = PLANTED):  # fmt: skip
+def _run(
+    tmp_path, precision: str, steps: int, plant_at: int | None, factor: float = 1e6, watch=None, planted: str = PLANTED
+):
     """Train ``steps`` steps; on step ``plant_at`` (0-based) the ``planted`` module's weight is multiplied by
     ``factor`` for that step only. Returns the watch and the weights each step started from."""
     torch.manual_seed(0)
     model = GPT.from_preset("tiny")
-    acc = Accelerator(mixed_precision=precision, cpu=True, watch=watch or {"every": 1000}, project_dir=tmp_path,
-                      verbose=False)  # fmt: skip
+    acc = Accelerator(
+        mixed_precision=precision, cpu=True, watch=watch or {"every": 1000}, project_dir=tmp_path, verbose=False
+    )
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     weight = model.get_submodule(planted).weight
     g = torch.Generator().manual_seed(1)
@@ -58,8 +60,12 @@ def test_a_non_finite_fp16_step_writes_a_capsule_that_replays_to_the_planted_mod
     assert written["step"] == 3 and "non-finite" in written["reason"]
     folder = tmp_path / "capsules" / "step-00000003"
     assert written["path"] == str(folder)
-    assert sorted(p.name for p in folder.iterdir()) == ["batch.safetensors", "capsule.json", "model.safetensors",
-                                                        "rng.safetensors"]  # fmt: skip
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "batch.safetensors",
+        "capsule.json",
+        "model.safetensors",
+        "rng.safetensors",
+    ]
     capsule = Capsule.load(folder)
     assert capsule.precision == "fp16" and capsule.meta["model"]["kind"] == "mixprec.gpt"
     for name, value in started_from[2].items():  # the weights the bad step started from
@@ -94,8 +100,15 @@ def test_a_non_finite_step_in_bf16_gets_a_capsule_too_and_replay_says_fp32_fails
 
 def test_a_loss_spike_writes_a_capsule_with_the_weights_before_the_update(tmp_path):
     # the final LayerNorm's gain x30 sharpens every logit thirty-fold: the loss jumps, finite
-    watch, started_from = _run(tmp_path, "fp32", steps=20, plant_at=18, factor=30.0,
-                               watch={"every": 1000, "spike_factor": 1.5}, planted="transformer.ln_f")  # fmt: skip
+    watch, started_from = _run(
+        tmp_path,
+        "fp32",
+        steps=20,
+        plant_at=18,
+        factor=30.0,
+        watch={"every": 1000, "spike_factor": 1.5},
+        planted="transformer.ln_f",
+    )
     (written,) = watch.capsules
     assert written["step"] == 19 and written["reason"].startswith("loss ")
     capsule = Capsule.load(written["path"])
@@ -163,9 +176,19 @@ def test_replay_names_the_first_module_whose_finite_output_leaves_fp32s(tmp_path
     torch.manual_seed(0)
     model = _Cancelling()
     batch = {"x": torch.randn(4, 8), "y": torch.randn(4)}
-    path = write_capsule(tmp_path, step=7, reason="planted", model=model, batches=[batch],
-                         rng=(torch.get_rng_state(), None), precision="bf16", loss=None, loss_scale=1.0,
-                         fallbacks=[], optimizer=None)  # fmt: skip
+    path = write_capsule(
+        tmp_path,
+        step=7,
+        reason="planted",
+        model=model,
+        batches=[batch],
+        rng=(torch.get_rng_state(), None),
+        precision="bf16",
+        loss=None,
+        loss_scale=1.0,
+        fallbacks=[],
+        optimizer=None,
+    )
     assert Capsule.load(path).meta["model"]["kind"] == "python"
     with pytest.raises(ValueError, match=r"replay it from Python: mixprec.watch.replay\(CAPSULE, model="):
         replay(path)
@@ -179,13 +202,24 @@ def test_a_transformers_model_is_rebuilt_from_the_capsule_alone(tmp_path):
     from mixprec.watch.capsule import write_capsule
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    config = transformers.GPT2Config(
+        vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 32, (2, 8))
-    path = write_capsule(tmp_path, step=3, reason="planted", model=model, batches=[{"input_ids": ids, "labels": ids}],
-                         rng=(torch.get_rng_state(), None), precision="bf16", loss=None, loss_scale=1.0,
-                         fallbacks=[], optimizer="AdamW")  # fmt: skip
+    path = write_capsule(
+        tmp_path,
+        step=3,
+        reason="planted",
+        model=model,
+        batches=[{"input_ids": ids, "labels": ids}],
+        rng=(torch.get_rng_state(), None),
+        precision="bf16",
+        loss=None,
+        loss_scale=1.0,
+        fallbacks=[],
+        optimizer="AdamW",
+    )
     result = replay(path)  # no model passed: `mixprec replay` works for it
     expected = float(model(input_ids=ids, labels=ids).loss)
     assert result.loss_fp32 == pytest.approx(expected, rel=1e-6)  # the very weights, in a rebuilt GPT2LMHeadModel

@@ -40,8 +40,23 @@ def test_a_scale_backoff_replays_as_one_and_the_capsule_limit_is_said(tmp_path, 
     # issue 34: replay called a routine fp16 backoff "float32 holds |x| <= 3.4e38"; after 8 capsules writing
     # stopped without a word
     run = tmp_path / "run"
-    argv = ["train", "--data", corpus, "--model", "tiny", "--precision", "fp16", "--lr", "1.0", "--watch", "5",
-            "--max-steps", "20", "--output-dir", str(run)]  # fmt: skip
+    argv = [
+        "train",
+        "--data",
+        corpus,
+        "--model",
+        "tiny",
+        "--precision",
+        "fp16",
+        "--lr",
+        "1.0",
+        "--watch",
+        "5",
+        "--max-steps",
+        "20",
+        "--output-dir",
+        str(run),
+    ]
     assert main(argv) == 0
     err = capsys.readouterr().err
     summary = json.loads((run / "train_summary.json").read_text())["precision_watch"]

@@ -131,11 +131,25 @@ class Accelerator:
         if given is not None:
             _named(lambda: policy_name(given.name, fp32_ops, made=given), fp32_ops, "fp32_ops")
         self.config = AcceleratorConfig(
-            mixed_precision if given is None else given.name, gradient_accumulation_steps, distributed, device, cpu,
-            handled.scaler_kwargs or None, handled.ddp_kwargs or None, fsdp_shard, non_blocking, verbose,
-            handled.timeout, fsdp_state_dict_type, step_in_backward, handled.comm_dtype, fp32_ops,
-            step_scheduler_with_optimizer, split_batches, scheduler_counts_optimizer_steps,
-        )  # fmt: skip
+            mixed_precision if given is None else given.name,
+            gradient_accumulation_steps,
+            distributed,
+            device,
+            cpu,
+            handled.scaler_kwargs or None,
+            handled.ddp_kwargs or None,
+            fsdp_shard,
+            non_blocking,
+            verbose,
+            handled.timeout,
+            fsdp_state_dict_type,
+            step_in_backward,
+            handled.comm_dtype,
+            fp32_ops,
+            step_scheduler_with_optimizer,
+            split_batches,
+            scheduler_counts_optimizer_steps,
+        )
         env = LaunchEnv.from_environ()
         dev = select_device(self.config.device, self.config.cpu, env)
         spec = given if given is not None else self.config.mixed_precision  # before any process group: fails fast

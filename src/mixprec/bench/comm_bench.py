@@ -32,8 +32,18 @@ from mixprec.precision.base import Precision
 from mixprec.scaling.scaler import GradScaler
 from mixprec.strategies.comm import CommPrecision, make_comm
 
-_ITEMSIZE = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "int": 4, "long int": 8,
-             "unsigned char": 1, "signed char": 1, "bool": 1, "short int": 2}  # fmt: skip
+_ITEMSIZE = {
+    "float": 4,
+    "double": 8,
+    "c10::Half": 2,
+    "c10::BFloat16": 2,
+    "int": 4,
+    "long int": 8,
+    "unsigned char": 1,
+    "signed char": 1,
+    "bool": 1,
+    "short int": 2,
+}
 """Bytes per element of the dtype names torch's profiler gives a collective's inputs."""
 
 

@@ -42,11 +42,15 @@ def training_state_bytes(
     params = [p for p in model.parameters()]
     n = sum(p.numel() for p in params)
     param_bytes = sum(_nbytes(p) for p in params)
-    grads = [_nbytes(p.grad) if p.grad is not None else p.numel() * p.element_size()
-             for p in params if p.requires_grad]  # fmt: skip
+    grads = [_nbytes(p.grad) if p.grad is not None else p.numel() * p.element_size() for p in params if p.requires_grad]
     grad_bytes = max(grads, default=0) if step_in_backward else sum(grads)
     seen: set[int] = {id(p) for p in params}
     opt_bytes = _tensor_bytes(list(optimizer.state.values()), seen) if optimizer is not None else 0
     total = param_bytes + grad_bytes + opt_bytes
-    return {"params": param_bytes, "grads": grad_bytes, "optimizer": opt_bytes, "total": total,
-            "per_param": total / max(n, 1)}  # fmt: skip
+    return {
+        "params": param_bytes,
+        "grads": grad_bytes,
+        "optimizer": opt_bytes,
+        "total": total,
+        "per_param": total / max(n, 1),
+    }

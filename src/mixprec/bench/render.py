@@ -36,8 +36,20 @@ def _num(x: float | None, fmt: str) -> str:
 def format_table(result: BenchResult) -> str:
     """The human-readable report: one row per precision, then what each column measured."""
     data = result.to_dict()
-    header = ["precision", "runs as", "step (median)", "spread (IQR)", "tokens/s", "vs fp32", "peak mem", "B/param",
-              "loss", "loss-fp32", "skipped", "MFU"]  # fmt: skip
+    header = [
+        "precision",
+        "runs as",
+        "step (median)",
+        "spread (IQR)",
+        "tokens/s",
+        "vs fp32",
+        "peak mem",
+        "B/param",
+        "loss",
+        "loss-fp32",
+        "skipped",
+        "MFU",
+    ]
     lines: list[list[str]] = []
     for r in data["results"]:
         if r["skipped"]:
@@ -124,11 +136,14 @@ def write_chart(result: BenchResult, path: str | Path) -> Path:
     rows = [r for r in result.to_dict()["results"] if r["step_time_s"] is not None]
     if not rows:
         raise ValueError("no precision was timed; nothing to chart")
-    labels = [r["precision"] if r["precision"] == r["resolved"] else f"{r['precision']}\n({r['resolved']})"
-              for r in rows]  # fmt: skip
+    labels = [
+        r["precision"] if r["precision"] == r["resolved"] else f"{r['precision']}\n({r['resolved']})" for r in rows
+    ]
     times = [r["step_time_s"] * 1e3 for r in rows]
-    err = [[(r["step_time_s"] - r["step_time_min_s"]) * 1e3 for r in rows],
-           [(r["step_time_max_s"] - r["step_time_s"]) * 1e3 for r in rows]]  # fmt: skip
+    err = [
+        [(r["step_time_s"] - r["step_time_min_s"]) * 1e3 for r in rows],
+        [(r["step_time_max_s"] - r["step_time_s"]) * 1e3 for r in rows],
+    ]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     axes[0].bar(labels, times, yerr=err, capsize=4, color="tab:blue")
     axes[0].set_ylabel("median step time (ms), bars: min..max")
@@ -136,8 +151,14 @@ def write_chart(result: BenchResult, path: str | Path) -> Path:
     for i, r in enumerate(rows):
         if r["speedup_vs_fp32"] is not None:
             # above the error bar, so the two never overlap
-            axes[0].annotate(f"{r['speedup_vs_fp32']:.2f}x vs fp32", (i, r["step_time_max_s"] * 1e3), ha="center",
-                             va="bottom", xytext=(0, 2), textcoords="offset points")  # fmt: skip
+            axes[0].annotate(
+                f"{r['speedup_vs_fp32']:.2f}x vs fp32",
+                (i, r["step_time_max_s"] * 1e3),
+                ha="center",
+                va="bottom",
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
     mem = [(r["peak_mem_bytes"] or 0) / 2**20 for r in rows]
     axes[1].bar(labels, mem, color="tab:orange")
     axes[1].set_ylabel("peak memory (MiB)")

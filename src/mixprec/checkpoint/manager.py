@@ -295,4 +295,3 @@ def check_checkpointable(objects: tuple[Any, ...]) -> None:
             "register_for_checkpointing: every object needs state_dict() and load_state_dict(); these lack them:\n"
             + "\n".join(bad)
         )
-

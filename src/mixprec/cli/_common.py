@@ -91,8 +91,9 @@ def check_output_file(flag: str, path: str) -> None:
     if target.is_dir():
         raise CliError(f"{flag} {path}: that is a folder; name a file in it, e.g. {flag} {target / 'plot.png'}")
     if not folder.is_dir():
-        raise CliError(f"{flag} {path}: the folder {folder} does not exist; create it first, or name a file in an "
-                       "existing folder")  # fmt: skip
+        raise CliError(
+            f"{flag} {path}: the folder {folder} does not exist; create it first, or name a file in an existing folder"
+        )
     if not os.access(folder, os.W_OK):
         raise CliError(f"{flag} {path}: the folder {folder} is not writable; name a file in a folder you can write")
 
@@ -110,8 +111,10 @@ def check_optimizer_fits(precision: Precision, optim: str) -> None:
     ways = [f"--optim {' or '.join(fits)}"] if fits else []
     if keep:
         ways.append(f"--precision {keep[0]} to keep --optim {optim}")
-    raise CliError(f"--precision {precision.name} --optim {optim}: {precision.name} steps the weights with its own "
-                   f"update, which {optim} cannot give; use " + ", or ".join(ways or ["another --optim"]))  # fmt: skip
+    raise CliError(
+        f"--precision {precision.name} --optim {optim}: {precision.name} steps the weights with its own "
+        f"update, which {optim} cannot give; use " + ", or ".join(ways or ["another --optim"])
+    )
 
 
 def _refusal(precision: Precision, optim: str) -> str | None:
@@ -122,8 +125,9 @@ def _refusal(precision: Precision, optim: str) -> str | None:
     from mixprec.trainer.optimizers import make_optimizer
 
     probe = torch.nn.Parameter(torch.zeros(1, device=precision.device))
-    cfg = SimpleNamespace(optim=optim, optim_args=None, learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.999,
-                          adam_epsilon=1e-8)  # fmt: skip
+    cfg = SimpleNamespace(
+        optim=optim, optim_args=None, learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8
+    )
     try:
         optimizer = make_optimizer([{"params": [probe], "weight_decay": 0.0}], cfg)
     except Exception:  # noqa: BLE001 - not the precision's refusal: the run's own build reports it

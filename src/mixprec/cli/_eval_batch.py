@@ -42,8 +42,9 @@ def device_memory_bytes() -> int | None:
         return None
 
 
-def eval_batch_size(train_batch: int, seq_len: int, vocab_size: int, eval_windows: int,
-                    memory_bytes: int | None) -> int:  # fmt: skip
+def eval_batch_size(
+    train_batch: int, seq_len: int, vocab_size: int, eval_windows: int, memory_bytes: int | None
+) -> int:
     """``EVAL_BATCH_FACTOR`` training batches, at most the batch whose logits fit in ``LOGITS_SHARE`` of
     ``memory_bytes`` (unbounded when None) but never below ``train_batch``, and never more than the
     ``eval_windows`` there are to evaluate."""

@@ -121,8 +121,9 @@ def resume_checkpoint(run_dir: Path, checkpoint: Path | None) -> Path | None:
     found = trainer_folders(run_dir).find_resumable(warn=False)
     if found.checkpoint is None:
         why = "; ".join(f"{path.name}: {problem}" for path, problem in found.skipped)
-        raise CliError(f"--resume: {run_dir} has no intact checkpoint-N folder to continue from"
-                       + (f" ({why})" if why else ""))  # fmt: skip
+        raise CliError(
+            f"--resume: {run_dir} has no intact checkpoint-N folder to continue from" + (f" ({why})" if why else "")
+        )
     if found.skipped:
         logging.getLogger("mixprec.checkpoint").warning("%s", found.describe_skipped())
     return found.checkpoint

@@ -118,8 +118,10 @@ def _two_or_more(text: str) -> int:
     """argparse type of --nproc-per-node: the comparison of communication dtypes needs two processes or more."""
     value = positive_int(text)
     if value < 2:
-        raise argparse.ArgumentTypeError(f"{value} process has no gradients to communicate: give N >= 2 to compare "
-                                         "--comm-dtypes, or leave the flag out for a one-process bench")  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"{value} process has no gradients to communicate: give N >= 2 to compare "
+            "--comm-dtypes, or leave the flag out for a one-process bench"
+        )
     return value
 
 
@@ -202,14 +204,22 @@ def _run_comm(args: argparse.Namespace) -> int:
         raise CliError("--comm-dtypes: give at least one of fp32, bf16, fp16")
     precisions = args.precisions.split(",") if "precisions" in explicit_flags(args) else ["fp32"]
     if len(precisions) != 1:
-        raise CliError(f"--nproc-per-node compares communication dtypes: give one precision (--precisions fp32), "
-                       f"not {args.precisions!r}")  # fmt: skip
+        raise CliError(
+            f"--nproc-per-node compares communication dtypes: give one precision (--precisions fp32), "
+            f"not {args.precisions!r}"
+        )
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         from mixprec.cli import torchrun
 
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in _workload_args(args).items() if v is not None]
-        flags += [f"--precisions={precisions[0]}", f"--comm-dtypes={','.join(names)}", f"--steps={args.steps}",
-                  f"--rounds={args.rounds}", f"--warmup={args.warmup}", f"--lr={args.lr}"]  # fmt: skip
+        flags += [
+            f"--precisions={precisions[0]}",
+            f"--comm-dtypes={','.join(names)}",
+            f"--steps={args.steps}",
+            f"--rounds={args.rounds}",
+            f"--warmup={args.warmup}",
+            f"--lr={args.lr}",
+        ]
         flags += [f"--threads={args.threads}"] if args.threads is not None else []
         launch = ["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "mixprec.cli.main", "bench"]
         return torchrun.main([*launch, *flags])
@@ -236,8 +246,9 @@ def _comm_worker(args: argparse.Namespace, precision_name: str, comms: list[str]
                 print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
         log(f"workload: {workload.description}; precision {precision.name}")
-        rows = run_comm_bench(workload, precision, comms, steps=args.steps, rounds=args.rounds, warmup=args.warmup,
-                              lr=args.lr, log=log)  # fmt: skip
+        rows = run_comm_bench(
+            workload, precision, comms, steps=args.steps, rounds=args.rounds, warmup=args.warmup, lr=args.lr, log=log
+        )
         if env_rank == 0:
             print(format_comm_table(rows, dist.get_world_size(), f"{workload.description}; precision {precision.name}"))
         dist.barrier()
@@ -287,8 +298,10 @@ def _run(args: argparse.Namespace) -> int:
     if result.device == "cpu" and hasattr(os, "getloadavg"):
         load, cores = os.getloadavg()[0], os.cpu_count() or 1
         if load > cores:
-            result.notes.append(f"load average {load:.1f} on {cores} cores: other work shares this CPU, so the "
-                                "timings include its interference (the spread shows how much)")  # fmt: skip
+            result.notes.append(
+                f"load average {load:.1f} on {cores} cores: other work shares this CPU, so the "
+                "timings include its interference (the spread shows how much)"
+            )
     table = format_table(result)
     if args.output:
         log(f"chart written to {write_chart(result, args.output)}")

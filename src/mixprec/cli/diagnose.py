@@ -48,13 +48,19 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_model_args(parser, batch_size=DEFAULT_BATCH_SIZE, precision="fp16")
     group = parser.add_argument_group("diagnosis")
     group.add_argument(
-        "--batches", metavar="N", type=positive_int, default=DEFAULT_BATCHES,
+        "--batches",
+        metavar="N",
+        type=positive_int,
+        default=DEFAULT_BATCHES,
         help=f"batches measured in fp32 (default: {DEFAULT_BATCHES})",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--nonfinite-batches", metavar="N", type=positive_int, default=1,
+        "--nonfinite-batches",
+        metavar="N",
+        type=positive_int,
+        default=1,
         help="batches run under the target precision to find the first non-finite module (default: 1)",
-    )  # fmt: skip
+    )
     group.add_argument("--lr", metavar="X", type=float, default=1e-3, help="for the bf16 lost-update estimate")
     group.add_argument("--top", metavar="N", type=positive_int, default=15, help="layers shown (default: 15)")
     # no file unless asked (issue 29: a PNG appeared in whatever folder the user stood in)
@@ -104,8 +110,10 @@ def run(args: argparse.Namespace) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, generator=generator)
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else print
-    log(f"diagnosing {info.model_description} on {device}; {info.corpus}; "
-        f"{args.batches} batch(es) of {args.batch_size} x {info.seq_len} tokens")  # fmt: skip
+    log(
+        f"diagnosing {info.model_description} on {device}; {info.corpus}; "
+        f"{args.batches} batch(es) of {args.batch_size} x {info.seq_len} tokens"
+    )
     report = diagnose(
         model,
         loader,

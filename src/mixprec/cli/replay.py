@@ -25,8 +25,13 @@ mixprec.watch.replay(CAPSULE, model=YourModel(...)).
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("capsule", metavar="CAPSULE", help="a capsule folder (<run>/capsules/step-N)")
     parser.add_argument("--device", default="cpu", help="where to replay (default: cpu)")
-    parser.add_argument("--tol", metavar="X", type=float, default=None,
-                        help="relative L2 distance to fp32 that counts as diverged (default: 0.1)")  # fmt: skip
+    parser.add_argument(
+        "--tol",
+        metavar="X",
+        type=float,
+        default=None,
+        help="relative L2 distance to fp32 that counts as diverged (default: 0.1)",
+    )
     parser.add_argument("--json", action="store_true", help="print the finding as JSON")
 
 

@@ -345,8 +345,10 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         f"  epochs      {args.epochs:g} of {epoch_what} ({len(train_dataset):,} chunks of {info.seq_len}), "
         f"batch {args.batch_size}" + (f", at most {args.max_steps} steps" if args.max_steps else "")
     )
-    _emit(f"  eval        {len(eval_dataset):,} validation chunks per epoch (batch {eval_batch}); unigram baseline "
-          f"{baseline:.3f} nats/byte")  # fmt: skip
+    _emit(
+        f"  eval        {len(eval_dataset):,} validation chunks per epoch (batch {eval_batch}); unigram baseline "
+        f"{baseline:.3f} nats/byte"
+    )
     if threads is not None:
         _emit(f"  threads     {threads.describe()}")
     _emit(f"  run folder  {run_dir}" + (f" (resuming from {resume_from.name})" if resume_from else ""))
@@ -378,8 +380,19 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     eval_loss = last_eval[0]
 
     if _rundir.is_main():
-        _report(args, trainer, summary, eval_loss, baseline, info, training_args, train_dataset, eval_dataset,
-                run_dir, wall_start)  # fmt: skip
+        _report(
+            args,
+            trainer,
+            summary,
+            eval_loss,
+            baseline,
+            info,
+            training_args,
+            train_dataset,
+            eval_dataset,
+            run_dir,
+            wall_start,
+        )
     # every process, once the main one has written the run: leave the process group together (wait for the
     # others, let the backend's threads finish, then destroy it), not at interpreter exit (see
     # mixprec.strategies.process_group: a gloo worker thread racing the shutdown aborted 3 runs in 30)

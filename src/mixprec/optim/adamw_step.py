@@ -126,8 +126,19 @@ class AdamWStep(torch.optim.Optimizer):
 
 
 class _Hyper:
-    __slots__ = ("lr", "beta1", "beta2", "wd", "decoupled", "rounding", "step_size", "eps", "raw_eps",
-                 "step_tensor", "fused")  # fmt: skip
+    __slots__ = (
+        "lr",
+        "beta1",
+        "beta2",
+        "wd",
+        "decoupled",
+        "rounding",
+        "step_size",
+        "eps",
+        "raw_eps",
+        "step_tensor",
+        "fused",
+    )
 
     def __init__(self, **values: Any) -> None:
         for k, v in values.items():
@@ -139,11 +150,18 @@ def _hyper(group: dict[str, Any], rule: StepRule, step: float, device: torch.dev
     bias1, bias2 = 1 - beta1**step, 1 - beta2**step
     # lr * m_hat / (sqrt(v_hat) + eps) with the bias corrections folded into two scalars
     return _Hyper(
-        lr=group["lr"], beta1=beta1, beta2=beta2, wd=group["weight_decay"], decoupled=rule.decoupled,
-        rounding=rule.rounding, step_size=group["lr"] * math.sqrt(bias2) / bias1,
-        eps=group["eps"] * math.sqrt(bias2), raw_eps=group["eps"], step_tensor=scratch.step_tensor(step),
+        lr=group["lr"],
+        beta1=beta1,
+        beta2=beta2,
+        wd=group["weight_decay"],
+        decoupled=rule.decoupled,
+        rounding=rule.rounding,
+        step_size=group["lr"] * math.sqrt(bias2) / bias1,
+        eps=group["eps"] * math.sqrt(bias2),
+        raw_eps=group["eps"],
+        step_tensor=scratch.step_tensor(step),
         fused=_fused_kernel(device, rule.decoupled, rule.rounding),
-    )  # fmt: skip
+    )
 
 
 class _Scratch:
@@ -245,8 +263,21 @@ def _update_bucket(
     torch._foreach_copy_(ms, exp_avgs)
     torch._foreach_copy_(vs, exp_avg_sqs)
     if h.fused is not None:  # torch's fused Adam(W) kernel: the arithmetic in one pass over the list
-        h.fused(ws, gs, ms, vs, [], [h.step_tensor] * len(ws), lr=h.lr, beta1=h.beta1, beta2=h.beta2,
-                weight_decay=h.wd, eps=h.raw_eps, amsgrad=False, maximize=False)  # fmt: skip
+        h.fused(
+            ws,
+            gs,
+            ms,
+            vs,
+            [],
+            [h.step_tensor] * len(ws),
+            lr=h.lr,
+            beta1=h.beta1,
+            beta2=h.beta2,
+            weight_decay=h.wd,
+            eps=h.raw_eps,
+            amsgrad=False,
+            maximize=False,
+        )
         torch._foreach_copy_(exp_avgs, ms)
         torch._foreach_copy_(exp_avg_sqs, vs)
         if stochastic:

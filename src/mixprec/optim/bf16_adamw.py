@@ -53,8 +53,14 @@ class Bf16AdamW(AdamWStep):
             raise ValueError(f"Bf16AdamW(lr={lr!r}): lr must be >= 0")
         if bucket_elements is not None and bucket_elements < 1:
             raise ValueError(f"Bf16AdamW(bucket_elements={bucket_elements!r}): must be >= 1 (or None: by device)")
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "decoupled": decoupled,
-                    "rounding": rounding}  # fmt: skip
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "decoupled": decoupled,
+            "rounding": rounding,
+        }
         super().__init__(params, defaults, bucket_elements)
 
     def rule(self, group: dict[str, Any]) -> StepRule:

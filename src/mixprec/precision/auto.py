@@ -52,6 +52,7 @@ _POLICY_BASE = "bf16"
 
 class AutoPrecision(Precision):
     """ "auto": the fastest safe candidate, measured on the training step; the safest one until then."""
+
     update_rounding = property(lambda self: self.current.update_rounding)  # type: ignore[assignment]
     hf_flags = property(lambda self: self.current.hf_flags)  # type: ignore[assignment]
 
@@ -323,9 +324,14 @@ class AutoPrecision(Precision):
             def run(name: str, deadline: float | None) -> bool | Unfinished:
                 while True:
                     finite = run_trial(
-                        by_name[name], loss_fn, state, self._selecting, scales[name],
-                        deadline=deadline if alone else None, clock=clock,
-                    )  # fmt: skip
+                        by_name[name],
+                        loss_fn,
+                        state,
+                        self._selecting,
+                        scales[name],
+                        deadline=deadline if alone else None,
+                        clock=clock,
+                    )
                     # An fp16 overflow at a large loss scale is what the scaler backs off from: retry lower,
                     # and exclude fp16 only if it overflows unscaled.
                     if finite is not False or scales[name] <= 1.0:
@@ -373,9 +379,14 @@ class AutoPrecision(Precision):
             fp32_weights = all(p.param_dtype == torch.float32 for p in self.candidates)  # any may take a step
             in_run, rounds = in_run_plan(steps_left, len(names), rounds, in_run, fp32_weights)
             race = dict(
-                device=self.device.type, threads=torch.get_num_threads(), rounds=rounds, clock_name=clock_name,
-                agree=self._agree, excluded=excluded, run_steps=steps_left if in_run else run_steps,
-            )  # fmt: skip
+                device=self.device.type,
+                threads=torch.get_num_threads(),
+                rounds=rounds,
+                clock_name=clock_name,
+                agree=self._agree,
+                excluded=excluded,
+                run_steps=steps_left if in_run else run_steps,
+            )
 
             def finish(decision: AutoDecision) -> Precision:
                 if stale:

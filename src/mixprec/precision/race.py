@@ -227,7 +227,11 @@ def race_steps(
 
 
 def _afford(
-    racing: list[str], samples: Mapping[str, list[float]], dropped: dict[str, int], spent: Spent, run_steps: int,
+    racing: list[str],
+    samples: Mapping[str, list[float]],
+    dropped: dict[str, int],
+    spent: Spent,
+    run_steps: int,
     rounds_left: int,
 ) -> list[str]:
     """The modes an in-run race can still afford to time (issue 36: a short run). When the race's cost so far

@@ -46,6 +46,7 @@ def measured_scale(max_grad: float, start: float) -> float:
     k = math.floor(math.log2(FP16.max / (SCALE_HEADROOM * max_grad)))
     return max(1.0, min(start, 2.0**k))
 
+
 RaceStep = tuple[str, float, bool]
 """One race step as its mode's scaler recorded it: the mode, the loss scale it ran with, whether it skipped."""
 

@@ -152,9 +152,7 @@ def auto_candidates(device: torch.device) -> list[Precision]:
     return out
 
 
-def policy_name(
-    name: str, fp32_ops: str | list[str] | tuple[str, ...] | None, *, made: Precision | None = None
-) -> str:
+def policy_name(name: str, fp32_ops: str | list[str] | tuple[str, ...] | None, *, made: Precision | None = None) -> str:
     """The precision name for ``name`` with ``fp32_ops`` kept in fp32 (the ``fp32_ops=`` argument of the
     Accelerator, TrainingArguments and ``mixprec train``): ``("bf16", ["attention"])`` ->
     "bf16:fp32_ops=attention"; ``name`` unchanged when ``fp32_ops`` is empty. Raises a ValueError naming

@@ -26,8 +26,9 @@ class NonFiniteGuard(GradScaler):
     scaler knobs are accepted and ignored, since nothing is scaled.
     """
 
-    def __init__(self, *args: Any, max_consecutive_skips: int | None = 100, history_size: int = 1000,
-                 **_ignored: Any) -> None:  # fmt: skip
+    def __init__(
+        self, *args: Any, max_consecutive_skips: int | None = 100, history_size: int = 1000, **_ignored: Any
+    ) -> None:
         super().__init__(enabled=False, max_consecutive_skips=max_consecutive_skips, history_size=history_size)
         self._skipped_now: list[torch.optim.Optimizer] = []
         self._stepped = False

@@ -103,8 +103,9 @@ def fused_step(
         state.stage = Stage.STEPPED
 
 
-def self_scaling_step(optimizer: torch.optim.Optimizer, state: OptimizerState, scaler: Any, *args: Any,
-                      **kwargs: Any) -> Any:  # fmt: skip
+def self_scaling_step(
+    optimizer: torch.optim.Optimizer, state: OptimizerState, scaler: Any, *args: Any, **kwargs: Any
+) -> Any:
     """torch's older contract for optimizers that declare ``_step_supports_amp_scaling`` and take
     ``grad_scaler=``: the optimizer gets the scaler itself and unscales/skips on its own (torch deprecates it,
     with this FutureWarning, in favour of the grad_scale/found_inf attributes :func:`fused_step` sets)."""

@@ -386,8 +386,14 @@ class GradScaler:
     def _unscale_grads(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, allow_fp16: bool
     ) -> torch.Tensor:
-        return unscale_grads(optimizer, inv_scale, allow_fp16=allow_fp16, home=self._scale.device,
-                             param_names=self._param_names, reducer=self._found_inf_reducer)  # fmt: skip
+        return unscale_grads(
+            optimizer,
+            inv_scale,
+            allow_fp16=allow_fp16,
+            home=self._scale.device,
+            param_names=self._param_names,
+            reducer=self._found_inf_reducer,
+        )
 
     def _advance(self, found_inf: torch.Tensor, skipped: bool) -> None:
         """Move the scale one step: torch's update kernel on the device, the same arithmetic on the host."""

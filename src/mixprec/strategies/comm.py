@@ -32,9 +32,17 @@ import torch
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ALIASES = {
-    "no": "fp32", "none": "fp32", "32": "fp32", "float32": "fp32", "fp32": "fp32",
-    "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "16": "fp16",
-}  # fmt: skip
+    "no": "fp32",
+    "none": "fp32",
+    "32": "fp32",
+    "float32": "fp32",
+    "fp32": "fp32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "16": "fp16",
+}
 COMM_NAMES = tuple(_DTYPES)
 
 

@@ -61,4 +61,3 @@ def load_sharded_state(
         state = get_optimizer_state_dict(owner, optimizer)
         dcp.load(state, checkpoint_id=str(folder / OPTIMIZER_DIR.format(i)))
         set_optimizer_state_dict(owner, optimizer, state)
-

@@ -95,9 +95,13 @@ def open_early_store(timeout: datetime.timedelta, environ: Mapping[str, str] = o
     if key not in _opened:
         rank = int(environ.get("RANK", "0"))
         server = dist.TCPStore(
-            environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), int(environ["WORLD_SIZE"]), is_master=rank == 0,
-            timeout=timeout, wait_for_workers=False,
-        )  # fmt: skip
+            environ["MASTER_ADDR"],
+            int(environ["MASTER_PORT"]),
+            int(environ["WORLD_SIZE"]),
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
         # No restart count in the prefix: each worker group serves a fresh store (rank 0 of this group binds
         # it), and after a restart the nodes' counts can differ (restarts.py), which would part the ranks.
         _opened[key] = dist.PrefixStore(f"mixprec/{environ.get('TORCHELASTIC_RUN_ID', '-')}/", server)
@@ -126,9 +130,12 @@ def silent_ranks(
         return None
     try:
         store = dist.TCPStore(
-            host, int(port), is_master=False, timeout=datetime.timedelta(seconds=max(wait_s, 1.0)),
+            host,
+            int(port),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=max(wait_s, 1.0)),
             wait_for_workers=False,
-        )  # fmt: skip
+        )
         # one namespace per launch and restart: keys of an earlier worker group must not count as alive
         run, restart = environ.get("TORCHELASTIC_RUN_ID", "-"), environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         scope = f"mixprec/alive/{run}/{restart}"

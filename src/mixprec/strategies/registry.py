@@ -29,7 +29,7 @@ STRATEGIES: dict[str, Callable[..., DistributedStrategy]] = {
         sharded_state=options["fsdp_sharded_state"],
         timeout=options["timeout"],
         comm=options["comm"],
-    ),  # fmt: skip
+    ),
 }
 """The multi-process kinds ``Accelerator(distributed=...)`` names; one process needs no name."""
 KINDS = tuple(STRATEGIES)
@@ -57,6 +57,11 @@ def make_strategy(
     if kind is None:
         timeout_delta(timeout)  # one process waits for no one, but a bad value is still an error
         return DistributedStrategy(env, device)
-    options = {"ddp_kwargs": ddp_kwargs, "fsdp_shard": fsdp_shard, "fsdp_sharded_state": fsdp_sharded_state,
-               "timeout": timeout, "comm": comm}  # fmt: skip
+    options = {
+        "ddp_kwargs": ddp_kwargs,
+        "fsdp_shard": fsdp_shard,
+        "fsdp_sharded_state": fsdp_sharded_state,
+        "timeout": timeout,
+        "comm": comm,
+    }
     return STRATEGIES[kind](env, device, options)

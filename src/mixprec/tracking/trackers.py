@@ -265,7 +265,9 @@ def resolve_log_with(log_with: Any) -> list[str]:
         return installed()
     for name in names:
         if name not in PACKAGES:
-            raise ValueError(f"Accelerator(log_with={log_with!r}): unknown tracker {name!r}; choose from "
-                             f"{', '.join(PACKAGES)} or 'all'")  # fmt: skip
+            raise ValueError(
+                f"Accelerator(log_with={log_with!r}): unknown tracker {name!r}; choose from "
+                f"{', '.join(PACKAGES)} or 'all'"
+            )
         require(name, "Accelerator(log_with)")
     return names

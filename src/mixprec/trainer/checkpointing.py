@@ -228,10 +228,14 @@ def _warn_changed_args(args: Any, saved: dict[str, Any]) -> None:
     values, which a user changing them by mistake should hear."""
     pairs = [(k, getattr(args, k, None), saved.get(k)) for k in ("logging_steps", "eval_steps", "save_steps")]
     pairs.append(("per_device_train_batch_size", args.per_device_train_batch_size, saved.get("train_batch_size")))
-    changed = [f"\n\t{k}: {new} (from args) != {old} (from trainer_state.json)"
-               for k, new, old in pairs if new is not None and old is not None and new != old]  # fmt: skip
+    changed = [
+        f"\n\t{k}: {new} (from args) != {old} (from trainer_state.json)"
+        for k, new, old in pairs
+        if new is not None and old is not None and new != old
+    ]
     if changed:
         hf_logger("trainer").warning(
             "Warning: The following arguments do not match the ones in the `trainer_state.json` within the "
-            "checkpoint directory: %s", "".join(changed)
+            "checkpoint directory: %s",
+            "".join(changed),
         )

@@ -85,8 +85,15 @@ class ArgsView:
 class PrecisionConfig(ArgsView):
     """Which precision, and how the fp16 loss scaler behaves."""
 
-    FIELDS = ("precision", "init_loss_scale", "loss_scale_growth_interval", "loss_scale_hysteresis",
-              "min_loss_scale", "max_consecutive_skips", "diagnose_at_start")  # fmt: skip
+    FIELDS = (
+        "precision",
+        "init_loss_scale",
+        "loss_scale_growth_interval",
+        "loss_scale_hysteresis",
+        "min_loss_scale",
+        "max_consecutive_skips",
+        "diagnose_at_start",
+    )
 
     def __post_init__(self) -> None:
         if not self.init_loss_scale > 0:
@@ -114,8 +121,17 @@ class PrecisionConfig(ArgsView):
 class OptimConfig(ArgsView):
     """The optimizer built when ``Trainer(optimizers=(None, ...))``, and what happens to each step."""
 
-    FIELDS = ("optim", "optim_args", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-              "max_grad_norm", "gradient_accumulation_steps")  # fmt: skip
+    FIELDS = (
+        "optim",
+        "optim_args",
+        "learning_rate",
+        "weight_decay",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_epsilon",
+        "max_grad_norm",
+        "gradient_accumulation_steps",
+    )
 
     def __post_init__(self) -> None:
         from mixprec.trainer.optimizers import OPTIMIZER_NAMES, parse_optim_args
@@ -169,8 +185,15 @@ class ScheduleConfig(ArgsView):
 class EvalConfig(ArgsView):
     """When to evaluate, and which metric decides the best checkpoint."""
 
-    FIELDS = ("eval_strategy", "eval_steps", "per_device_eval_batch_size", "load_best_model_at_end",
-              "metric_for_best_model", "greater_is_better", "prediction_loss_only")  # fmt: skip
+    FIELDS = (
+        "eval_strategy",
+        "eval_steps",
+        "per_device_eval_batch_size",
+        "load_best_model_at_end",
+        "metric_for_best_model",
+        "greater_is_better",
+        "prediction_loss_only",
+    )
 
     def __post_init__(self) -> None:
         check_choice("eval_strategy", self.eval_strategy, STRATEGIES)
@@ -206,8 +229,15 @@ class CheckpointConfig(ArgsView):
 class LoggingConfig(ArgsView):
     """What is logged, how often, and where (metrics.jsonl always; TensorBoard when asked)."""
 
-    FIELDS = ("logging_strategy", "logging_steps", "logging_first_step", "report_to", "logging_dir", "disable_tqdm",
-              "save_plots")  # fmt: skip
+    FIELDS = (
+        "logging_strategy",
+        "logging_steps",
+        "logging_first_step",
+        "report_to",
+        "logging_dir",
+        "disable_tqdm",
+        "save_plots",
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "report_to", tuple(self.report_to))  # frozen: a tuple, not the args' list

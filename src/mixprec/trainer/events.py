@@ -319,6 +319,7 @@ class WatchCallback(TrainerCallback):
         if args.save_plots and metrics.exists():
             from mixprec.watch.plot import plot_headroom, series_from_log
 
-            plot_headroom(series_from_log(read_metrics(metrics)), Path(args.output_dir), self.watch.fmt.name,
-                          self.watch.marks())  # fmt: skip
+            plot_headroom(
+                series_from_log(read_metrics(metrics)), Path(args.output_dir), self.watch.fmt.name, self.watch.marks()
+            )
         print("\n".join(self.watch.summary_lines()), file=sys.stderr, flush=True)

@@ -97,8 +97,11 @@ class HFFieldRules:
             if getattr(self.args, name) not in LOG_LEVELS:
                 fail(name, getattr(self.args, name), f"choose one of: {', '.join(map(repr, LOG_LEVELS))}")
         if self.args.include_num_input_tokens_seen not in ("no", "all", "non_padding"):
-            fail("include_num_input_tokens_seen", self.args.include_num_input_tokens_seen,
-                 "choose 'all' (or True), 'non_padding' or 'no' (or False)")  # fmt: skip
+            fail(
+                "include_num_input_tokens_seen",
+                self.args.include_num_input_tokens_seen,
+                "choose 'all' (or True), 'non_padding' or 'no' (or False)",
+            )
         steps = self.args.torch_empty_cache_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             fail("torch_empty_cache_steps", steps, "must be a positive integer or None")
@@ -151,7 +154,7 @@ class HFFieldRules:
         options = value.split() if isinstance(value, str) else list(value)
         unsupported = [o for o in options if o not in ("full_shard", "auto_wrap")]
         if unsupported or "full_shard" not in options:
-                fail("fsdp", value, "mixprec shards fully (FSDP2): use 'full_shard' (optionally with 'auto_wrap')")
+            fail("fsdp", value, "mixprec shards fully (FSDP2): use 'full_shard' (optionally with 'auto_wrap')")
         return True
 
     def fsdp_config_state_dict_type(self) -> str | None:
@@ -163,8 +166,10 @@ class HFFieldRules:
         found = {k: v for k, v in config.items() if k in ("state_dict_type", "fsdp_state_dict_type")}
         others = sorted(set(config) - set(found))
         if others:
-            why = (f"mixprec reads only its state_dict_type; {', '.join(others)} is not supported (FSDP2 shards "
-                   "each ModuleList member and the root: Accelerator(fsdp_shard=...))")  # fmt: skip
+            why = (
+                f"mixprec reads only its state_dict_type; {', '.join(others)} is not supported (FSDP2 shards "
+                "each ModuleList member and the root: Accelerator(fsdp_shard=...))"
+            )
             fail("fsdp_config", config, why)
         if len(set(found.values())) > 1:
             fail("fsdp_config", config, "state_dict_type and fsdp_state_dict_type disagree")
@@ -226,5 +231,3 @@ def _config_dict(name: str, config: Any) -> dict[str, Any] | None:
     if not isinstance(config, dict):
         fail(name, config, "must be a dict or the path of a JSON file holding one")
     return config
-
-

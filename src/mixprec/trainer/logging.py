@@ -163,8 +163,10 @@ def make_reporters(report_to: list[str], logging_dir: str | Path) -> list[Traine
     }
     for name in report_to:
         if name == "tensorboard" and not tensorboard_available():
-            raise ValueError("report_to='tensorboard' needs the tensorboard package: pip install tensorboard "
-                             "(or leave it out of report_to; metrics.jsonl is written either way)")  # fmt: skip
+            raise ValueError(
+                "report_to='tensorboard' needs the tensorboard package: pip install tensorboard "
+                "(or leave it out of report_to; metrics.jsonl is written either way)"
+            )
         require(name, "report_to")
     return [factories[name]() for name in report_to]
 

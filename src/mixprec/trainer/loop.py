@@ -151,8 +151,9 @@ def fit(run: RunContext, plan: Plan, checkpoint: Any, train_stream: Any, example
     output = finish_run(run, steps_before)
     if loop.interrupted is not None:
         last = ckpt.latest_checkpoint(args.output_dir)
-        stop = TrainingInterrupted(loop.interrupted, run.state.global_step, str(last) if last else None,
-                                   run.resume_command)  # fmt: skip
+        stop = TrainingInterrupted(
+            loop.interrupted, run.state.global_step, str(last) if last else None, run.resume_command
+        )
         acc.print(f"mixprec: {stop}", file=sys.stderr)
         raise stop
     return output
@@ -282,7 +283,9 @@ class TrainingLoop:
         # the decision's budget is a share of the forward+backward passes still to run (one per micro-batch)
         passes = max(1, ctx.state.max_steps - ctx.state.global_step) * ctx.args.gradient_accumulation_steps
         acc.settle_precision(
-            lambda: ctx.compute_loss(ctx.model, batch), batch, unsafe_formats=overflowed_formats(ctx.diagnosis),
+            lambda: ctx.compute_loss(ctx.model, batch),
+            batch,
+            unsafe_formats=overflowed_formats(ctx.diagnosis),
             run_steps=passes,
         )
         self._undecided = not acc.precision.decided

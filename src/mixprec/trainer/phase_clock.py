@@ -99,8 +99,9 @@ class PhaseClock:
             s[UNSPLIT] = max(0.0, s[UNSPLIT] - spill)
         compile_total = sum(compiled.values())
         # an aside race (the shortest runs) is not a training step; an in-run race's trials are
-        training = max(0.0, runtime - s.get("evaluation", 0.0) - s.get("save", 0.0) - s.get("race", 0.0)
-                       - compile_total)  # fmt: skip
+        training = max(
+            0.0, runtime - s.get("evaluation", 0.0) - s.get("save", 0.0) - s.get("race", 0.0) - compile_total
+        )
         per_step = {p: s.get(p, 0.0) for p in phases}
         per_step["other"] = max(0.0, training - sum(per_step.values()))
         n = max(1, steps)
@@ -123,11 +124,17 @@ def breakdown_rows(breakdown: dict[str, Any]) -> list[tuple[str, str]]:
     run, step = breakdown["run_seconds"], breakdown["step_ms"]
     names = {UNSPLIT: "forward+backward (unsplit)", "callbacks_logging": "callbacks/logging"}
     return [
-        ("time split", f"training steps {run['training_steps']:.1f}s, evaluation {run['evaluation']:.1f}s, "
-                       f"saves {run['save']:.1f}s, compile {run['compile']:.1f}s, race {run['race']:.1f}s"),
-        ("per step", ", ".join(f"{names.get(p, p)} {v:.2f}" for p, v in step.items())
-                     + f" ms (host overhead {breakdown['host_overhead_ms_per_step']:.2f} ms)"),
-    ]  # fmt: skip
+        (
+            "time split",
+            f"training steps {run['training_steps']:.1f}s, evaluation {run['evaluation']:.1f}s, "
+            f"saves {run['save']:.1f}s, compile {run['compile']:.1f}s, race {run['race']:.1f}s",
+        ),
+        (
+            "per step",
+            ", ".join(f"{names.get(p, p)} {v:.2f}" for p, v in step.items())
+            + f" ms (host overhead {breakdown['host_overhead_ms_per_step']:.2f} ms)",
+        ),
+    ]
 
 
 def format_breakdown(breakdown: dict[str, Any]) -> str:

@@ -24,9 +24,12 @@ import torch
 from mixprec.strategies.launch_env import LaunchEnv, select_device
 
 LEVELS = {
-    "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
     "critical": logging.CRITICAL,
-}  # fmt: skip
+}
 
 
 class ParallelMode(enum.Enum):

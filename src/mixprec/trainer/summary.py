@@ -105,7 +105,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         # the precision's reason was said when it was decided (or asked for): here the name alone (issue 29:
         # the same sentence three times per run)
         f"trained {summary['global_step']} steps in {summary['train_runtime']:.1f}s ({summary['precision']}"
-        + (f"; {summary['comm']}" if summary.get("comm") else "") + ")",
+        + (f"; {summary['comm']}" if summary.get("comm") else "")
+        + ")",
         f"  train loss {summary['train_loss']:.4f} (the mean over the {summary.get('train_loss_steps', '')} steps "
         f"this run took); skipped steps {summary['skipped_steps']}"
         + (f"; final loss scale {summary['final_loss_scale']:g}" if summary.get("final_loss_scale") else ""),
@@ -164,8 +165,15 @@ def finish_run(run: RunContext, steps_before: int) -> TrainOutput:
         run.memory.stop("train", memory)
         summary.update(memory)
     # HF's last log entry, which scripts read from log_history[-1]
-    run.log({**{k: summary[k] for k in ("train_runtime", "train_samples_per_second", "train_steps_per_second",
-                                          "train_loss")}, **memory})  # fmt: skip
+    run.log(
+        {
+            **{
+                k: summary[k]
+                for k in ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss")
+            },
+            **memory,
+        }
+    )
     if acc.is_main_process:
         write_summary(summary, args.output_dir)
         if args.save_plots and events.metrics_path is not None:
@@ -294,16 +302,19 @@ def write_model_card(args: Any, accelerator: Any, log_history: list[dict[str, An
         "eval_batch_size": args.per_device_eval_batch_size,
         "seed": args.seed,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "total_train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+        "total_train_batch_size": args.per_device_train_batch_size
+        * args.gradient_accumulation_steps
         * accelerator.num_processes,
         "optimizer": args.optim,
         "lr_scheduler_type": args.lr_scheduler_type,
-        "training_steps" if args.max_steps > 0 else "num_epochs": args.max_steps if args.max_steps > 0
+        "training_steps" if args.max_steps > 0 else "num_epochs": args.max_steps
+        if args.max_steps > 0
         else args.num_train_epochs,
-    }  # fmt: skip
+    }
     card["model_name"] = card.get("model_name") or Path(args.output_dir).name
-    text = model_card(precision=accelerator.mixed_precision, hyperparameters=hyperparameters,
-                      log_history=log_history, **card)  # fmt: skip
+    text = model_card(
+        precision=accelerator.mixed_precision, hyperparameters=hyperparameters, log_history=log_history, **card
+    )
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "README.md").write_text(text, encoding="utf-8")
@@ -380,7 +391,14 @@ class ScriptEndings:
         if not self.is_world_process_zero():
             return
         write_model_card(
-            self.args, self.accelerator, self.state.log_history, model_name=model_name, language=language,
-            license=license, tags=tags, finetuned_from=finetuned_from, tasks=tasks,
+            self.args,
+            self.accelerator,
+            self.state.log_history,
+            model_name=model_name,
+            language=language,
+            license=license,
+            tags=tags,
+            finetuned_from=finetuned_from,
+            tasks=tasks,
             dataset=dataset if dataset is not None else dataset_tags,
-        )  # fmt: skip
+        )

@@ -352,8 +352,9 @@ class Trainer:
             if args.diagnose_at_start:
                 if self._model_prepared:
                     raise RuntimeError("diagnose_at_start measures the model before it is prepared: call train() first")
-                self.diagnosis = diagnose_at_start(acc, args, self.model, self.train_dataset, self.data_collator,
-                                                   self.record_event)  # fmt: skip
+                self.diagnosis = diagnose_at_start(
+                    acc, args, self.model, self.train_dataset, self.data_collator, self.record_event
+                )
         checkpointing, checkpointing_kwargs = args.checkpointing_requested()
         if checkpointing:
             enable_activation_checkpointing(acc.unwrap_model(self.model), checkpointing_kwargs)
@@ -363,11 +364,23 @@ class Trainer:
         self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
         handler = self.callback_handler
         handler.optimizer, handler.lr_scheduler, handler.train_dataloader = self.optimizer, self.lr_scheduler, loader
-        run = RunContext(acc, args, self.events, self.meter, model, self.optimizer, self.lr_scheduler, loader,
-                         compute_loss=self.compute_loss, training_step=self.training_step,
-                         evaluate=lambda: self._evaluate(None, None), log=self.log,
-                         resume_command=self.resume_command, diagnosis=self.diagnosis,
-                         memory=self._memory)  # fmt: skip
+        run = RunContext(
+            acc,
+            args,
+            self.events,
+            self.meter,
+            model,
+            self.optimizer,
+            self.lr_scheduler,
+            loader,
+            compute_loss=self.compute_loss,
+            training_step=self.training_step,
+            evaluate=lambda: self._evaluate(None, None),
+            log=self.log,
+            resume_command=self.resume_command,
+            diagnosis=self.diagnosis,
+            memory=self._memory,
+        )
         examples = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None  # a stream has none
         return fit(run, plan, checkpoint, self._loaders.train_stream, examples)
 

@@ -61,8 +61,9 @@ def save_model(
     return out
 
 
-def load_best_model(accelerator: Accelerator, model: torch.nn.Module, args: TrainingArguments,
-                    state: TrainerState) -> None:  # fmt: skip
+def load_best_model(
+    accelerator: Accelerator, model: torch.nn.Module, args: TrainingArguments, state: TrainerState
+) -> None:
     """``load_best_model_at_end``: the best checkpoint's full weights into the model (under FSDP2 the main
     process reads the file and each process keeps its shard). Collective."""
     best = state.best_model_checkpoint

@@ -40,8 +40,14 @@ WINDOW = 16
 class BadSteps:
     """Keeps the step's losses (by reference) and writes a capsule for a bad step into ``run_folder``."""
 
-    def __init__(self, model: nn.Module, recorder: StepRecorder, spike_factor: float | None, max_capsules: int,
-                 describe: Callable[[], dict[str, Any]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        recorder: StepRecorder,
+        spike_factor: float | None,
+        max_capsules: int,
+        describe: Callable[[], dict[str, Any]],
+    ) -> None:
         self.model = model
         self.recorder = recorder
         self.spike_factor = spike_factor
@@ -80,8 +86,11 @@ class BadSteps:
         if loss is None:
             return None
         spiked = len(self._recent) == WINDOW and loss > self.spike_factor * statistics.median(self._recent)
-        reason = f"loss {loss:.4g} > {self.spike_factor:g} x median {statistics.median(self._recent):.4g}" if \
-            spiked else None  # fmt: skip
+        reason = (
+            f"loss {loss:.4g} > {self.spike_factor:g} x median {statistics.median(self._recent):.4g}"
+            if spiked
+            else None
+        )
         self._recent.append(loss)
         return self.write(step, reason, loss, loss_scale) if reason else None
 
@@ -99,17 +108,22 @@ class BadSteps:
             self._backoff_capsule = step
         return record
 
-    def write(self, step: int, reason: str, loss: float | None, loss_scale: float,
-              budget: bool = True) -> dict[str, Any] | None:  # fmt: skip
+    def write(
+        self, step: int, reason: str, loss: float | None, loss_scale: float, budget: bool = True
+    ) -> dict[str, Any] | None:
         """Write the capsule of the current step (``loss_scale``: the one its backward used, divided by the
         accumulation steps as the replay's backward needs); ``budget``: count it against ``max_capsules``."""
         if self.run_folder is None:
             return None
         if budget and self._budget_used >= self.max_capsules:
             if not self.not_written["limit"]:
-                logger.warning("precision watch: step %d (%s): no capsule, the limit of %d per run is reached "
-                               "(WatchConfig.max_capsules); later bad steps get none either",
-                               step, reason, self.max_capsules)  # fmt: skip
+                logger.warning(
+                    "precision watch: step %d (%s): no capsule, the limit of %d per run is reached "
+                    "(WatchConfig.max_capsules); later bad steps get none either",
+                    step,
+                    reason,
+                    self.max_capsules,
+                )
             self.not_written["limit"] += 1
             return None
         batches = self.recorder.batches
@@ -117,15 +131,24 @@ class BadSteps:
             logger.info("precision watch: step %d (%s) has no keyword batch to keep; no capsule", step, reason)
             return None
         try:
-            path = write_capsule(self.run_folder, step=step, reason=reason, model=self.model, batches=batches,
-                                 rng=self.recorder.rng, loss=loss, loss_scale=loss_scale,
-                                 **self._describe())  # fmt: skip
+            path = write_capsule(
+                self.run_folder,
+                step=step,
+                reason=reason,
+                model=self.model,
+                batches=batches,
+                rng=self.recorder.rng,
+                loss=loss,
+                loss_scale=loss_scale,
+                **self._describe(),
+            )
         except (OSError, ValueError) as err:  # a full disk or an odd batch must not end the run
             logger.warning("precision watch: no capsule for step %d: %s", step, err)
             return None
         record = {"step": step, "reason": reason, "path": str(path)}
         self.written.append(record)
         self._budget_used += budget
-        logger.warning("precision watch: step %d: %s; capsule %s (replay it: mixprec replay %s)",
-                       step, reason, path, path)  # fmt: skip
+        logger.warning(
+            "precision watch: step %d: %s; capsule %s (replay it: mixprec replay %s)", step, reason, path, path
+        )
         return record

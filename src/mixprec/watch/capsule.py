@@ -77,8 +77,9 @@ class Capsule:
         for key, t in flat.items():
             index, _, name = key.partition(".")
             batches[int(index)][name] = t
-        return cls(folder, meta, batches, load_tensors(folder / "rng.safetensors"),
-                   load_tensors(folder / "model.safetensors"))  # fmt: skip
+        return cls(
+            folder, meta, batches, load_tensors(folder / "rng.safetensors"), load_tensors(folder / "model.safetensors")
+        )
 
     def restore_rng(self, device: torch.device) -> None:
         """Set the generators to where the step's first forward started."""

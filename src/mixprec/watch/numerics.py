@@ -71,8 +71,11 @@ class NumericsChecks:
         return {"step": step, "stagnant": stagnant, **host_readings}, fields, [*stagnating, *precursors]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stagnant_warned": sorted(self.stagnant_warned), "precursors_warned": sorted(self.judge.warned),
-                "log_z_baseline": self.judge.log_z_baseline}  # fmt: skip
+        return {
+            "stagnant_warned": sorted(self.stagnant_warned),
+            "precursors_warned": sorted(self.judge.warned),
+            "log_z_baseline": self.judge.log_z_baseline,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # a resumed run measures drift from where the run began, and does not repeat what it already said

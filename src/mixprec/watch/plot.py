@@ -71,16 +71,36 @@ def plot_headroom(series: Series, path: Path, fmt: str, marks: dict[str, list[tu
     for step, layer in marks.get("warning", []):
         if step >= 0:
             top.axvline(step, color="orange", ls="--", lw=1)
-            top.annotate(f"warning: {layer}", (step, top.get_ylim()[1]), color="darkorange", fontsize=8,
-                         rotation=90, va="top", ha="right")  # fmt: skip
+            top.annotate(
+                f"warning: {layer}",
+                (step, top.get_ylim()[1]),
+                color="darkorange",
+                fontsize=8,
+                rotation=90,
+                va="top",
+                ha="right",
+            )
     skips = marks.get("skip", [])
     if skips:
-        top.scatter([s for s, _ in skips], [0.0] * len(skips), color="red", marker="x", zorder=4,
-                    label=f"skipped step ({len(skips)})")  # fmt: skip
+        top.scatter(
+            [s for s, _ in skips],
+            [0.0] * len(skips),
+            color="red",
+            marker="x",
+            zorder=4,
+            label=f"skipped step ({len(skips)})",
+        )
     for step, layer in marks.get("fallback", []):
         top.axvline(step, color="green", lw=1.5)
-        top.annotate(f"fp32 fallback: {layer}", (step, top.get_ylim()[0]), color="green", fontsize=8,
-                     rotation=90, va="bottom", ha="left")  # fmt: skip
+        top.annotate(
+            f"fp32 fallback: {layer}",
+            (step, top.get_ylim()[0]),
+            color="green",
+            fontsize=8,
+            rotation=90,
+            va="bottom",
+            ha="left",
+        )
     top.set_title(f"precision watch: per-layer headroom against {fmt}")
     bottom.set_xlabel("optimizer step")
     top.legend(fontsize=7, loc="upper right")

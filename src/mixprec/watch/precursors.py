@@ -42,9 +42,11 @@ def _log_partition_remedy(z_loss: float | None) -> str:
     if not z_loss:
         return REMEDIES["log_partition"]
     raised = z_loss * 10
-    return (f"the z-loss already on ({z_loss:g}) does not hold it: raise it (e.g. mixprec train --z-loss "
-            f"{raised:g}, or GPTConfig(z_loss={raised:g}) in Python), or lower the learning rate (or lengthen "
-            "its warm-up)")  # fmt: skip
+    return (
+        f"the z-loss already on ({z_loss:g}) does not hold it: raise it (e.g. mixprec train --z-loss "
+        f"{raised:g}, or GPTConfig(z_loss={raised:g}) in Python), or lower the learning rate (or lengthen "
+        "its warm-up)"
+    )
 
 
 @dataclass(frozen=True)
@@ -69,11 +71,15 @@ class InstabilityWarning:
             what = f"the largest attention logit in {self.where!r} reached {self.value:.1f} (> {self.threshold:g})"
             remedy = REMEDIES[self.signal]
         else:
-            what = (f"the output log-partition moved from {self.baseline:.2f} to {self.value:.2f}, away from 0 "
-                    f"(|log Z| up by more than {self.threshold:g} nats)")  # fmt: skip
+            what = (
+                f"the output log-partition moved from {self.baseline:.2f} to {self.value:.2f}, away from 0 "
+                f"(|log Z| up by more than {self.threshold:g} nats)"
+            )
             remedy = _log_partition_remedy(self.z_loss)
-        return (f"precision watch: instability precursor at step {self.step}: {what}; a loss spike often follows "
-                f"(Wortsman et al. 2023): {remedy}")  # fmt: skip
+        return (
+            f"precision watch: instability precursor at step {self.step}: {what}; a loss spike often follows "
+            f"(Wortsman et al. 2023): {remedy}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "instability", **asdict(self)}
@@ -141,8 +147,17 @@ class PrecursorJudge:
             # away from 0 only: the z-loss pulls log Z to 0, and a healthy run's falls there from log(vocab)
             drift = abs(log_z) - abs(self.log_z_baseline)
             if "log_partition" not in self.warned and (drift > self.log_z_drift_warn or log_z != log_z):
-                raised.append(InstabilityWarning("log_partition", display_name(""), step, log_z,
-                                                 self.log_z_drift_warn, self.log_z_baseline, self.z_loss))  # fmt: skip
+                raised.append(
+                    InstabilityWarning(
+                        "log_partition",
+                        display_name(""),
+                        step,
+                        log_z,
+                        self.log_z_drift_warn,
+                        self.log_z_baseline,
+                        self.z_loss,
+                    )
+                )
         self.warned.update(w.signal for w in raised)
         return raised
 

@@ -63,18 +63,25 @@ class Divergence:
     def message(self) -> str:
         where = f"{self.module} ({self.phase})"
         if self.kind == "scale":
-            return (f"first non-finite: {where}, only at the loss scale {self.loss_scale:g}: at scale 1 the "
-                    "gradients are finite, and in fp32 too; a routine loss-scale backoff (the scaler skipped "
-                    "the step and lowered the scale), not the format's range running out: nothing to fix "
-                    "unless the scale keeps falling")  # fmt: skip
+            return (
+                f"first non-finite: {where}, only at the loss scale {self.loss_scale:g}: at scale 1 the "
+                "gradients are finite, and in fp32 too; a routine loss-scale backoff (the scaler skipped "
+                "the step and lowered the scale), not the format's range running out: nothing to fix "
+                "unless the scale keeps falling"
+            )
         rng = f"{self.dtype} holds |x| <= {self.dtype_max:.4g} (smallest normal {self.dtype_smallest_normal:.3g})"
         if self.kind == "non-finite":
             seen = f"; in fp32 it reached {self.max_abs_fp32:.4g}" if self.max_abs_fp32 is not None else ""
-            cause = " (non-finite in fp32 too: the data or the weights, not the precision)" if self.fp32_finite is \
-                False else ""  # fmt: skip
+            cause = (
+                " (non-finite in fp32 too: the data or the weights, not the precision)"
+                if self.fp32_finite is False
+                else ""
+            )
             return f"first non-finite: {where}: {rng}{seen}{cause}"
-        return (f"first divergence: {where}: {self.rel_error:.3g} relative to fp32 (max |x| {self.max_abs:.4g} "
-                f"vs {self.max_abs_fp32:.4g} in fp32); {rng}")  # fmt: skip
+        return (
+            f"first divergence: {where}: {self.rel_error:.3g} relative to fp32 (max |x| {self.max_abs:.4g} "
+            f"vs {self.max_abs_fp32:.4g} in fp32); {rng}"
+        )
 
 
 @dataclass(frozen=True)
@@ -88,8 +95,10 @@ class ReplayResult:
     first: Divergence | None
 
     def message(self) -> str:
-        head = (f"step {self.step} ({self.reason}) replayed: loss {self.loss:.6g} in {self.precision}, "
-                f"{self.loss_fp32:.6g} in fp32")  # fmt: skip
+        head = (
+            f"step {self.step} ({self.reason}) replayed: loss {self.loss:.6g} in {self.precision}, "
+            f"{self.loss_fp32:.6g} in fp32"
+        )
         tail = self.first.message() if self.first is not None else "no module parts from fp32 (tolerance met)"
         return f"{head}\n{tail}"
 
@@ -174,8 +183,9 @@ def _first_backward(base, cap: Capsule, device, fallbacks) -> Divergence | None:
     at_one = event if scale == 1.0 else _backward_event(base, cap, cap.precision, device, fallbacks, 1.0)
     kind = "scale" if at_one is None and fp32_finite else "non-finite"
     info = torch.finfo(getattr(torch, event.dtype))
-    return Divergence(event.module, "backward", kind, event.dtype, info.max, info.tiny, None, None, None,
-                      fp32_finite, scale)  # fmt: skip
+    return Divergence(
+        event.module, "backward", kind, event.dtype, info.max, info.tiny, None, None, None, fp32_finite, scale
+    )
 
 
 def _backward_event(base, cap: Capsule, name: str, device, fallbacks, scale: float):
@@ -187,8 +197,18 @@ def _backward_event(base, cap: Capsule, name: str, device, fallbacks, scale: flo
 
 def _divergence(name, phase, kind, y, y_ref, rel, ref_finite) -> Divergence:
     info = torch.finfo(y.dtype)
-    return Divergence(name, phase, kind, str(y.dtype).removeprefix("torch."), info.max, info.tiny,
-                      _max_finite(y), _max_finite(y_ref), rel, ref_finite)  # fmt: skip
+    return Divergence(
+        name,
+        phase,
+        kind,
+        str(y.dtype).removeprefix("torch."),
+        info.max,
+        info.tiny,
+        _max_finite(y),
+        _max_finite(y_ref),
+        rel,
+        ref_finite,
+    )
 
 
 def _max_finite(t: torch.Tensor) -> float | None:

@@ -40,8 +40,10 @@ def stagnation_fixes(precision: Precision) -> str:
     uses, nor the mode it already runs (issue 34: bf16-pure with ``Bf16AdamW(rounding="nearest")`` was told
     to use 'bf16-pure')."""
     if precision.master_weights:  # the mode keeps fp32 masters: these bf16 weights were not given one
-        return ("keep the updates: prepare the optimizer with the Accelerator (it gives trainable bf16 weights "
-                "fp32 masters), or keep the weights in fp32")  # fmt: skip
+        return (
+            "keep the updates: prepare the optimizer with the Accelerator (it gives trainable bf16 weights "
+            "fp32 masters), or keep the weights in fp32"
+        )
     rounding = precision.update_rounding
     others = [r for r in ("kahan", "stochastic") if r != rounding]
     optim = " or ".join(f"Bf16AdamW(rounding={r!r})" for r in others)
@@ -51,8 +53,11 @@ def stagnation_fixes(precision: Precision) -> str:
     )
 
 
-_ROUNDS = {"nearest": "rounds each update to nearest", "kahan": "compensates with Kahan summation",
-           "stochastic": "rounds stochastically"}  # fmt: skip
+_ROUNDS = {
+    "nearest": "rounds each update to nearest",
+    "kahan": "compensates with Kahan summation",
+    "stochastic": "rounds stochastically",
+}
 
 
 @dataclass(frozen=True)

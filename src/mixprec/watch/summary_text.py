@@ -9,8 +9,13 @@ from typing import Any
 from mixprec.watch.stagnation import StagnationWarning, stagnation_message
 
 
-def summary_lines(s: dict[str, Any], warnings: list[Any], skip_counts: Counter, fallbacks: list[dict[str, Any]],
-                  numerics_warnings: list[Any]) -> list[str]:  # fmt: skip
+def summary_lines(
+    s: dict[str, Any],
+    warnings: list[Any],
+    skip_counts: Counter,
+    fallbacks: list[dict[str, Any]],
+    numerics_warnings: list[Any],
+) -> list[str]:
     """``s``: :meth:`PrecisionWatch.summary() <mixprec.watch.watch.PrecisionWatch.summary>`; the rest its
     headroom warnings, skip counts by module, fp32 fallbacks and numerics warnings."""
     what_if = f" (the run computes in {s['computes_in']}: a what-if)" if s["computes_in"] != s["format"] else ""
@@ -36,9 +41,12 @@ def summary_lines(s: dict[str, Any], warnings: list[Any], skip_counts: Counter, 
         lines.append(f"    bad step {c['step']} ({c['reason']}): mixprec replay {c['path']}")
     missing = s["capsules_not_written"]
     if missing.get("backoff"):
-        lines.append(f"    {missing['backoff']} later loss-scale backoffs have no capsule (the first one "
-                     "above stands for them)")  # fmt: skip
+        lines.append(
+            f"    {missing['backoff']} later loss-scale backoffs have no capsule (the first one above stands for them)"
+        )
     if missing.get("limit"):
-        lines.append(f"    {missing['limit']} later bad steps have no capsule: the limit of {s['max_capsules']} "
-                     "per run was reached (WatchConfig.max_capsules)")  # fmt: skip
+        lines.append(
+            f"    {missing['limit']} later bad steps have no capsule: the limit of {s['max_capsules']} "
+            "per run was reached (WatchConfig.max_capsules)"
+        )
     return lines

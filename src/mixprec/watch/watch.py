@@ -114,8 +114,11 @@ class PrecisionWatch:
         Accelerator preparing a second model, a GAN's or a teacher's, leaves it unwatched)."""
         if self.model is not None:
             if model is not self.model:
-                logger.info("precision watch: already watching %s; %s is not watched",
-                            type(self.model).__name__, type(model).__name__)  # fmt: skip
+                logger.info(
+                    "precision watch: already watching %s; %s is not watched",
+                    type(self.model).__name__,
+                    type(model).__name__,
+                )
             return
         self.model = model
         self._host = accelerator  # its scaler is asked each time: "auto"'s is the current mode's
@@ -224,8 +227,11 @@ class PrecisionWatch:
         return self._precision.narrowest_format().name
 
     def _capsule_context(self) -> dict[str, Any]:
-        return {"precision": self._precision_name(), "fallbacks": [f["module"] for f in self.fallbacks],
-                "optimizer": self._optimizer_name}  # fmt: skip
+        return {
+            "precision": self._precision_name(),
+            "fallbacks": [f["module"] for f in self.fallbacks],
+            "optimizer": self._optimizer_name,
+        }
 
     def _begin_step(self) -> None:
         self._in_step = True
@@ -319,8 +325,11 @@ class PrecisionWatch:
         self._forward_overflows[att.module] += 1
         warned = att.module in self._trend.warned
         if self.config.fallback and (warned or self._forward_overflows[att.module] >= self.config.fallback_after):
-            reason = "overflowed after a headroom warning" if warned else (
-                f"{self._forward_overflows[att.module]} skipped steps traced to its forward")  # fmt: skip
+            reason = (
+                "overflowed after a headroom warning"
+                if warned
+                else (f"{self._forward_overflows[att.module]} skipped steps traced to its forward")
+            )
             self.fall_back(att.module, att.step, reason)
 
     def fall_back(self, module_name: str, step: int, reason: str = "asked for") -> None:
@@ -334,8 +343,11 @@ class PrecisionWatch:
         self.fallbacks.append(record)
         logger.warning(
             "precision watch: module %r runs in fp32 from step %d on (%s); the rest stays %s",
-            module_name, step + 1, reason, self.fmt.name,
-        )  # fmt: skip
+            module_name,
+            step + 1,
+            reason,
+            self.fmt.name,
+        )
         self._emit("precision_fallback", step, record)
 
     # -- results ------------------------------------------------------------------------------------------
