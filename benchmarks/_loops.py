@@ -242,7 +242,12 @@ def hf_accelerate_loop(s: Setup, model: torch.nn.Module) -> Iterator[None]:
 # -- the Trainers ---------------------------------------------------------------------------------------
 
 
-def _mixprec_trainer(s: Setup, model: torch.nn.Module, max_steps: int, gate: _Gate, tmp: str) -> Callable[[], object]:
+def mixprec_trainer(
+    s: Setup, model: torch.nn.Module, max_steps: int, gate: _Gate, tmp: str, **overrides: object
+) -> Callable[[], object]:
+    """mixprec's Trainer over ``s`` (no logging, evaluation or saves unless ``overrides`` of TrainingArguments
+    say otherwise), parked by ``gate`` at each step's end; returns its ``train``."""
+
     class Park(mixprec.TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001
             gate.train_begin()
@@ -260,11 +265,11 @@ def _mixprec_trainer(s: Setup, model: torch.nn.Module, max_steps: int, gate: _Ga
         max_grad_norm=s.max_grad_norm,
         seed=s.seed,
         save_strategy="no",
-        logging_strategy="no",
         disable_tqdm=True,
         save_plots=False,
         report_to="none",
         use_cpu=s.device.type == "cpu",
+        **{"logging_strategy": "no", **overrides},
     )
     return mixprec.Trainer(model=model, args=args, train_dataset=s.dataset, callbacks=[Park()]).train
 
@@ -317,7 +322,7 @@ LOOPS: dict[str, Callable[[Setup, torch.nn.Module], Iterator[None]]] = {
     "mixprec Accelerator": mixprec_accelerator_loop,
     "HF Accelerate": hf_accelerate_loop,
 }
-TRAINERS = {"mixprec Trainer": _mixprec_trainer, "HF Trainer": _hf_trainer}
+TRAINERS = {"mixprec Trainer": mixprec_trainer, "HF Trainer": _hf_trainer}
 VARIANTS = [*LOOPS, *TRAINERS]
 FLOOR = "torch.amp by hand"
 NEEDS = {"HF Accelerate": "accelerate", "HF Trainer": "transformers"}

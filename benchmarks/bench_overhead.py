@@ -93,34 +93,6 @@ def accelerator(s: _loops.Setup, model: torch.nn.Module) -> Iterator[None]:
             yield
 
 
-def trainer(s: _loops.Setup, model: torch.nn.Module, max_steps: int, gate: _loops._Gate, tmp: str):
-    class Park(mixprec.TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001
-            gate.train_begin()
-
-        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
-            gate.step_end()
-
-    args = mixprec.TrainingArguments(
-        output_dir=tmp,
-        precision=s.precision,
-        max_steps=max_steps,
-        per_device_train_batch_size=s.batch_size,
-        learning_rate=s.lr,
-        lr_scheduler_type="constant",
-        max_grad_norm=s.max_grad_norm,
-        seed=s.seed,
-        save_strategy="no",
-        logging_steps=LOG_EVERY,
-        disable_tqdm=True,
-        save_plots=False,
-        report_to="none",
-        use_cpu=s.device.type == "cpu",
-        weight_decay=0.0,
-    )
-    return mixprec.Trainer(model=model, args=args, train_dataset=s.dataset, callbacks=[Park()]).train
-
-
 def _cli_run(a: argparse.Namespace, steps: int) -> tuple[float, float]:
     """One ``mixprec train --model tiny`` run of ``steps`` steps: (its CPU seconds in all, its training steps'
     wall seconds from its summary)."""
@@ -199,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     gate, tmp = _loops._Gate(), tempfile.mkdtemp(prefix="bench_overhead_")
     model = s.fresh_model()
     steppers["Trainer"] = _loops.ThreadStepper(
-        "Trainer", _loops.DtypeObserver(model), trainer(s, model, total, gate, tmp), gate, tmp
+        "Trainer",
+        _loops.DtypeObserver(model),
+        _loops.mixprec_trainer(s, model, total, gate, tmp, logging_strategy="steps", logging_steps=LOG_EVERY),
+        gate,
+        tmp,
     )
     names = list(steppers) + ([] if a.no_cli else ["CLI"])
     times: dict[str, list[float]] = {n: [] for n in names}

@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.cli._common import VAL_FRACTION
-from mixprec.cli.train import DEFAULT_LR, EVAL_TOKENS
+from mixprec.cli._evaluation import EVAL_TOKENS
+from mixprec.cli.train import DEFAULT_LR
 from mixprec.data.corpus import load_corpus
 from mixprec.models import GPT_PRESETS
 

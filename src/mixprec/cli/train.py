@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Subset
 
 from mixprec.cli import _rundir, _summary_table, _threads
 from mixprec.cli._common import (
@@ -34,7 +33,8 @@ from mixprec.cli._common import (
     z_loss_weight,
 )
 from mixprec.cli._config_file import add_config_arg, apply_config
-from mixprec.cli._epochs import EpochCallback, EpochChunks, evenly_spaced
+from mixprec.cli._epochs import EpochCallback, EpochChunks
+from mixprec.cli._evaluation import eval_batch_for, eval_subset, subset_tokens
 from mixprec.cli._lora import add_lora_args, apply_lora, lora_plan
 from mixprec.cli._subcommand import Subcommand
 from mixprec.cli.main import CliError
@@ -60,7 +60,6 @@ DEFAULT_EPOCH_TOKENS = 100 * DEFAULT_BATCH_SIZE * DEFAULT_SEQ_LEN
 """Tokens per epoch: 100 steps of the default batch, so the default run evaluates 3 times."""
 DEFAULT_LR = 3e-3
 """Peak of the warmup + cosine schedule; a 0.9M-parameter model takes a higher rate than nanoGPT's 1e-3 at 10M."""
-EVAL_TOKENS = 2**16
 """Validation tokens per evaluation: evenly spaced chunks of the held-out split (512 of 128 bytes by default).
 On the default run's final model they scored 2.270 against 2.282 over the whole split (2,457 chunks, measured);
 three such evaluations cost ~5% of the run where the whole split would cost ~25%."""
@@ -196,7 +195,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 # -- the run ----------------------------------------------------------------------------------------------
 
 
-def _training_arguments(args: argparse.Namespace, precision: Precision, output_dir: Path) -> Any:
+def _training_arguments(args: argparse.Namespace, precision: Precision, output_dir: Path, eval_batch: int) -> Any:
     # deferred (start-up): the trainer's ~100 modules cost `mixprec train --help` 0.5-0.8 s; loaded to run
     from mixprec.trainer.args import TrainingArguments
 
@@ -206,7 +205,7 @@ def _training_arguments(args: argparse.Namespace, precision: Precision, output_d
         num_train_epochs=float(args.epochs),
         max_steps=args.max_steps if args.max_steps is not None else -1,
         per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size,
+        per_device_eval_batch_size=eval_batch,  # no autograd: a larger batch fits (_evaluation.py)
         learning_rate=args.lr,
         optim=args.optim,
         # nanoGPT's recipe for small models: AdamW(0.9, 0.99), decay 0.1 on matrices, clip 1, warmup + cosine
@@ -233,15 +232,6 @@ def _training_arguments(args: argparse.Namespace, precision: Precision, output_d
         precision_watch=args.watch,
         report_to="none",
     )
-
-
-def _eval_subset(dataset: Any, seq_len: int) -> Any:
-    k = max(1, EVAL_TOKENS // seq_len)
-    return Subset(dataset, evenly_spaced(len(dataset), k)) if len(dataset) > k else dataset
-
-
-def _subset_tokens(dataset: Any) -> torch.Tensor:
-    return torch.cat([dataset[i]["input_ids"] for i in range(len(dataset))])
 
 
 def _sample(model: torch.nn.Module, seed: int, device: torch.device, seq_len: int) -> str:
@@ -323,9 +313,10 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         model, lora_line = apply_lora(model, lora)
     chunks_per_epoch = len(train_chunks) if args.epoch_tokens == 0 else max(1, args.epoch_tokens // info.seq_len)
     train_dataset = EpochChunks(train_chunks, chunks_per_epoch, seed=args.seed)
-    eval_dataset = _eval_subset(val_chunks, info.seq_len)
-    baseline = unigram_entropy(_subset_tokens(eval_dataset))
-    training_args = _training_arguments(args, precision, run_dir)
+    eval_dataset = eval_subset(val_chunks, info.seq_len)
+    baseline = unigram_entropy(subset_tokens(eval_dataset))
+    eval_batch = eval_batch_for(model, args.batch_size, info.seq_len, len(eval_dataset))
+    training_args = _training_arguments(args, precision, run_dir, eval_batch)
     from mixprec.trainer.trainer import Trainer  # deferred (start-up), as TrainingArguments above
 
     epoch_what = "a full pass" if train_dataset.is_full_pass else f"{len(train_dataset) * info.seq_len:,} tokens"
@@ -337,7 +328,10 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         f"  epochs      {args.epochs:g} of {epoch_what} ({len(train_dataset):,} chunks of {info.seq_len}), "
         f"batch {args.batch_size}" + (f", at most {args.max_steps} steps" if args.max_steps else "")
     )
-    _emit(f"  eval        {len(eval_dataset):,} validation chunks per epoch; unigram baseline {baseline:.3f} nats/byte")
+    _emit(
+        f"  eval        {len(eval_dataset):,} validation chunks per epoch (batch {eval_batch}); unigram baseline "
+        f"{baseline:.3f} nats/byte"
+    )
     if threads is not None:
         _emit(f"  threads     {threads.describe()}")
     _emit(f"  run folder  {run_dir}" + (f" (resuming from {resume_from.name})" if resume_from else ""))

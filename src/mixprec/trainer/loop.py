@@ -31,6 +31,7 @@ from mixprec.trainer.callbacks import export_callback_states
 from mixprec.trainer.compile_gate import CompileGate
 from mixprec.trainer.hf_loggers import hf_logger
 from mixprec.trainer.neftune import neftune
+from mixprec.trainer.phase_clock import UNSPLIT
 from mixprec.trainer.race_rewind import RaceRewind
 from mixprec.trainer.signals import GracefulStop, TrainingInterrupted
 from mixprec.trainer.summary import finish_run
@@ -220,7 +221,7 @@ class TrainingLoop:
                         break
                 if self.interrupted is not None:
                     return
-                self._drop_rewind()  # the next epoch's order draws from the RNG a rewind would move
+                self._rewind = RaceRewind.drop(self._rewind)  # the next epoch's order draws from the RNG
                 if micro >= plan.batches_per_epoch:  # the epoch ran to its end
                     self.position = DataPosition(epoch + 1, 0)
                     ctx.state.epoch = float(epoch + 1)
@@ -251,19 +252,22 @@ class TrainingLoop:
         if acc.precision_pending:
             ctx.meter.phases.lap("callbacks_logging")
             self._settle_precision(batch)
-            ctx.meter.phases.lap("race")  # a race aside (a run's own first steps count as forward+backward)
+            ctx.meter.phases.lap("race")  # a race aside (a run's own first steps count as forward and backward)
         if self._rewind is not None:  # a race step's micro-batch: replayed once the race decides
             self._rewind.keep(batch, acc.gradient_state.end_of_dataloader)
         with acc.accumulate(ctx.model):
             # training_step returns the loss divided by the accumulation steps (HF's); the meter averages the
-            # micro-batches' own losses
+            # micro-batches' own losses. Its forward ends with a lap inside it (Trainer.training_step): an
+            # override that never calls it leaves the micro-batch unsplit
             loss = ctx.training_step(ctx.model, batch)
+            clock = ctx.meter.phases
+            clock.lap("backward" if clock.last == "forward" else UNSPLIT)
             if ctx.args.gradient_accumulation_steps > 1:
                 loss = loss * ctx.args.gradient_accumulation_steps
             ctx.meter.add(loss, count_samples(batch), count_tokens(batch))
             if (mode := ctx.args.include_num_input_tokens_seen) != "no":
                 ctx.state.num_input_tokens_seen += input_tokens_seen(acc, batch, mode, self._main_input)
-            ctx.meter.phases.lap("forward_backward")
+            clock.lap("callbacks_logging")  # the meter's running loss and counts
             if not acc.sync_gradients:
                 return False
             self._optimizer_step()
@@ -279,13 +283,8 @@ class TrainingLoop:
         (race_rewind.py), outside the accumulation window that just closed; timed as the race's."""
         rewind, self._rewind = self._rewind, None
         if rewind is not None:
-            rewind.replay(self.run_ctx)  # the decision records its steps and seconds
-            self.run_ctx.meter.phases.lap("race")
-
-    def _drop_rewind(self) -> None:
-        if self._rewind is not None:
-            self._rewind = None
-            logger.warning("auto: the epoch or the run ended before the race decided: its steps stay as they ran")
+            with self.run_ctx.meter.phases.within("race"):  # its steps lap forward, backward...: all the race's
+                rewind.replay(self.run_ctx)  # the decision records its steps and seconds
 
     def _settle_precision(self, batch: Any) -> None:
         """A precision decided on the training step ("auto"): it decides on this first batch through the

@@ -2,14 +2,18 @@
 
 The loop marks the end of each phase with :meth:`PhaseClock.lap` (one ``perf_counter`` call, ~0.1 us; no host
 sync, nothing on the device). The summary reads it as the run's split (training steps, evaluations, saves,
-compile, auto's race) and the step's (data, forward+backward, clip, optimizer, callbacks and logging, the
-rest) in ms per step.
+compile, auto's race) and the step's (data, forward, backward, clip, optimizer, callbacks and logging, the rest)
+in ms per step. Forward and backward are told apart by a lap inside ``Trainer.training_step``, between its
+``compute_loss`` and its ``backward``; a ``training_step`` override that never calls it leaves its micro-batches
+unsplit, counted as "forward_backward" (a key present only then).
 
 What the figures mean depends on the device. On a CPU the kernels run on the calling thread, so each phase is
 its compute plus its Python. On a GPU the kernels queue asynchronously: a phase is the host time it took to
-launch them, and the wait lands on whichever phase synchronises next (the logging steps' loss read, the fp16
-inf check in the optimizer step). Either way, data + callbacks/logging + the rest is what the loop adds around
-the model and optimizer: the host overhead compared with a hand-written loop (benchmarks/bench_overhead.py).
+launch them, and the wait lands on whichever phase synchronises next (the logging steps' loss read, the inf
+check in the optimizer step: fp16's scaler, the other precisions' non-finite guard); a forward whose launches
+run ahead of the device may so show as nearly free and the optimizer as the whole step. Either way, data +
+callbacks/logging + the rest is what the loop adds around the model and optimizer: the host overhead compared
+with a hand-written loop (benchmarks/bench_overhead.py).
 
 Compile time is torch.compile's own (dynamo, AOT and inductor, forward and the lazily compiled backward), read
 from dynamo's counters at each lap and taken out of the phase it was spent in: the first training steps'
@@ -20,14 +24,18 @@ the step figures are the compiled step's, and an evaluation's its own.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
-STEP_PHASES = ("data", "forward_backward", "clip", "optimizer", "callbacks_logging")
-"""A step's phases, in the order they run."""
+STEP_PHASES = ("data", "forward", "backward", "clip", "optimizer", "callbacks_logging")
+"""A step's phases, in the order they run (with "forward_backward" after them where some went unsplit)."""
 HOST_OVERHEAD = ("data", "callbacks_logging", "other")
 """The phases a hand-written loop would not have (or would have as little of)."""
+UNSPLIT = "forward_backward"
+"""Forward and backward of a micro-batch whose ``training_step`` laid no lap between them."""
 
 
 def compile_seconds() -> float:
@@ -57,14 +65,17 @@ class PhaseClock:
         """Compile seconds within each phase's seconds (dynamo's counters, read at each lap)."""
         self._compile_at_start = self._compile_mark = compile_seconds()
         self._setup = 0.0  # compile time dynamo's counters do not see (add_compile)
+        self.last = ""
+        """The phase of the latest lap ("" after :meth:`start` or :meth:`skip`)."""
+        self._within = ""  # every lap's phase, inside within()
         self.mark = time.perf_counter()
 
     def lap(self, phase: str) -> None:
         """Add the time since the last lap (or :meth:`start`) to ``phase``, and the compile time in it (a few
         dict reads and a sum over one entry per compiled graph: about a microsecond, no sync)."""
-        now = time.perf_counter()
+        now, phase = time.perf_counter(), self._within or phase
         self.seconds[phase] += now - self.mark
-        self.mark = now
+        self.mark, self.last = now, phase
         compiled = compile_seconds()
         if compiled != self._compile_mark:
             self.compiled[phase] += compiled - self._compile_mark
@@ -76,9 +87,19 @@ class PhaseClock:
         self.compiled[phase] += seconds
         self._setup += seconds
 
+    @contextlib.contextmanager
+    def within(self, phase: str) -> Iterator[None]:
+        """Every lap inside counts as ``phase``: steps taken again (auto's race replayed) lap their own phases."""
+        self._within = phase
+        try:
+            yield
+        finally:
+            self._within = ""
+        self.lap(phase)
+
     def skip(self) -> None:
         """Count the time since the last lap as no phase's (it lands in "other")."""
-        self.mark = time.perf_counter()
+        self.mark, self.last = time.perf_counter(), ""
 
     def breakdown(self, runtime: float, steps: int, race_seconds: float) -> dict[str, Any]:
         """The run's split in seconds and the step's in ms per step (``steps`` optimizer steps in ``runtime``
@@ -87,12 +108,13 @@ class PhaseClock:
         # each phase less the compile spent in it; a compile no lap has claimed yet is the training step's
         unclaimed = max(0.0, compiled - sum(self.compiled.values()))
         s = defaultdict(float, {p: max(0.0, t - self.compiled[p]) for p, t in self.seconds.items()})
-        fb = max(0.0, s["forward_backward"] - unclaimed)
+        phases = list(STEP_PHASES) + ([UNSPLIT] if s[UNSPLIT] > 0 else [])
+        first = UNSPLIT if UNSPLIT in phases else "forward"  # where an unclaimed compile was spent
+        s[first] = max(0.0, s[first] - unclaimed)
         # an aside race (the shortest runs) is not a training step; an in-run race's trials are
         training = max(0.0, runtime - s["evaluation"] - s["save"] - s["race"] - compiled)
-        known = fb + sum(s[p] for p in STEP_PHASES if p != "forward_backward")
-        per_step = {p: (fb if p == "forward_backward" else s[p]) for p in STEP_PHASES}
-        per_step["other"] = max(0.0, training - known)
+        per_step = {p: s[p] for p in phases}
+        per_step["other"] = max(0.0, training - sum(per_step.values()))
         n = max(1, steps)
         per_step_ms = {p: round(1000 * v / n, 3) for p, v in per_step.items()}
         return {
@@ -111,7 +133,7 @@ class PhaseClock:
 def breakdown_rows(breakdown: dict[str, Any]) -> list[tuple[str, str]]:
     """The run's split and the step's, as (label, text) rows for a summary table."""
     run, step = breakdown["run_seconds"], breakdown["step_ms"]
-    names = {"forward_backward": "forward+backward", "callbacks_logging": "callbacks/logging"}
+    names = {UNSPLIT: "forward+backward (unsplit)", "callbacks_logging": "callbacks/logging"}
     return [
         (
             "time split",

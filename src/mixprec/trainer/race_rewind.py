@@ -29,6 +29,7 @@ steps stay as they ran (``MIXPREC_AUTO_RACE=aside`` gives a run bit-identical to
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,8 @@ from mixprec.tree import tree_map
 
 if TYPE_CHECKING:
     from mixprec.trainer.context import RunContext
+
+logger = logging.getLogger("mixprec.trainer")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -129,6 +132,12 @@ class RaceRewind:
         chosen.scaler.load_state_dict(copy.deepcopy(scaler))
         chosen.scaler.record.load_state_dict(record)
         set_rng_state(self._rng())
+
+    @staticmethod
+    def drop(rewind: RaceRewind | None) -> None:
+        """A race still running when its epoch or its run ends: its steps stay as they ran (said once)."""
+        if rewind is not None:
+            logger.warning("auto: the epoch or the run ended before the race decided: its steps stay as they ran")
 
     def replay(self, run: RunContext) -> tuple[int, float]:
         """The race has decided: put the run back as the race found it and train the race's micro-batches again in
