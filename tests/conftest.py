@@ -25,6 +25,7 @@ os.environ["MIXPREC_AUTO_OP_POLICY"] = "0"
 # (the probe's filter is tested on its own, test_precision_auto)
 os.environ["MIXPREC_AUTO_PREFILTER"] = "0"
 
+from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
@@ -76,6 +77,25 @@ def make_batches(n: int = 20, batch: int = 8, seed: int = 0) -> list[dict[str, t
         ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
         out.append({"input_ids": ids, "labels": (ids + 1) % VOCAB})
     return out
+
+
+def race_in_run(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """Make auto race as the run's steps, afresh (no cache, no prefilter, no per-op policy); returns a function
+    that names its candidates (precision classes, built for the run's device)."""
+    for name, value in [
+        ("MIXPREC_AUTO_RACE", "in-run"),
+        ("MIXPREC_AUTO_CACHE", "0"),
+        ("MIXPREC_AUTO_PREFILTER", "0"),
+        ("MIXPREC_AUTO_OP_POLICY", "0"),
+    ]:
+        monkeypatch.setenv(name, value)
+
+    def candidates(*classes: type) -> None:
+        from mixprec.precision import registry
+
+        monkeypatch.setattr(registry, "auto_candidates", lambda device: [cls(device) for cls in classes])
+
+    return candidates
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import make_batches, make_tiny_lm
+from conftest import make_batches, make_tiny_lm, race_in_run
 from mixprec import Accelerator, Trainer, TrainingArguments
-from mixprec.precision import auto, race_step, registry
+from mixprec.precision import auto, race_step
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
 from trainer_utils import make_examples
@@ -30,19 +30,9 @@ STEPS = 12
 @pytest.fixture
 def in_run_race(monkeypatch: pytest.MonkeyPatch) -> Any:
     """auto races in-run, every candidate (no cache, no prefilter, no policy), on a clock of 1 ms a step."""
-    for name, value in [
-        ("MIXPREC_AUTO_RACE", "in-run"),
-        ("MIXPREC_AUTO_CACHE", "0"),
-        ("MIXPREC_AUTO_PREFILTER", "0"),
-        ("MIXPREC_AUTO_OP_POLICY", "0"),
-    ]:
-        monkeypatch.setenv(name, value)
+    candidates = race_in_run(monkeypatch)
     ticks = itertools.count()
     monkeypatch.setattr(auto, "race_clock", lambda device: (lambda: next(ticks) * 1e-3, "planted clock"))
-
-    def candidates(*classes: type) -> None:
-        monkeypatch.setattr(registry, "auto_candidates", lambda device: [cls(device) for cls in classes])
-
     return candidates
 
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import race_in_run
 from mixprec import Trainer, TrainingArguments
-from mixprec.precision import registry
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
 from planted_precisions import SleepyFp32
@@ -30,18 +30,7 @@ STEPS = 40
 @pytest.fixture
 def in_run(monkeypatch: pytest.MonkeyPatch) -> Any:
     """auto races in-run among the given candidates, afresh (no cache, no prefilter, no per-op policy)."""
-    for name, value in [
-        ("MIXPREC_AUTO_RACE", "in-run"),
-        ("MIXPREC_AUTO_CACHE", "0"),
-        ("MIXPREC_AUTO_PREFILTER", "0"),
-        ("MIXPREC_AUTO_OP_POLICY", "0"),
-    ]:
-        monkeypatch.setenv(name, value)
-
-    def candidates(*classes: type) -> None:
-        monkeypatch.setattr(registry, "auto_candidates", lambda device: [cls(device) for cls in classes])
-
-    return candidates
+    return race_in_run(monkeypatch)
 
 
 def _train(
