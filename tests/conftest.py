@@ -24,6 +24,9 @@ os.environ["MIXPREC_AUTO_OP_POLICY"] = "0"
 # ...and every candidate is raced, not left out by the CPU probe first: planted speeds are the tests' subject
 # (the probe's filter is tested on its own, test_precision_auto)
 os.environ["MIXPREC_AUTO_PREFILTER"] = "0"
+# ...and an in-run race is replayed in the chosen mode however short the run (a test's runs are a few dozen steps;
+# the replay's share limit is tested on its own, test_race_rewind)
+os.environ["MIXPREC_AUTO_REPLAY"] = "all"
 
 from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass  # noqa: E402

@@ -9,6 +9,7 @@ has dropout, so a rewind that missed the RNG would show in the weights.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from conftest import race_in_run
 from mixprec import Trainer, TrainingArguments
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
+from mixprec.trainer import race_rewind
 from planted_precisions import SleepyFp32
 from trainer_utils import DropLM, assert_bit_identical, flat_params, make_examples, make_model
 
@@ -136,3 +138,25 @@ def test_a_race_still_running_when_the_epoch_ends_keeps_its_steps_and_says_so(in
     assert decision.chosen == "bf16" and decision.in_run_steps > 4 and decision.replayed_steps == 0
     assert "the epoch or the run ended before the race decided" in caplog.text
     assert raced.state.global_step == 12
+
+
+def test_a_race_longer_than_its_share_of_a_short_run_keeps_its_steps_and_says_why(
+    in_run, tmp_path, monkeypatch, caplog
+):
+    """On issue 36's 60-step example the replay of 10 race steps cost 17% of the run (1.20x bf16's time): a race
+    of more than REPLAY_SHARE of the run keeps its steps as they ran; one within it is replayed."""
+    monkeypatch.delenv("MIXPREC_AUTO_REPLAY")  # the suite replays every race (conftest.py): a user's default here
+    in_run(SleepyFp32, Bf16MixedPrecision)
+    with caplog.at_level(logging.INFO, logger="mixprec.trainer"):
+        short = _train("auto", tmp_path / "short")
+    decision = short.accelerator.auto_decision
+    assert decision.chosen == "bf16" and decision.in_run_steps > race_rewind.REPLAY_SHARE * STEPS
+    assert decision.replayed_steps == 0 and "took them again" not in decision.explain()
+    assert f"the race's {decision.in_run_steps} steps stay as they ran" in caplog.text
+    named = _end_state(_train("bf16", tmp_path / "named"))
+    kept = flat_params(short.model)  # the race's fp32 steps are in it
+    assert any(not torch.equal(kept[k], named["weights"][k]) for k in kept)
+    monkeypatch.setattr(race_rewind, "REPLAY_SHARE", 1.0)  # a run long enough for its race: replayed
+    replayed = _train("auto", tmp_path / "long")
+    assert replayed.accelerator.auto_decision.replayed_steps == replayed.accelerator.auto_decision.in_run_steps
+    _assert_same_run(_end_state(replayed), named)

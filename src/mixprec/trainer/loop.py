@@ -282,7 +282,7 @@ class TrainingLoop:
         """The in-run race decided: the run goes back to before it and takes its steps again in the chosen mode
         (race_rewind.py), outside the accumulation window that just closed; timed as the race's."""
         rewind, self._rewind = self._rewind, None
-        if rewind is not None:
+        if rewind is not None and rewind.pays(self.plan.max_steps, self.run_ctx.args.gradient_accumulation_steps):
             with self.run_ctx.meter.phases.within("race"):  # its steps lap forward, backward...: all the race's
                 rewind.replay(self.run_ctx)  # the decision records its steps and seconds
 

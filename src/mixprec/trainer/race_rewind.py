@@ -22,14 +22,16 @@ mode: with fp32, bf16 and fp16 racing, ~16 steps. Two host syncs to time the rep
 
 Where it does not apply: a race still undecided when an epoch ends (the next epoch's loader order draws from
 the RNG, which a rewind would move) or when the run stops; a checkpoint saved during the race, whose resumed
-run races again from there; a hand-written Accelerator loop, whose batches mixprec never holds: there the race's
-steps stay as they ran (``MIXPREC_AUTO_RACE=aside`` gives a run bit-identical to the chosen mode's anywhere).
+run races again from there; a race of more than ``REPLAY_SHARE`` of a short run's steps (:meth:`RaceRewind.pays`);
+a hand-written Accelerator loop, whose batches mixprec never holds: there the race's steps stay as they ran
+(``MIXPREC_AUTO_RACE=aside`` gives a run bit-identical to the chosen mode's anywhere).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -45,6 +47,13 @@ if TYPE_CHECKING:
     from mixprec.trainer.context import RunContext
 
 logger = logging.getLogger("mixprec.trainer")
+
+
+REPLAY_SHARE = 0.1
+"""The most of a run the replay may take: a race of more optimizer steps than this share of the run's keeps its
+steps as they ran, for on a run that short replaying them costs more than the race saves (issue 36's 60-step
+Trainer example went from 1.02x bf16's time to 1.20x with its 10 race steps replayed). The default job's race is
+4-6% of its 200-300 steps. ``MIXPREC_AUTO_REPLAY=all`` replays whatever the share."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -138,6 +147,22 @@ class RaceRewind:
         """A race still running when its epoch or its run ends: its steps stay as they ran (said once)."""
         if rewind is not None:
             logger.warning("auto: the epoch or the run ended before the race decided: its steps stay as they ran")
+
+    def pays(self, run_steps: int, accumulation: int) -> bool:
+        """Whether replaying the race's steps fits in ``REPLAY_SHARE`` of a run of ``run_steps`` optimizer steps
+        (``accumulation`` micro-batches each); when it does not, says so (info) and the steps stay as they ran."""
+        steps = len(self.batches) / max(1, accumulation)
+        if os.environ.get("MIXPREC_AUTO_REPLAY", "") == "all" or steps <= REPLAY_SHARE * run_steps:
+            return True
+        logger.info(
+            "auto: the race's %d steps stay as they ran: replaying them would cost %.0f%% of this %d-step run "
+            "(more than %.0f%%; MIXPREC_AUTO_REPLAY=all replays anyway)",
+            round(steps),
+            100 * steps / max(1, run_steps),
+            run_steps,
+            100 * REPLAY_SHARE,
+        )
+        return False
 
     def replay(self, run: RunContext) -> tuple[int, float]:
         """The race has decided: put the run back as the race found it and train the race's micro-batches again in
