@@ -120,7 +120,7 @@ class AutoDecision:
         if self.in_run_steps and self.source == "measured":
             cost = (
                 f"; the race ran as the first {self.in_run_steps} training steps, {self.cost_seconds:.2f}s slower "
-                "in all than the chosen mode's"
+                "than the chosen mode's steps"
             )
             if self.replayed_steps:
                 cost = (
