@@ -28,6 +28,23 @@ def _fake_trainer(gate: _loops._Gate, total: int, seen: list[int]):
     return train
 
 
+TINY_DRY_RUN = [
+    "--device",
+    "cpu",
+    "--model",
+    "tiny",
+    "--batch-size",
+    "2",
+    "--seq-len",
+    "16",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+]
+"""gpu_suite.py's whole path on the CPU, at a size that runs in a second."""
+
+
 def test_a_parked_trainer_runs_exactly_the_steps_it_is_granted():
     gate, seen = _loops._Gate(), []
     observer = _loops.DtypeObserver(torch.nn.Linear(2, 2))
@@ -170,24 +187,7 @@ def test_gpu_suite_cpu_dry_run_of_the_lean_rows_converts_the_model(tmp_path, mon
     monkeypatch.setenv("MIXPREC_FP8_EMULATE", "1")  # the test-only switch: a CPU has no fp8 matmuls
     monkeypatch.setattr(peak, "_MAX_SIZE", {"cuda": 8192, "cpu": 256})
     out = tmp_path / "gpu.json"
-    argv = [
-        "--device",
-        "cpu",
-        "--model",
-        "tiny",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "16",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-        "--variants",
-        "bf16,fp8,bf16-pure",
-        "--json",
-        str(out),
-    ]
+    argv = [*TINY_DRY_RUN, "--variants", "bf16,fp8,bf16-pure", "--json", str(out)]
     assert gpu_suite.main(argv) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["fp8"]["precision"] == "fp8" and rows["bf16-pure"]["precision"] == "bf16-pure"
@@ -215,24 +215,7 @@ def test_gpu_suite_cpu_dry_run_goes_through_the_whole_path(tmp_path, monkeypatch
 
     monkeypatch.setattr(peak, "_MAX_SIZE", {"cuda": 8192, "cpu": 256})
     out = tmp_path / "gpu.json"
-    argv = [
-        "--device",
-        "cpu",
-        "--model",
-        "tiny",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "16",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-        "--variants",
-        "fp32,bf16",
-        "--json",
-        str(out),
-    ]
+    argv = [*TINY_DRY_RUN, "--variants", "fp32,bf16", "--json", str(out)]
     assert gpu_suite.main(argv) == 0
     doc = json.loads(out.read_text())
     assert [r["variant"] for r in doc["results"]] == ["fp32", "bf16"]
