@@ -22,6 +22,7 @@ call, in new containers, as ``copy.deepcopy`` would keep immutable values.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Set
 from typing import Any
 
@@ -72,8 +73,7 @@ class HostStaging:
         for slot, tensor in zip(self._slot, tensors):
             sources[slot] = tensor
         if self._buffers:
-            with torch.no_grad():
-                torch._foreach_copy_(self._buffers, sources)  # type: ignore[arg-type]
+            _copy_into(self._buffers, sources)  # type: ignore[arg-type]
         for i, slot in zip(tensor_at, self._slot):
             leaves[i] = self._buffers[slot]
 
@@ -117,6 +117,27 @@ class Staged:
         """The state with host copies (copied first if need be); rebuilding the containers is a tree walk."""
         self.copy()
         return tree_unflatten(self._leaves, self._spec)
+
+
+def _copy_into(buffers: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``buffers[i][...] = sources[i]``. Host tensors laid out as their buffer (dense, same strides: the usual
+    case) are copied byte for byte by one thread, everything else by ``torch._foreach_copy_``. The copy runs on
+    the writer thread, and a parallel torch op there gives that thread an OpenMP team of its own: with more
+    OpenMP threads than cores, libgomp's workers stop spinning between regions and every op of the training
+    thread pays a wake-up for as long as the writer lives (the main job's forward took 1.5x as long after its
+    first save: benchmarks/README.md). ``torch.set_num_threads(1)`` on the writer is no way out: torch keeps
+    one count for the process, which threads that have not run an op yet (the caller's too) would take up."""
+    rest_buffers, rest_sources = [], []
+    for buffer, source in zip(buffers, sources):
+        if source.is_cpu and buffer.stride() == source.stride() and buffer.dtype == source.dtype:
+            # same strides as empty_like(preserve_format) gave: the source is dense, its bytes one span
+            ctypes.memmove(buffer.data_ptr(), source.data_ptr(), source.numel() * source.element_size())
+        else:
+            rest_buffers.append(buffer)
+            rest_sources.append(source)
+    if rest_buffers:
+        with torch.no_grad():
+            torch._foreach_copy_(rest_buffers, rest_sources)
 
 
 def _key(tensor: torch.Tensor, position: int) -> tuple[Any, ...]:
