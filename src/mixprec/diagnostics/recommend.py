@@ -165,7 +165,7 @@ def recommend(
         if problems:
             reasons += [f"not {name}: {p}" for p in problems]
         else:  # every format is judged (not only up to the first that passes): speed picks among the safe
-            safe.append(name)
+            safe.append(mode.format.name)  # the report lists the formats that hold the values
             chosen = chosen or mode
     if chosen is None:
         reasons.append("fp32: neither 16-bit format holds this model's values on this device")
