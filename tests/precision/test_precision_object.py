@@ -12,7 +12,7 @@ import torch
 from mixprec import Accelerator
 from mixprec.precision import registry
 from mixprec.precision.auto import AutoPrecision
-from mixprec.precision.registry import autocast_format, hf_flags, make_precision, may_scale_loss
+from mixprec.precision.registry import autocast_format, autocast_modes, hf_flags, make_precision, may_scale_loss
 
 
 def _step(acc: Accelerator) -> None:
@@ -90,6 +90,18 @@ def test_the_registry_answers_what_callers_asked_of_name_strings(name, scales, f
     p = make_precision(name, "cpu")  # the object gives the same answers
     assert p.may_scale_loss is scales and p.hf_flags == flags
     assert (autocast_format(p).name if autocast_format(p) is not None else None) == fmt
+
+
+def test_the_autocast_modes_a_diagnosis_judges_carry_their_facts_not_a_name_to_look_them_up_by():
+    # issue 35: the diagnosis works from these objects, not from a table keyed by precision name
+    fp16, bf16 = autocast_modes(torch.device("cpu"))  # fp16 first: the order a diagnosis tries them
+    assert (fp16.format.max, fp16.format.loss_scaled) == (65504.0, True)
+    assert bf16.format.loss_scaled is False and bf16.format.max > 3e38
+    for mode, dtype in ((fp16, torch.float16), (bf16, torch.bfloat16)):
+        assert mode.unsupported is None  # the CPU runs both
+        assert mode.precision.compute_dtype == dtype == mode.format.dtype
+        assert autocast_format(mode.precision) == mode.format
+        assert mode.name == mode.precision.name  # the label the report prints
 
 
 def test_mixprec_train_parses_the_precision_once_and_the_accelerator_runs_that_object(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ from mixprec.cli._subcommand import Subcommand
 from mixprec.diagnostics import diagnose
 from mixprec.models.outputs import extract_loss
 from mixprec.precision.base import default_device
-from mixprec.precision.formats import FORMATS
+from mixprec.precision.registry import autocast_modes
 
 # Sized for the one-minute budget on 2 CPU cores: without native fp16 on the CPU, each fp16 pass of the
 # non-finite search costs ~10x an fp32 pass, so one batch is searched; the fp32 histograms use every batch.
@@ -81,9 +81,11 @@ def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device
     acc = Accelerator(mixed_precision="auto", device=device, verbose=False)
     copy_ = acc.prepare(copy.deepcopy(model))
     batch = {k: v.to(device) for k, v in batch.items()}
-    # out: each mode computing in a format the diagnosis judged unsafe (each asked its own format)
+    # out: each mode computing in a format the diagnosis judged unsafe (each asked its own format); the formats
+    # are those the diagnosis judged (its modes' own), the report naming the ones that held
     why = "the diagnosis judged it unsafe for this model"
-    unsafe = {fmt: why for fmt in FORMATS if fmt not in report.safe_precisions}
+    judged = [m.format.name for m in autocast_modes(device)]
+    unsafe = {fmt: why for fmt in judged if fmt not in report.safe_precisions}
     decision = acc.settle_precision(lambda: extract_loss(copy_(**batch)), batch, unsafe_formats=unsafe)
     if decision is None:
         return {}

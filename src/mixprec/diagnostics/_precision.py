@@ -1,17 +1,18 @@
-"""The one seam between the diagnosis and ``mixprec.precision``: names are parsed by the registry only.
+"""The one seam between the diagnosis and ``mixprec.precision`` for the user's target name: parsed by the
+registry only.
 
-The diagnosis needs three things from a precision name: its canonical name, an autocast context for it, and
-whether this device can run it (``resolve_precision`` raises ``PrecisionNotSupportedError`` otherwise).
+The diagnosis needs three things from the target's name: its canonical name, an autocast context for it, and
+whether this device can run it (``resolve_precision`` raises ``PrecisionNotSupportedError`` otherwise). The other
+candidates come as objects (:func:`~mixprec.precision.registry.autocast_modes`), never looked up by name.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mixprec.precision.base import Precision, PrecisionNotSupportedError
-from mixprec.precision.formats import FORMATS
+from mixprec.precision.base import Precision
 from mixprec.precision.full import FullPrecision
-from mixprec.precision.registry import autocast_format, resolve_precision
+from mixprec.precision.registry import autocast_format, autocast_modes, resolve_precision
 
 TargetPrecision = Precision
 """What the non-finite search runs under: anything with ``.name``, ``.compute_dtype`` and ``.autocast()``."""
@@ -24,15 +25,6 @@ def resolve_target(name: str, device: torch.device) -> Precision:
     # fp32, or a plain autocast mode whose format has ranges here: a policy, pure bf16 or fp8 would need its
     # own judgement before it can be judged
     if not isinstance(p, FullPrecision) and autocast_format(p) is None:
-        handled = ", ".join([FullPrecision.name, *FORMATS])
+        handled = ", ".join([FullPrecision.name, *(m.name for m in autocast_modes(device))])
         raise ValueError(f"precision {name!r} resolved to {p.name!r}; the diagnosis handles {handled}")
     return p
-
-
-def unsupported(name: str, device: torch.device) -> str | None:
-    """Why ``device`` cannot run the target ``name`` (None: it can); other errors as :func:`resolve_target`."""
-    try:
-        resolve_target(name, device)
-    except PrecisionNotSupportedError as e:
-        return str(e)
-    return None

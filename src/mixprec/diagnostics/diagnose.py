@@ -21,12 +21,14 @@ import torch
 from torch import nn
 
 from mixprec.diagnostics._guard import ModelGuard
-from mixprec.diagnostics._precision import resolve_target, unsupported
+from mixprec.diagnostics._precision import resolve_target
 from mixprec.diagnostics.collect import measure, to_device
 from mixprec.diagnostics.nonfinite import NonfiniteEvent, find_first_nonfinite
 from mixprec.diagnostics.recommend import choose_scale_exp, recommend
 from mixprec.diagnostics.report import LayerStats, Report
-from mixprec.precision.formats import BF16, FORMATS, FP16
+from mixprec.precision.base import Precision
+from mixprec.precision.formats import BF16, FP16
+from mixprec.precision.registry import autocast_modes
 
 _OPTIMIZERS = ("adam", "sgd")
 
@@ -131,7 +133,7 @@ def diagnose(
     if not taken:
         raise ValueError("diagnose needs at least one batch; `batches` was empty")
 
-    supported = {name: unsupported(name, dev) for name in FORMATS}
+    modes = autocast_modes(dev)  # each with its strategy, or why this device refuses it
     losses: dict[str, list[float]] = {}
     cache: dict[str, NonfiniteEvent | None] = {}
 
@@ -141,9 +143,9 @@ def diagnose(
         m = measure(model, taken, dev, lr=cfg.lr, optimizer=cfg.optimizer)
         losses["fp32"] = m.losses
 
-        def nonfinite(name: str, scale: float) -> NonfiniteEvent | None:
+        def nonfinite(prec: Precision, scale: float) -> NonfiniteEvent | None:
+            name = prec.name  # the label of the verdict and its losses in the report
             if name not in cache:
-                prec = target if name == target.name else resolve_target(name, dev)
                 search = taken[: cfg.nonfinite_batches] if cfg.nonfinite_batches else taken
                 cache[name], losses[name] = find_first_nonfinite(model, search, prec, scale)
             return cache[name]
@@ -158,9 +160,9 @@ def diagnose(
         rec = recommend(
             layers=layers,
             totals=m.totals,
-            target=target.name,
+            target=target,
             scale_exp=k,
-            supported=supported,
+            modes=modes,
             nonfinite=nonfinite,
             headroom=cfg.headroom,
             underflow_tolerance=cfg.underflow_tolerance,
@@ -192,7 +194,7 @@ def diagnose(
         device=str(dev),
         batches=len(taken),
         seconds=time.perf_counter() - start,
-        bf16_supported=supported["bf16"] is None,
+        bf16_supported=any(m.unsupported is None for m in modes if m.format == BF16),
         nonfinite_checks=dict(rec.nonfinite_checks),
         safe_precisions=list(rec.safe),
         summary=summary,

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from mixprec.diagnostics.histogram import LogHistogram
 from mixprec.diagnostics.nonfinite import NonfiniteEvent
 from mixprec.diagnostics.report import LayerStats
-from mixprec.precision.formats import FORMATS, FP16, loss_scale_for
+from mixprec.precision.base import Precision
+from mixprec.precision.formats import FP16, loss_scale_for
+from mixprec.precision.registry import AutocastMode, autocast_format
 
 MAX_SCALE_EXP = 24
 """Initial scales are capped at 2^24: past it, fp32 loss * scale itself starts to overflow on large losses,
@@ -56,13 +58,13 @@ def _worst(layers: list[LayerStats], key: str) -> LayerStats | None:
 
 
 def _range_problems(
-    name: str, grads: LogHistogram, acts: LogHistogram, layers: list[LayerStats], scale_exp: int, tol: float
+    mode: AutocastMode, grads: LogHistogram, acts: LogHistogram, layers: list[LayerStats], scale_exp: int, tol: float
 ) -> list[str]:
-    fmt = FORMATS[name]
+    fmt, name = mode.format, mode.name  # the format's facts; the mode's name only labels the messages
     out = []
-    n_over = acts.overflow.get(name, 0)
+    n_over = acts.overflow.get(fmt.name, 0)  # the histograms count overflow per format
     if n_over:
-        key = f"act_overflow_{name}"
+        key = f"act_overflow_{fmt.name}"
         worst = _worst(layers, key)
         n_layers = sum(1 for s in layers if getattr(s, key))
         out.append(
@@ -85,10 +87,10 @@ def recommend(
     *,
     layers: list[LayerStats],
     totals: dict[str, LogHistogram],
-    target: str,
+    target: Precision,
     scale_exp: int,
-    supported: dict[str, str | None],
-    nonfinite: Callable[[str, float], NonfiniteEvent | None],
+    modes: list[AutocastMode],
+    nonfinite: Callable[[Precision, float], NonfiniteEvent | None],
     headroom: float,
     underflow_tolerance: float,
     update_lost: float | None,
@@ -98,12 +100,15 @@ def recommend(
     """Pick the precision, and explain it and the initial loss scale 2^``scale_exp`` (from
     :func:`choose_scale_exp`; the per-layer ``*_scaled`` fields already used it).
 
-    ``supported[name]`` is None when the device runs ``name``, else why not; ``nonfinite(name, scale)`` runs the
-    non-finite search (cached by the caller); ``update_lost`` is the model-wide fraction of weight updates
-    pure-bf16 weights would lose."""
+    ``modes`` are the 16-bit candidates (:func:`~mixprec.precision.registry.autocast_modes`), each with its format
+    and its strategy or why the device refuses it; ``target`` is tried first when it is one of them (fp32 is
+    not: it is searched for inf/NaN only). ``nonfinite(precision, scale)`` runs the non-finite search under that
+    strategy (cached by the caller); ``update_lost`` is the model-wide fraction of weight updates pure-bf16
+    weights would lose. Names appear only as the labels of the verdicts."""
     grads = totals["act_grad"].merge(totals["weight_grad"])
     acts = totals["act"]
     k = scale_exp
+    target_fmt = autocast_format(target)  # None for an fp32 target
     reasons: list[str] = []
     checks: dict[str, NonfiniteEvent | None] = {}
 
@@ -130,25 +135,28 @@ def recommend(
             f"the model already produces inf/NaN in fp32 ({acts.nonfinite} activation and {grads.nonfinite} "
             "gradient values): fix that first; no lower precision can be judged"
         )
-        checks[target] = nonfinite(target, loss_scale_for(FORMATS[target], k) if target in FORMATS else 1.0)
+        checks[target.name] = nonfinite(target, loss_scale_for(target_fmt, k) if target_fmt else 1.0)
         return Recommendation("fp32", k, reasons, checks)
 
-    order = [target, *[n for n in FORMATS if n != target]] if target in FORMATS else list(FORMATS)
-    if target not in FORMATS:  # fp32 target: still report where fp32 itself goes non-finite
-        checks[target] = nonfinite(target, 1.0)
-    chosen = None
+    # the target's own mode first (judged by its format: the device runs it, or it was refused before this),
+    # then the others in their order
+    order = sorted(modes, key=lambda m: m.format != target_fmt)
+    if target_fmt is None:  # fp32 target: still report where fp32 itself goes non-finite
+        checks[target.name] = nonfinite(target, 1.0)
+    chosen: AutocastMode | None = None
     safe: list[str] = []
-    for name in order:
-        scale = loss_scale_for(FORMATS[name], k)
+    for mode in order:
+        name, is_target = mode.name, mode.format == target_fmt
+        scale = loss_scale_for(mode.format, k)
         problems = []
-        if supported.get(name):
-            problems.append(supported[name])
+        if mode.unsupported:
+            problems.append(mode.unsupported)
         else:
-            problems += _range_problems(name, grads, acts, layers, k, underflow_tolerance)
+            problems += _range_problems(mode, grads, acts, layers, k, underflow_tolerance)
         # the non-finite pass runs as before (the target, and the first fallback that passes): a format judged
         # after a safe one is judged by its ranges alone (no extra pass, no clash with an ambient autocast)
-        if (name == target or (not problems and chosen is None)) and not supported.get(name):
-            checks[name] = event = nonfinite(name, scale)
+        if (is_target or (not problems and chosen is None)) and mode.precision is not None:
+            checks[name] = event = nonfinite(target if is_target else mode.precision, scale)
             if event is not None:
                 problems.append(
                     f"under {name} autocast the first inf/NaN appears in {event.module} ({event.phase}, "
@@ -157,12 +165,11 @@ def recommend(
         if problems:
             reasons += [f"not {name}: {p}" for p in problems]
         else:  # every format is judged (not only up to the first that passes): speed picks among the safe
-            safe.append(name)
-            chosen = chosen or name
+            safe.append(mode.format.name)  # the report lists the formats that hold the values
+            chosen = chosen or mode
     if chosen is None:
-        chosen = "fp32"
         reasons.append("fp32: neither 16-bit format holds this model's values on this device")
-    elif FORMATS[chosen].loss_scaled:
+    elif chosen.format.loss_scaled:
         reasons.append(f"fp16 holds the activations and, scaled by 2^{k}, the gradients")
     else:
         reasons.append("bf16 holds the activations and gradients without loss scaling (fp32's exponent range)")
@@ -181,4 +188,4 @@ def recommend(
             f"{100 * PURE_BF16_LOSS_LIMIT:g}%): precision='bf16-pure' needs no compensation for this model, "
             "though its stochastic rounding costs little"
         )
-    return Recommendation(chosen, k, reasons, checks, safe)
+    return Recommendation(chosen.name if chosen else "fp32", k, reasons, checks, safe)

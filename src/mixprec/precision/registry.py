@@ -7,12 +7,14 @@ classes registered with :func:`register_precision`, not new branches in callers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mixprec.precision import probe
 from mixprec.precision.auto import AutoPrecision
 from mixprec.precision.base import Precision, PrecisionNotSupportedError, default_device
-from mixprec.precision.formats import FloatFormat
+from mixprec.precision.formats import FloatFormat, format_of
 from mixprec.precision.fp8 import Fp8Precision, Fp8RowwisePrecision
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
@@ -127,11 +129,45 @@ def hf_flags(name: str) -> tuple[bool, bool]:
     return (False, False) if key == AUTO else _class_of(key).hf_flags  # a policy's class is its base mode's
 
 
+_AUTOCAST_MODES: tuple[type[Precision], ...] = (Fp16MixedPrecision, Bf16MixedPrecision)
+"""The plain autocast modes, in the order a diagnosis tries them (fp16 first: the narrower range)."""
+
+
 def autocast_format(precision: Precision) -> FloatFormat | None:
     """The number format of the plain autocast mode ``precision`` is (fp16 or bf16 autocast: what a diagnosis
     judges it by), None for any other mode (fp32, a policy, pure bf16, fp8, "auto")."""
     mode = precision.resolved  # "auto", once decided, is its choice
-    return mode.compute_format if type(mode) in (Fp16MixedPrecision, Bf16MixedPrecision) else None
+    return mode.compute_format if type(mode) in _AUTOCAST_MODES else None
+
+
+@dataclass(frozen=True)
+class AutocastMode:
+    """One plain autocast mode as a diagnosis judges it on a device: its format, and either the strategy to run
+    it under or why the device cannot. The facts come from the strategy class, so a caller never looks a
+    precision up by its name (issue 35); ``name`` is only the label its verdicts are printed under."""
+
+    name: str
+    """The mode's name ("fp16", "bf16"): a label for reports and messages, not a key to look facts up by."""
+    format: FloatFormat
+    """The format it computes in (its range, whether it scales the loss)."""
+    precision: Precision | None
+    """The strategy, made for the device; None when the device cannot run it."""
+    unsupported: str | None
+    """Why the device cannot run it (the strategy's own refusal); None when it can."""
+
+
+def autocast_modes(device: torch.device) -> list[AutocastMode]:
+    """The plain autocast modes (fp16 and bf16 mixed) on ``device``, in the order a diagnosis tries them, each
+    with its format and its strategy or why the device refuses it: a mode the device cannot run is still
+    listed (the diagnosis says why it was not chosen), never silently dropped."""
+    out = []
+    for cls in _AUTOCAST_MODES:
+        try:
+            made, why = cls(device, reason=f"judged by a diagnosis on {device.type}"), None
+        except PrecisionNotSupportedError as e:
+            made, why = None, str(e)
+        out.append(AutocastMode(cls.name, format_of(cls.compute_dtype), made, why))
+    return out
 
 
 def _class_of(key: str) -> type[Precision]:
