@@ -226,7 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-repeats", type=int, default=3, help="peak memory: median of this many runs")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady on a shared box)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: steady on a shared box; above 1 the Trainers, which run on worker threads, "
+        "can each get an OpenMP team of their own and slow every loop (not measured): see benchmarks/README.md, "
+        "'A save left'",
+    )
     p.add_argument(
         "--clock",
         choices=sorted(CLOCKS),
