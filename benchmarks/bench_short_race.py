@@ -2,6 +2,10 @@
 
     python -m benchmarks.bench_short_race                       # 3 interleaved rounds, fp32 / bf16 / policy / auto
     python -m benchmarks.bench_short_race --rounds 5 --variants bf16,auto --json short.json
+    python -m benchmarks.bench_short_race --variants hf:bf16,bf16                 # against HF's own Trainer
+
+A variant ``hf:<mode>`` (``hf:fp32``, ``hf:bf16``) runs the same example with transformers' own Trainer
+(``bf16=True`` for ``hf:bf16``), for issue 36's "mixprec bf16 no slower than HF's Trainer bf16".
 
 GPT2LMHeadModel from a 4-layer, 256-wide config (vocab 512), 60 optimizer steps of 8 x 256 random tokens,
 mixprec's Trainer with ``use_cpu=True`` and 2 threads, no evaluation, no saves. Each variant runs in a fresh
@@ -40,9 +44,16 @@ def one(precision: str, threads: int, steps: int, out_dir: str) -> dict[str, Any
     model = GPT2LMHeadModel(config)
     data = torch.randint(0, 512, (steps * 8, 256), generator=torch.Generator().manual_seed(0))
     rows = [{"input_ids": x, "labels": x} for x in data]
+    if precision.startswith("hf:"):  # transformers' own Trainer on the same example
+        import transformers
+
+        Trainer, TrainingArguments = transformers.Trainer, transformers.TrainingArguments
+        mode = {"bf16": precision == "hf:bf16"}
+    else:
+        mode = {"precision": precision}
     args = TrainingArguments(
         output_dir=out_dir,
-        precision=precision,
+        **mode,
         max_steps=steps,
         per_device_train_batch_size=8,
         use_cpu=True,
