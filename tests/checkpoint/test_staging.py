@@ -61,3 +61,23 @@ def test_a_deferred_copy_holds_the_values_at_the_copy_except_what_now_names_whic
     copy = staged.states()
     assert torch.equal(copy["stats"], torch.zeros(3)) and copy["stats"] is copy["alias"]
     assert torch.equal(copy["w"], w) and copy["w"].data_ptr() != w.data_ptr()
+
+
+def test_every_layout_is_copied_by_value_the_byte_copy_and_torchs_alike():
+    # plain dense tensors are copied byte for byte (one thread: no OpenMP team on the writer); a view with gaps,
+    # a conjugate view or an offset into a larger storage must still arrive as its values
+    base = torch.randn(6, 8)
+    states = {
+        "dense": torch.randn(5, 7),
+        "bf16": torch.randn(4, 4).to(torch.bfloat16),
+        "permuted": torch.randn(3, 4, 5).permute(2, 0, 1),
+        "offset": base[2:4],  # dense, inside a larger storage
+        "gaps": base[:, ::2],  # not dense: torch's copy
+        "conj": torch.randn(3, 2, dtype=torch.complex64).conj(),  # values differ from its bytes
+        "empty": torch.empty(0, 3),
+    }
+    copies = HostStaging().capture(states).states()
+    for name, live in states.items():
+        assert copies[name].dtype == live.dtype and torch.equal(copies[name], live.resolve_conj()), name
+        if live.numel():
+            assert copies[name].data_ptr() != live.data_ptr(), name

@@ -129,8 +129,7 @@ def _copy_into(buffers: list[torch.Tensor], sources: list[torch.Tensor]) -> None
     one count for the process, which threads that have not run an op yet (the caller's too) would take up."""
     rest_buffers, rest_sources = [], []
     for buffer, source in zip(buffers, sources):
-        if source.is_cpu and buffer.stride() == source.stride() and buffer.dtype == source.dtype:
-            # same strides as empty_like(preserve_format) gave: the source is dense, its bytes one span
+        if _bytes_alike(buffer, source):
             ctypes.memmove(buffer.data_ptr(), source.data_ptr(), source.numel() * source.element_size())
         else:
             rest_buffers.append(buffer)
@@ -138,6 +137,23 @@ def _copy_into(buffers: list[torch.Tensor], sources: list[torch.Tensor]) -> None
     if rest_buffers:
         with torch.no_grad():
             torch._foreach_copy_(rest_buffers, rest_sources)
+
+
+def _bytes_alike(buffer: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether ``source``'s values are its bytes, laid out as ``buffer``'s: plain host tensors (no subclass such
+    as DTensor or a low-bit optimizer state, no conjugate or negative view, not quantized or sparse) with the
+    strides ``empty_like`` gave the buffer, which it keeps only for a dense source: one span of bytes."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    return (
+        type(source) in plain
+        and type(buffer) in plain
+        and source.is_cpu
+        and source.layout == torch.strided
+        and not (source.is_quantized or source.is_conj() or source.is_neg())
+        and source.dtype == buffer.dtype
+        and source.shape == buffer.shape
+        and source.stride() == buffer.stride()
+    )
 
 
 def _key(tensor: torch.Tensor, position: int) -> tuple[Any, ...]:
