@@ -31,7 +31,7 @@ print(json.dumps({**out, "hf_args": type(args).__module__, "bf16": args.bf16, "m
 
 def test_an_hf_variant_runs_the_example_with_transformers_trainer(tmp_path):
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     done = subprocess.run(
         [sys.executable, "-c", _SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
     )
