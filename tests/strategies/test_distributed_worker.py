@@ -252,8 +252,10 @@ def auto_run(distributed: str | None = None) -> dict:
     return {"chosen": accelerator.mixed_precision, "source": decision.source, "params": params.tolist()}
 
 
-def auto_in_run(max_steps: int = 60) -> dict:
+def auto_in_run(max_steps: int = 200) -> dict:
     """The race of "auto" as the training steps under DDP: every process runs each step in the same mode."""
+    # max_steps sits above the race's own worst case (MAX_ROUNDS paired rounds of every candidate plus warm-ups): a
+    # loaded machine keeps pairs undecided longer, and a cap of 60 ended the run before the race did
     os.environ["MIXPREC_AUTO_RACE"] = "in-run"
     try:
         accelerator = Accelerator(mixed_precision="auto", verbose=False)
