@@ -30,11 +30,11 @@ import torch
 
 from mixprec.accelerator import accelerate_compat
 from mixprec.accelerator.accelerate_compat import SharedState, accumulation_plugin, adopt, autocast_for, read_handlers
-from mixprec.accelerator.config import AcceleratorConfig, named_argument
+from mixprec.accelerator.config import AcceleratorConfig, named_argument, run_context
 from mixprec.accelerator.delegation import delegate
 from mixprec.accelerator.gradients import GradientAccumulationPlugin, GradientState
 from mixprec.accelerator.preparation import Preparation
-from mixprec.accelerator.processes import Processes, report_run
+from mixprec.accelerator.processes import Processes
 from mixprec.accelerator.project import ProjectConfiguration
 from mixprec.accelerator.run_files import RunFiles
 from mixprec.accelerator.step_in_backward import REFUSALS, refuse_step_in_backward
@@ -165,7 +165,7 @@ class Accelerator:
             self._strategy.found_inf_reducer(),
             agree=self._strategy.agreement([p.name for p in self._precision.options()]),
             is_main=self._strategy.is_main_process,
-            announce=self._report,  # "auto", once decided, says what it measured
+            run=run_context(self.config, self._strategy),  # the precision says the run's line (auto: once decided)
         )
         self._gradients = GradientState(
             self._precision, self._strategy, self.config.gradient_accumulation_steps, gradient_accumulation_plugin
@@ -193,7 +193,7 @@ class Accelerator:
             device=dev, accumulation=self._gradients.plugin_kwargs, timeout=self.config.timeout
         )
         self.watch: HostedWatch | None = watch if watch is None or hasattr(watch, "attach") else _built_watch(watch)
-        self._report()
+        self._precision.announce()
 
     # -- what was resolved ---------------------------------------------------------------------------
 
@@ -430,9 +430,6 @@ class Accelerator:
 
     def _run_state(self) -> RunState:
         return RunState(self._registry, self._strategy, self._precision, self._gradients)
-
-    def _report(self) -> None:
-        report_run(self._precision, self._strategy, self.config)
 
     def __repr__(self) -> str:
         return (

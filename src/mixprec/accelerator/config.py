@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from mixprec.accelerator.step_in_backward import REFUSALS
+from mixprec.precision.announcement import RunContext
 from mixprec.precision.registry import policy_name
 from mixprec.strategies import launch_env
 from mixprec.strategies.comm import make_comm
@@ -172,3 +173,16 @@ def named_argument(parse: Callable[[], Any], value: Any, argument: str = "mixed_
         return parse()
     except ValueError as err:  # PrecisionNotSupportedError too: keep its type
         raise type(err)(f"Accelerator({argument}={value!r}): {err}") from None
+
+
+def run_context(config: AcceleratorConfig, strategy: Any) -> RunContext:
+    """What this run is around its precision (``strategy``: the run's DistributedStrategy), for the line the
+    precision says (precision/announcement.py)."""
+    in_backward = "; optimizer steps in backward (each gradient freed once applied)"
+    return RunContext(
+        processes=strategy.describe(),
+        comm=config.comm_dtype.describe(strategy.num_processes),
+        extra=in_backward if config.step_in_backward else "",
+        is_main=strategy.is_main_process,
+        verbose=config.verbose,
+    )

@@ -4,16 +4,13 @@ nested tensors, which process runs a block, and a flag any process can raise.
 :class:`Processes` is a part the :class:`~mixprec.accelerator.accelerator.Accelerator` owns and delegates to
 (``accelerator.gather(...)`` is ``accelerator._processes.gather(...)``): it holds the process state
 (:class:`~mixprec.strategies.process_state.AcceleratorState`), the distributed strategy and the trigger flag,
-and no method branches on the kind. :func:`report_run` says once what the run is.
+and no method branches on the kind.
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
-import logging
 import os
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,14 +19,9 @@ import torch
 from mixprec import tree as pytree
 
 if TYPE_CHECKING:
-    from mixprec.accelerator.config import AcceleratorConfig
-    from mixprec.precision.base import Precision
     from mixprec.strategies.distributed_type import DistributedType
     from mixprec.strategies.process_state import AcceleratorState
     from mixprec.strategies.strategy import DistributedStrategy
-
-
-logger = logging.getLogger("mixprec.accelerator")
 
 
 class Processes:
@@ -171,40 +163,6 @@ class Processes:
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""
         self.state.print(*args, **kwargs)
-
-
-def report_run(precision: Precision, strategy: DistributedStrategy, config: AcceleratorConfig) -> None:
-    """What this run is (precision, device, distribution, comm dtype), said once by the main process: logged,
-    and printed too with ``verbose``. A pending "auto" says only that it will decide (issue 29: one story per
-    run); it calls this again once decided."""
-    d = precision.describe()
-    if precision.pending:
-        logger.info("mixprec: auto on %s, %s: %s", d["device"], strategy.describe(), d["reason"])
-        return
-    comm = config.comm_dtype.describe(strategy.num_processes)
-    line = (
-        f"mixprec: {d['precision']} on {d['device']} (compute {d['compute_dtype']}, master weights "
-        f"{d['param_dtype']}, loss scaling {'on' if d['loss_scaling'] else 'off'}), "
-        f"{strategy.describe()}{', ' + comm if comm else ''}: {d['reason']}"
-    )
-    if config.step_in_backward:
-        line += "; optimizer steps in backward (each gradient freed once applied)"
-    if strategy.is_main_process:
-        logger.info(line)
-        if config.verbose:
-            _print_line(line)
-
-
-def _print_line(line: str) -> None:
-    """``line`` on stderr on a line of its own: through tqdm when one of its bars is drawn on the terminal
-    (it clears the bar, prints, redraws), else a plain print (the Trainer draws no bar into a file)."""
-    tqdm = sys.modules.get("tqdm")
-    bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
-    if bars:
-        tqdm.tqdm.write(line, file=sys.stderr)  # type: ignore[union-attr]
-        sys.stderr.flush()
-    else:
-        builtins.print(line, file=sys.stderr, flush=True)
 
 
 def _map_tensors(data: Any, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> Any:

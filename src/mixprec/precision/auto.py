@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec.precision import auto_cache
+from mixprec.precision.announcement import RunContext
 from mixprec.precision.base import Precision
 from mixprec.precision.compile_choice import CompileFigures
 from mixprec.precision.decision import AutoDecision, excluded_by_format
@@ -65,7 +66,6 @@ class AutoPrecision(Precision):
         self.processes = processes
         self._agree: Agree | None = None
         self._is_main = True
-        self._announce: Callable[[], None] | None = None
         self._param_names: list[tuple[str, torch.nn.Parameter]] = []
         self._in_run: RaceSteps | None = None  # its steps are transactions (race_step.py)
         self._optimizers = Optimizers()  # the converted ones: an in-run race step that raises puts them back
@@ -130,15 +130,14 @@ class AutoPrecision(Precision):
         found_inf_reducer: Callable[[torch.Tensor], None] | None = None,
         agree: Agree | None = None,
         is_main: bool = True,
-        announce: Callable[[], None] | None = None,
+        run: RunContext | None = None,
     ) -> None:
-        """As the base, plus ``agree`` (several processes: the main one's list of names for everyone),
-        whether this is the main process (the one whose measurement is everyone's), and ``announce``,
-        called once the decision is made."""
-        super().configure(scaler_kwargs, found_inf_reducer)
+        """As the base, plus ``agree`` (several processes: the main one's list of names for everyone) and
+        whether this is the main process (the one whose measurement is everyone's); ``run`` is the context
+        of the line it says again once it has decided (``announce()``)."""
+        super().configure(scaler_kwargs, found_inf_reducer, run=run)
         self._agree = agree
         self._is_main = is_main
-        self._announce = announce
         for p in self.candidates:
             p.configure(scaler_kwargs, found_inf_reducer)
 
@@ -406,8 +405,7 @@ class AutoPrecision(Precision):
         self._chosen.reason = decision.explain()
         self.decision = decision
         self._in_run = self._trying = None  # a resume's decision ends a race running as the steps
-        if self._announce is not None:
-            self._announce()
+        self.announce()  # the run's line again, now with the decision
 
     def note_compile(self, figures: CompileFigures) -> None:
         """This run's compile verdict (trainer/compile_gate.py) joins the decision, its reason and the cache."""

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from mixprec.precision.announcement import RunContext, announce
 from mixprec.precision.compile_choice import CompileFigures
 from mixprec.precision.formats import FloatFormat, format_of
 from mixprec.precision.master_weights import gather_grads, master_names, refresh_params, with_master_weights
@@ -70,6 +71,7 @@ class Precision:
         self._found_inf_reducer: Callable[[torch.Tensor], None] | None = None
         self._scaler: GradScaler | None = None
         self._param_names: list[tuple[str, torch.nn.Parameter]] = []
+        self._run_context: RunContext | None = None
 
     @classmethod
     def check_supported(cls, device: torch.device) -> None:
@@ -108,14 +110,21 @@ class Precision:
         found_inf_reducer: Callable[[torch.Tensor], None] | None = None,
         agree: Callable[[list[str]], list[str]] | None = None,
         is_main: bool = True,
-        announce: Callable[[], None] | None = None,
+        run: RunContext | None = None,
     ) -> None:
-        """Set the scaler's knobs and the cross-process inf-check reduction (before the first step).
-        ``agree``, ``is_main`` and ``announce`` (called once decided) serve a mode still to be decided
-        ("auto"); a named mode ignores them."""
+        """Set the scaler's knobs and the cross-process inf-check reduction (before the first step), and what
+        surrounds this precision in the run (``run``: the line ``announce()`` says). ``agree`` and
+        ``is_main`` serve a mode still to be decided ("auto"); a named mode ignores them."""
         self._scaler_kwargs = dict(scaler_kwargs or {})
         self._found_inf_reducer = found_inf_reducer
         self._scaler = None
+        self._run_context = run
+
+    def announce(self) -> None:
+        """Say what this run is, once, through the ``mixprec`` logger (precision/announcement.py): the
+        configured run's owner calls it when the run is set up; "auto" calls it again once it has decided."""
+        if self._run_context is not None:
+            announce(self.describe(), self.pending, self._run_context)
 
     @property
     def scaler(self) -> GradScaler:
