@@ -464,9 +464,10 @@ def test_a_measured_per_op_policy_joins_the_race_and_wins_when_its_whole_step_is
     from mixprec.precision import auto as auto_module
     from mixprec.precision.op_timing import KindTiming, OpTimingReport, policy_from_timings
 
-    timings = (KindTiming("linear", 1, 1.0, 2.0), KindTiming("attention", 1, 12.0, 3.0))
+    # the per-op timing, planted: attention 2x slower in bf16, 8% of the step (under DOMINATED: bf16 races too)
+    timings = (KindTiming("linear", 1, 10.0, 20.0), KindTiming("attention", 1, 2.0, 1.0))
 
-    def measured(forward, device, base, budget_s):  # the per-op timing, planted: attention 4x slower in bf16
+    def measured(forward, device, base, budget_s):
         forward()  # the real forward runs (its state restored by the race), as the real timing's does
         return OpTimingReport(base, str(device), timings, policy_from_timings(base, timings), 0.01)
 
@@ -482,6 +483,30 @@ def test_a_measured_per_op_policy_joins_the_race_and_wins_when_its_whole_step_is
     assert decision.candidates == ["fp32", "bf16:fp32_ops=attention", "bf16"]
     assert decision.step_seconds["bf16:fp32_ops=attention"] < decision.step_seconds["bf16"]
     assert "attention" in decision.op_timing and "policy: bf16:fp32_ops=attention" in decision.table()
+
+
+def test_a_policy_that_saves_a_large_share_of_its_base_modes_step_is_raced_without_the_base(monkeypatch):
+    # issue 36: on the main job bf16's attention cost 47.6 ms against 25.2 ms in fp32 (24% of the step); racing
+    # uniform bf16 as well only spent steps (and their replay) on a mode that could not win
+    from mixprec.precision import auto as auto_module
+    from mixprec.precision.op_timing import KindTiming, OpTimingReport, policy_from_timings
+
+    timings = (KindTiming("linear", 1, 1.0, 2.0), KindTiming("attention", 1, 12.0, 3.0))  # saves 69%
+
+    def measured(forward, device, base, budget_s):
+        forward()
+        return OpTimingReport(base, str(device), timings, policy_from_timings(base, timings), 0.01)
+
+    monkeypatch.setattr(auto_module, "measure_op_kinds", measured)
+    monkeypatch.setenv("MIXPREC_AUTO_OP_POLICY", "1")
+    _auto_with(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+    accelerator = Accelerator(mixed_precision="auto", verbose=False)
+    model = accelerator.prepare(AttentionLM())
+    accelerator.backward(model(torch.randn(2, 4, 16)))
+    decision = accelerator.auto_decision
+    assert accelerator.mixed_precision == "bf16:fp32_ops=attention"
+    assert set(decision.step_seconds) == {"fp32", "bf16:fp32_ops=attention"}  # bf16 never ran a trial
+    assert "12.0 ms against 3.0 ms in fp32 (69% of its op time)" in decision.excluded["bf16"]
 
 
 def test_per_op_timing_that_finds_nothing_to_keep_in_fp32_races_the_uniform_modes_only(monkeypatch):
