@@ -91,3 +91,16 @@ def test_the_race_gets_the_policy_as_a_candidate_only_when_it_differs_from_the_b
     assert "per-op-kind timing" in candidate.reason
     uniform = OpTimingReport("bf16", "cpu", timings[:1], "bf16", 0.5)
     assert policy_candidate(uniform, "cpu") is None
+
+
+@pytest.mark.parametrize(("attention_bf16_ms", "left_out"), [(3.2, False), (5.0, True)])
+def test_the_base_mode_is_left_out_of_the_race_only_when_its_policy_saves_a_large_share(attention_bf16_ms, left_out):
+    # linear 10 ms in bf16 (20 in fp32), attention 2 ms in fp32: keeping attention in fp32 saves 1.2 of 13.2 ms
+    # (9%: bf16 might still win on the casts the policy adds, so it races) or 3.0 of 15.0 ms (20%: it cannot)
+    timings = (KindTiming("linear", 1, 10.0, 20.0), KindTiming("attention", 1, attention_bf16_ms, 2.0))
+    report = OpTimingReport("bf16", "cpu", timings, policy_from_timings("bf16", timings), 0.01)
+    assert report.policy == "bf16:fp32_ops=attention"  # the policy exists either way
+    reason = report.base_dominated()
+    assert bool(reason) == left_out
+    if left_out:
+        assert reason.startswith("the per-op-kind timing put its attention at 5.0 ms against 2.0 ms in fp32 (20%")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,9 @@ from mixprec.strategies import launch_env
 from mixprec.strategies.comm import make_comm
 from mixprec.strategies.peers import timeout_delta
 from mixprec.strategies.registry import KINDS
+
+if TYPE_CHECKING:
+    from mixprec.strategies.strategy import DistributedStrategy
 
 
 @dataclass
@@ -175,9 +178,8 @@ def named_argument(parse: Callable[[], Any], value: Any, argument: str = "mixed_
         raise type(err)(f"Accelerator({argument}={value!r}): {err}") from None
 
 
-def run_context(config: AcceleratorConfig, strategy: Any) -> RunContext:
-    """What this run is around its precision (``strategy``: the run's DistributedStrategy), for the line the
-    precision says (precision/announcement.py)."""
+def run_context(config: AcceleratorConfig, strategy: DistributedStrategy) -> RunContext:
+    """What this run is around its precision, for the line the precision says (precision/announcement.py)."""
     in_backward = "; optimizer steps in backward (each gradient freed once applied)"
     return RunContext(
         processes=strategy.describe(),

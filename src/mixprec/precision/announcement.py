@@ -1,8 +1,9 @@
 """The run's one line about its precision, said by the precision itself (issue 29: one story per run).
 
 The caller that knows the rest of the run (the Accelerator: its distribution, comm dtype, whether it prints)
-hands that down once as :class:`RunContext`, a value; the precision says its line through the ``mixprec``
-logger when it is constructed, and a mode still to be decided ("auto") says it again once it has decided.
+hands that down once as :class:`RunContext`, a value, at ``Precision.configure``; the precision says its line
+through the ``mixprec`` logger when the run is set up (``Precision.announce``), and a mode still to be decided
+("auto") says it again once it has decided.
 Nothing is called back up: the precision owns its facts (``describe()``) and now the moment it knows them.
 """
 

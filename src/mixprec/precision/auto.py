@@ -30,13 +30,7 @@ from mixprec.precision.compile_choice import CompileFigures
 from mixprec.precision.decision import AutoDecision, excluded_by_format
 from mixprec.precision.inrun import InRunRace, in_run_plan
 from mixprec.precision.master_weights import master_names
-from mixprec.precision.op_timing import (
-    base_dominated,
-    measure_op_kinds,
-    op_timing_budget,
-    op_timing_skipped,
-    policy_candidate,
-)
+from mixprec.precision.op_timing import measure_op_kinds, op_timing_budget, op_timing_skipped, policy_candidate
 from mixprec.precision.policy import make_policy
 from mixprec.precision.probe import emulated_candidates
 from mixprec.precision.race import ROUNDS, Agree, Clock, Unfinished, decide, decide_steps, recheck
@@ -361,7 +355,7 @@ class AutoPrecision(Precision):
                     self._add_candidate(policy)
                     names = [p.name for p in self.candidates]  # safest first: fp32, the policy, bf16, ...
                     by_name[policy.name], scales[policy.name] = policy, 1.0
-                    if dominated := base_dominated(report):  # the policy beats its base by far: one race less
+                    if dominated := report.base_dominated():  # the policy beats its base by far: one race less
                         excluded.setdefault(_POLICY_BASE, dominated)
             steps_left = None if run_steps is None else run_steps // max(1, passes_per_step)
             fp32_weights = all(p.param_dtype == torch.float32 for p in self.candidates)  # any may take a step

@@ -126,6 +126,23 @@ class OpTimingReport:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def base_dominated(self) -> str:
+        """Why the base mode need not race against its own policy, or "" where it must. The policy is the base
+        with the kinds :func:`fp32_kinds` names moved to fp32; when those kinds cost the base ``DOMINATED`` of its
+        op time more than they cost in fp32, no cast the policy adds at their edges comes near that, so racing the
+        base as well only spends steps (issue 36: on the main job, bf16's attention at 47.6 ms against 25.2 ms in
+        fp32, 24% of the step; its 4 race steps and their replay were a third of the race)."""
+        fp32 = fp32_kinds(self.timings, self.margin)
+        total = sum(t.low_ms for t in self.timings)
+        low = sum(t.low_ms for t in self.timings if t.kind in fp32)
+        high = sum(t.fp32_ms for t in self.timings if t.kind in fp32)
+        if not fp32 or total <= 0 or low - high < DOMINATED * total:
+            return ""
+        return (
+            f"the per-op-kind timing put its {', '.join(sorted(fp32))} at {low:.1f} ms against {high:.1f} ms in fp32 "
+            f"({(low - high) / total:.0%} of its op time), so {self.policy} raced in its place"
+        )
+
     def explain(self) -> str:
         """A table: each op kind's two timings and the choice, then the policy."""
         lines = [f"per-op-kind timing on {self.device} ({self.elapsed_s:.2f} s; forward+backward ms per step)"]
@@ -147,24 +164,6 @@ def fp32_kinds(timings: list[KindTiming] | tuple[KindTiming, ...], margin: float
     speed (benchmarks/README.md: 6/10 agreed on the exact name before this rule)."""
     total = sum(t.low_ms for t in timings)
     return frozenset(t.kind for t in timings if t.choice(margin) == "fp32" and t.low_ms - t.fp32_ms >= MATERIAL * total)
-
-
-def base_dominated(report: OpTimingReport) -> str:
-    """Why the base mode need not race against its own policy, or "" where it must. The policy is the base
-    with the kinds :func:`fp32_kinds` names moved to fp32; when those kinds cost the base ``DOMINATED`` of its
-    op time more than they cost in fp32, no cast the policy adds at their edges comes near that, so racing the
-    base as well only spends steps (issue 36: on the main job, bf16's attention at 47.6 ms against 25.2 ms in
-    fp32, 24% of the step; its 4 race steps and their replay were a third of the race)."""
-    fp32 = fp32_kinds(report.timings, report.margin)
-    total = sum(t.low_ms for t in report.timings)
-    low = sum(t.low_ms for t in report.timings if t.kind in fp32)
-    high = sum(t.fp32_ms for t in report.timings if t.kind in fp32)
-    if not fp32 or total <= 0 or low - high < DOMINATED * total:
-        return ""
-    return (
-        f"the per-op-kind timing put its {', '.join(sorted(fp32))} at {low:.1f} ms against {high:.1f} ms in fp32 "
-        f"({(low - high) / total:.0%} of its op time), so {report.policy} raced in its place"
-    )
 
 
 def policy_from_timings(base: str, timings: list[KindTiming] | tuple[KindTiming, ...], margin: float = MARGIN) -> str:
