@@ -460,12 +460,10 @@ class AttentionLM(torch.nn.Module):
         return out.float().pow(2).mean()
 
 
-def test_a_measured_per_op_policy_joins_the_race_and_wins_when_its_whole_step_is_fastest(monkeypatch):
+def _auto_decides_with_planted_op_timing(monkeypatch, timings):
+    """Accelerator("auto") racing on AttentionLM, its per-op timing planted as ``timings``; its decision."""
     from mixprec.precision import auto as auto_module
-    from mixprec.precision.op_timing import KindTiming, OpTimingReport, policy_from_timings
-
-    # the per-op timing, planted: attention 2x slower in bf16, 8% of the step (under DOMINATED: bf16 races too)
-    timings = (KindTiming("linear", 1, 10.0, 20.0), KindTiming("attention", 1, 2.0, 1.0))
+    from mixprec.precision.op_timing import OpTimingReport, policy_from_timings
 
     def measured(forward, device, base, budget_s):
         forward()  # the real forward runs (its state restored by the race), as the real timing's does
@@ -477,8 +475,16 @@ def test_a_measured_per_op_policy_joins_the_race_and_wins_when_its_whole_step_is
     accelerator = Accelerator(mixed_precision="auto", verbose=False)
     model = accelerator.prepare(AttentionLM())
     accelerator.backward(model(torch.randn(2, 4, 16)))
-    decision = accelerator.auto_decision
     assert accelerator.mixed_precision == "bf16:fp32_ops=attention"  # neither uniform mode
+    return accelerator.auto_decision
+
+
+def test_a_measured_per_op_policy_joins_the_race_and_wins_when_its_whole_step_is_fastest(monkeypatch):
+    from mixprec.precision.op_timing import KindTiming
+
+    # the per-op timing, planted: attention 2x slower in bf16, 8% of the step (under DOMINATED: bf16 races too)
+    timings = (KindTiming("linear", 1, 10.0, 20.0), KindTiming("attention", 1, 2.0, 1.0))
+    decision = _auto_decides_with_planted_op_timing(monkeypatch, timings)
     # raced safest first, the policy between fp32 and uniform bf16 (it holds more in fp32 than bf16 does)
     assert decision.candidates == ["fp32", "bf16:fp32_ops=attention", "bf16"]
     assert decision.step_seconds["bf16:fp32_ops=attention"] < decision.step_seconds["bf16"]
@@ -488,23 +494,10 @@ def test_a_measured_per_op_policy_joins_the_race_and_wins_when_its_whole_step_is
 def test_a_policy_that_saves_a_large_share_of_its_base_modes_step_is_raced_without_the_base(monkeypatch):
     # issue 36: on the main job bf16's attention cost 47.6 ms against 25.2 ms in fp32 (24% of the step); racing
     # uniform bf16 as well only spent steps (and their replay) on a mode that could not win
-    from mixprec.precision import auto as auto_module
-    from mixprec.precision.op_timing import KindTiming, OpTimingReport, policy_from_timings
+    from mixprec.precision.op_timing import KindTiming
 
     timings = (KindTiming("linear", 1, 1.0, 2.0), KindTiming("attention", 1, 12.0, 3.0))  # saves 69%
-
-    def measured(forward, device, base, budget_s):
-        forward()
-        return OpTimingReport(base, str(device), timings, policy_from_timings(base, timings), 0.01)
-
-    monkeypatch.setattr(auto_module, "measure_op_kinds", measured)
-    monkeypatch.setenv("MIXPREC_AUTO_OP_POLICY", "1")
-    _auto_with(monkeypatch, SleepyFp32, Bf16MixedPrecision)
-    accelerator = Accelerator(mixed_precision="auto", verbose=False)
-    model = accelerator.prepare(AttentionLM())
-    accelerator.backward(model(torch.randn(2, 4, 16)))
-    decision = accelerator.auto_decision
-    assert accelerator.mixed_precision == "bf16:fp32_ops=attention"
+    decision = _auto_decides_with_planted_op_timing(monkeypatch, timings)
     assert set(decision.step_seconds) == {"fp32", "bf16:fp32_ops=attention"}  # bf16 never ran a trial
     assert "12.0 ms against 3.0 ms in fp32 (69% of its op time)" in decision.excluded["bf16"]
 
