@@ -3,6 +3,8 @@
     python -m benchmarks.bench_bare_step --nanogpt ~/nanoGPT                    # the main job's shape, 2 threads
     python -m benchmarks.bench_bare_step --nanogpt ~/nanoGPT --rounds 7 --steps 10 --json bare.json
     python -m benchmarks.bench_bare_step                                        # mixprec's GPT only
+    python -m benchmarks.bench_bare_step --nanogpt ~/nanoGPT --device cuda --model gpt2 --batch-size 12 \
+        --seq-len 1024 --compile                                                # nanoGPT's GPT-2 step on a GPU
 
 Why: ``benchmarks.vs_nanogpt`` and ``benchmarks.bench_main_job`` time whole runs, so a gap there is either the
 step (the model's own ops under the precision) or the loop around it (evaluations, data, logging, the race).
@@ -53,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant per round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant before the first round")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    p.add_argument("--compile", action="store_true", help="torch.compile each model (nanoGPT's default on a GPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = p.parse_args(argv)
@@ -61,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 0:
         p.error(f"--warmup must be 0 or more, got {args.warmup}")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
     if args.nanogpt is not None and not (args.nanogpt / "model.py").is_file():
         p.error(f"--nanogpt {args.nanogpt} has no model.py: pass a checkout of karpathy/nanoGPT")
     return args
@@ -92,19 +98,24 @@ def build_models(args: argparse.Namespace) -> dict[str, torch.nn.Module]:
     return models
 
 
-def make_step(tool: str, model: torch.nn.Module, precision_name: str, batch: torch.Tensor) -> Callable[[], None]:
-    """One training step of ``model`` under ``precision_name``: forward with the loss, backward, clip, AdamW."""
-    precision = make_precision(precision_name, "cpu")
-    precision.bind(torch.device("cpu"))
-    fused = all(p.device.type == "cpu" for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, fused=fused)
+def make_step(
+    tool: str, model: torch.nn.Module, precision_name: str, batch: torch.Tensor, compiled: bool = False
+) -> Callable[[], None]:
+    """One training step of ``model`` (on ``batch``'s device) under ``precision_name``: forward with the loss,
+    backward, clip, fused AdamW (torch has the kernel on CPU and CUDA)."""
+    device = batch.device
+    model.to(device)
+    precision = make_precision(precision_name, device.type)
+    precision.bind(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, fused=True)
     inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+    forward = torch.compile(model) if compiled else model
 
     def loss() -> torch.Tensor:
         if tool == "nanogpt":
-            return model(inputs, targets)[1]
+            return forward(inputs, targets)[1]
         # the main job's windows: T tokens in, the loss over T - 1 positions (mixprec shifts inside)
-        return model(input_ids=inputs, labels=inputs).loss
+        return forward(input_ids=inputs, labels=inputs).loss
 
     def step() -> None:
         with precision.autocast():
@@ -117,11 +128,14 @@ def make_step(tool: str, model: torch.nn.Module, precision_name: str, batch: tor
     return step
 
 
-def time_steps(step: Callable[[], None], n: int) -> float:
-    """Mean ms per step over ``n`` steps."""
+def time_steps(step: Callable[[], None], n: int, device: torch.device) -> float:
+    """Mean ms per step over ``n`` steps (a GPU's queue drained before and after)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     for _ in range(n):
         step()
+    sync()
     return (time.perf_counter() - start) * 1e3 / n
 
 
@@ -131,13 +145,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float | None]]:
     models = build_models(args)
     generator = torch.Generator().manual_seed(args.seed)
     vocab = GPT_PRESETS[args.model].vocab_size
-    batch = torch.randint(vocab, (args.batch_size, args.seq_len + 1), generator=generator)
+    batch = torch.randint(vocab, (args.batch_size, args.seq_len + 1), generator=generator).to(args.device)
     variants: dict[str, Callable[[], None]] = {}
     initial = {tool: {k: v.clone() for k, v in model.state_dict().items()} for tool, model in models.items()}
     for tool, model in models.items():
         for name in args.precisions.split(","):
             # every variant trains its own copy from the same start (an optimizer per copy)
-            variants[f"{tool} {name}"] = make_step(tool, _fresh_copy(model, initial[tool]), name, batch)
+            variants[f"{tool} {name}"] = make_step(tool, _fresh_copy(model, initial[tool]), name, batch, args.compile)
     for step in variants.values():
         for _ in range(args.warmup):
             step()
@@ -145,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float | None]]:
     order = list(variants)
     for r in range(args.rounds):
         for key in order if r % 2 == 0 else reversed(order):
-            times[key].append(time_steps(variants[key], args.steps))
+            times[key].append(time_steps(variants[key], args.steps, batch.device))
     return report(args, times)
 
 
@@ -160,7 +174,8 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> dict[str,
         return statistics.median(times[key])
 
     print(
-        f"bare step: {args.model}, batch {args.batch_size} x {args.seq_len}, {args.threads} threads, "
+        f"bare step: {args.model}, batch {args.batch_size} x {args.seq_len}, {args.device}"
+        f"{', compiled' if args.compile else ''}, {args.threads} threads, "
         f"{args.rounds} rounds of {args.steps} steps (torch {torch.__version__})"
     )
     print(f"{'variant':36s} {'ms/step':>9s} {'IQR':>13s} {'vs own fp32':>12s} {'vs nanoGPT fp32':>16s}")

@@ -55,3 +55,17 @@ def test_a_nanogpt_folder_without_model_py_is_named_in_the_error(tmp_path, capsy
     with pytest.raises(SystemExit):
         bench_bare_step.parse_args(["--nanogpt", str(tmp_path)])
     assert f"--nanogpt {tmp_path} has no model.py" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_refused_naming_the_fix(capsys):
+    with pytest.raises(SystemExit):
+        bench_bare_step.parse_args(["--device", "cuda"])
+    assert "--device cuda: CUDA is not available on this machine; use --device cpu" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_every_variant_times_a_step_on_the_device():
+    argv = ["--model", "tiny", "--batch-size", "2", "--seq-len", "8", "--rounds", "2", "--steps", "2"]
+    figures = bench_bare_step.main([*argv, "--device", "cuda", "--warmup", "1"])
+    assert all(row["ms_per_step"] > 0 for row in figures.values())
