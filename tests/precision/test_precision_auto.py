@@ -502,6 +502,31 @@ def test_a_policy_that_saves_a_large_share_of_its_base_modes_step_is_raced_witho
     assert "12.0 ms against 3.0 ms in fp32 (69% of its op time)" in decision.excluded["bf16"]
 
 
+def test_a_model_with_gradient_checkpointing_races_the_uniform_modes_without_timing_op_kinds(monkeypatch):
+    # the recompute in backward does not run a policy's fp32 regions (policy.py refuses it): `mixprec train
+    # --gradient-checkpointing` under auto raced such a policy and crashed on its first backward
+    from mixprec.models import GPT, GPTConfig
+    from mixprec.precision import auto as auto_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("op kinds timed for a model that recomputes its activations")
+
+    monkeypatch.setattr(auto_module, "measure_op_kinds", never)
+    monkeypatch.setenv("MIXPREC_AUTO_OP_POLICY", "1")
+    _auto_with(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+    accelerator = Accelerator(mixed_precision="auto", verbose=False)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    model.gradient_checkpointing_enable()
+    model = accelerator.prepare(model)
+    ids = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
+    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    decision = accelerator.auto_decision
+    assert decision.op_timing.startswith("per-op-kind timing skipped: the model recomputes its activations")
+    assert set(decision.step_seconds) <= {"fp32", "bf16"}  # no policy raced
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
 def test_per_op_timing_that_finds_nothing_to_keep_in_fp32_races_the_uniform_modes_only(monkeypatch):
     from mixprec.precision import auto as auto_module
     from mixprec.precision.op_timing import KindTiming, OpTimingReport

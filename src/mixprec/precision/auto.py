@@ -345,7 +345,7 @@ class AutoPrecision(Precision):
             excluded = {**excluded_by_format(self.candidates, unsafe_formats or {}), **(excluded or {})}
             if self.prefilter and alone:
                 excluded.update({k: v for k, v in emulated_candidates(self.candidates).items() if k not in excluded})
-            op_report = op_timing_skipped(run_steps) if op_policy else ""  # a short run: not worth its cost
+            op_report = op_timing_skipped(run_steps, models) if op_policy else ""  # short run, or recomputes
             uniform = len(names) == len(by_name) and not any(":" in n for n in names)  # no policy raced yet
             if op_policy and not op_report and _POLICY_BASE not in excluded and uniform:
                 with self._selecting(by_name[_POLICY_BASE]):  # its forward is not the step that settles (pending)

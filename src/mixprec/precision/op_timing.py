@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -295,17 +295,32 @@ def policy_candidate(report: OpTimingReport, device: torch.device | str) -> Prec
 SHORTEST_PASSES = 6
 
 
-def op_timing_skipped(run_steps: int | None) -> str:
+def op_timing_skipped(run_steps: int | None, models: Sequence[torch.nn.Module] = ()) -> str:
     """Why a run of ``run_steps`` forward+backward passes does not time its op kinds, or "" where it does (its
     length unknown included): its shortest course (``SHORTEST_PASSES``) must fit in the race's budget share of
     the run (race.py's ``BUDGET_SHARE``), the most auto may spend measuring (issue 36: on a 60-step run the
-    timing alone took 9% of the run, for a policy that came out uniform bf16)."""
+    timing alone took 9% of the run, for a policy that came out uniform bf16). Nor where one of ``models``
+    recomputes its activations in backward (gradient checkpointing): the recompute does not run a policy's
+    fp32 regions, so no policy could train it (policy.py refuses it), and racing one crashed the run."""
+    if any(_recomputes(m) for m in models):
+        return (
+            "per-op-kind timing skipped: the model recomputes its activations in backward (gradient "
+            "checkpointing), where a per-op policy's fp32 regions do not hold; the uniform modes race"
+        )
     if run_steps is None or SHORTEST_PASSES <= BUDGET_SHARE * run_steps:
         return ""
     return (
         f"per-op-kind timing skipped: its shortest course (~{SHORTEST_PASSES} passes of the step) would cost "
         f"over {BUDGET_SHARE:.0%} of this {run_steps}-pass run; the uniform modes race"
     )
+
+
+def _recomputes(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or the module a wrapper holds: DDP's ``module``, torch.compile's ``_orig_mod``) has
+    gradient checkpointing on, by HF's flag (mixprec's GPT has it too). A hand-made ``torch.utils.checkpoint``
+    call inside a forward is not seen: a policy then fails on its first backward, naming the fix."""
+    inner = [model, getattr(model, "module", None), getattr(model, "_orig_mod", None)]
+    return any(bool(getattr(m, "is_gradient_checkpointing", False)) for m in inner if m is not None)
 
 
 def op_timing_budget(run_steps: int | None) -> Callable[[float], float]:
