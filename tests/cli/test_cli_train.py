@@ -144,6 +144,10 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "unknown model": (["--model", "gpt-17"], "not a built-in model"),
         "missing resume": (["--resume", str(tmp_path / "no-run")], "no such run"),
         "step in backward with fp16": (["--step-in-backward", "--precision", "fp16"], "fp16's loss scaling skips"),
+        "checkpointing with a policy": (
+            ["--gradient-checkpointing", "--precision", "bf16", "--fp32-ops", "attention"],
+            "--gradient-checkpointing with --precision bf16:fp32_ops=attention: the recompute in backward",
+        ),
     }
 
 
@@ -158,6 +162,7 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "unknown model",
         "missing resume",
         "step in backward with fp16",
+        "checkpointing with a policy",
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_code_2(tmp_path, capsys, case):

@@ -153,6 +153,15 @@ def test_activation_checkpointing_is_refused_in_one_line_with_the_fix():
     with p.autocast():
         loss = model(ids, labels=ids).loss
     with pytest.raises(
-        RuntimeError, match=r"gradient\) checkpointing.*turn gradient checkpointing off or use precision='bf16'"
+        RuntimeError, match=r"checkpointing: the recompute .* checkpointing off or use precision='bf16'"
     ):
         p.backward(loss)
+
+
+def test_a_policy_says_up_front_that_it_cannot_train_with_activation_checkpointing():
+    # the same fact, asked before training: by a strategy, and of a name at the edge (TrainingArguments, the CLI)
+    from mixprec.precision.registry import recompute_refusal
+
+    assert "use precision='bf16'" in resolve_precision("bf16:fp32_ops=attention", "cpu").recompute_refusal
+    assert "use precision='fp16'" in recompute_refusal("fp16:fp32_ops=softmax")
+    assert [recompute_refusal(n) for n in ("fp32", "bf16", "fp16", "bf16-pure", "auto")] == [""] * 5

@@ -416,3 +416,11 @@ def test_seq2seq_arguments_add_hfs_generation_fields_and_refuse_bad_values():
         Seq2SeqTrainingArguments("out", sortish_sampler=True)
     with pytest.raises(ValueError, match=r"\(generation_num_beams=0\)"):
         Seq2SeqTrainingArguments("out", generation_num_beams=0)
+
+
+def test_activation_checkpointing_with_a_per_op_policy_is_refused_naming_both_fields(tmp_path):
+    # the recompute does not run the policy's fp32 regions: said at construction, not at the first backward
+    with pytest.raises(ValueError, match=r"^TrainingArguments\(activation_checkpointing=True\): with precision="):
+        TrainingArguments(output_dir=str(tmp_path), precision="bf16", fp32_ops="attention", gradient_checkpointing=True)
+    args = TrainingArguments(output_dir=str(tmp_path), bf16=True, gradient_checkpointing=True)
+    assert args.precision == "bf16"  # the uniform mode trains with it

@@ -300,6 +300,8 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
             f"--step-in-backward with --precision {args.precision}: fp16's loss scaling skips a step only once the "
             "whole backward is done; use bf16, bf16-pure or fp32 (--precision) with --step-in-backward"
         )
+    if args.gradient_checkpointing and precision.recompute_refusal:
+        raise CliError(f"--gradient-checkpointing with --precision {precision.name}: {precision.recompute_refusal}")
     lora = lora_plan(args, precision)  # a bad --lora-* flag fails before anything is loaded
     if args.z_loss:  # so does --z-loss on a model without one (a Hugging Face model's weights load for minutes)
         if args.model not in GPT_PRESETS:

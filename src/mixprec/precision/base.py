@@ -62,6 +62,9 @@ class Precision:
     by the margin, so ties go to the safer mode."""
     hf_flags: ClassVar[tuple[bool, bool]] = (False, False)
     """HF's (fp16, bf16) TrainingArguments flags for this mode: the autocast mode it is (a policy: its base's)."""
+    recompute_refusal: ClassVar[str] = ""
+    """Why this mode cannot train a model that recomputes its activations in backward (activation, or gradient,
+    checkpointing); "" where it can. Asked before training, so the refusal is one line naming the fix."""
 
     def __init__(self, device: torch.device | str | None = None, reason: str = "") -> None:
         self.device = torch.device(device) if device is not None else default_device()

@@ -23,6 +23,13 @@ from mixprec.precision.op_policy import (
     policy_autocast,
 )
 
+# activation checkpointing's recompute runs without the policy's torch function mode (torch 2.13), so its fp32
+# kinds recompute in low precision and torch's metadata check fails in backward
+_RECOMPUTE = (
+    "the recompute in backward does not run the policy's fp32 regions; turn activation (gradient) "
+    "checkpointing off or use precision={base!r}"
+)
+
 
 class PolicyMixedPrecision(AutocastMixedPrecision):
     """Autocast in ``compute_dtype`` with ``policy.fp32_ops`` held in fp32. ``name`` is the policy's spelling."""
@@ -52,8 +59,7 @@ class PolicyMixedPrecision(AutocastMixedPrecision):
             super().backward(loss, **kwargs)
         except CheckpointError as err:
             raise RuntimeError(
-                f"precision {self.name!r} with activation (gradient) checkpointing: the recompute does not run "
-                f"the policy's fp32 regions; turn gradient checkpointing off or use precision={self.base_name!r}"
+                f"precision {self.name!r} with activation checkpointing: {self.recompute_refusal}"
             ) from err
 
     def op_dtypes(self) -> dict[str, str]:
@@ -73,6 +79,7 @@ class Bf16PolicyPrecision(PolicyMixedPrecision, Bf16MixedPrecision):
     """bf16 autocast with named op kinds in fp32."""
 
     base_name = "bf16"
+    recompute_refusal = _RECOMPUTE.format(base="bf16")
     # between fp32 and uniform bf16: it holds more in fp32 than bf16 does. auto's race takes a mode only when
     # it beats every safer one, so the policy must beat fp32 and uniform bf16 must beat the policy; with the
     # policy after bf16, a policy clearly faster than fp32 but within noise of bf16 lost to fp32 (both undecided)
@@ -83,6 +90,7 @@ class Fp16PolicyPrecision(PolicyMixedPrecision, Fp16MixedPrecision):
     """fp16 autocast (with loss scaling) with named op kinds in fp32."""
 
     base_name = "fp16"
+    recompute_refusal = _RECOMPUTE.format(base="fp16")
     safety_rank = 1.5  # type: ignore[assignment]  # between bf16 and uniform fp16, as the bf16 policy's
 
 

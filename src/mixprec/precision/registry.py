@@ -121,6 +121,14 @@ def may_scale_loss(name: str) -> bool:
     return canonical_name(name) == AUTO or needs_loss_scaling(name)
 
 
+def recompute_refusal(name: str) -> str:
+    """Why the mode ``name`` cannot train a model with activation checkpointing on, or "" where it can (a
+    per-op policy cannot). Asked of a name at the edge; a strategy answers it itself
+    (:attr:`Precision.recompute_refusal`)."""
+    key = canonical_name(name)
+    return "" if key == AUTO else _class_of(key).recompute_refusal
+
+
 def hf_flags(name: str) -> tuple[bool, bool]:
     """HF's ``(fp16, bf16)`` flags for the mode ``name``: the fp16 / bf16 autocast mode or a policy refining it
     ("bf16:fp32_ops=attention" is bf16); both False for fp32, pure bf16, fp8 and an undecided "auto". A

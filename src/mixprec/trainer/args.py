@@ -31,7 +31,7 @@ import torch
 from mixprec.accelerator.delegation import delegate
 from mixprec.accelerator.step_in_backward import REFUSALS
 from mixprec.precision.base import Precision
-from mixprec.precision.registry import canonical_name, hf_flags, may_scale_loss, policy_name
+from mixprec.precision.registry import canonical_name, hf_flags, may_scale_loss, policy_name, recompute_refusal
 from mixprec.strategies.comm import make_comm
 from mixprec.trainer.configs import (
     DISTRIBUTED,
@@ -239,6 +239,10 @@ class TrainingArguments(HFCompatFields):
                     True,
                     f"with gradient_accumulation_steps={self.gradient_accumulation_steps}: {REFUSALS['accumulate']}",
                 )
+        if self._hf_rules.checkpointing_requested()[0]:  # a policy's fp32 regions do not survive the recompute
+            why = self._strategy.recompute_refusal if self._strategy is not None else recompute_refusal(self.precision)
+            if why:
+                fail("activation_checkpointing", True, f"with precision={self.precision!r}: {why}")
         self.report_to = list(self._normalise_report_to(self.report_to))
         if self.logging_dir is None:
             self.logging_dir = f"{self.output_dir.rstrip('/')}/runs"
