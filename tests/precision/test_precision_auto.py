@@ -15,7 +15,7 @@ import torch
 
 from conftest import make_batches, make_tiny_lm
 from mixprec import Accelerator
-from mixprec.precision import auto_cache, race, registry
+from mixprec.precision import auto_cache, make_precision, race, registry
 from mixprec.precision.auto import AutoPrecision
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.mixed import Bf16MixedPrecision, Fp16MixedPrecision
@@ -578,3 +578,17 @@ def test_the_matmul_probe_keeps_native_dtypes_and_finds_this_machines_emulated_o
     measured = gemm_ratio(torch.float16)  # real: the ratio this machine's kernels give
     assert measured > 0 and set(probe._gemm_cache) == {torch.float32, torch.float16}
     assert ("fp16" in emulated_candidates(candidates)) == (measured >= PREFILTER_RATIO)
+
+
+def test_a_resumed_run_keeps_the_measured_policy_its_checkpoint_recorded():
+    # `mixprec train --resume` of the default job failed: the policy auto measured is no registered candidate,
+    # so the fresh AutoPrecision refused the decision its checkpoint recorded
+    auto = make_precision("auto", "cpu")
+    chosen = "bf16:fp32_ops=attention"
+    record = AutoDecision(chosen, {"fp32": 0.11, chosen: 0.07}, device="cpu", candidates=["fp32", chosen, "bf16"])
+    auto.adopt_recorded(chosen, record.to_dict())
+    assert auto.name == chosen and auto.decision.source == "checkpoint"
+    assert auto.resolved.policy.fp32_ops == frozenset({"attention"})  # the policy itself, not uniform bf16
+    other = {**record.to_dict(), "chosen": "fp16:fp32_ops=softmax"}  # a policy auto never builds: still refused
+    with pytest.raises(ValueError, match="the recorded decision 'fp16:fp32_ops=softmax' is not a candidate"):
+        make_precision("auto", "cpu").adopt_recorded("fp16:fp32_ops=softmax", other)

@@ -40,8 +40,7 @@ from mixprec.precision.trial import no_trace, race_clock, run_trial
 if TYPE_CHECKING:
     from mixprec.scaling.scaler import GradScaler
 
-# Per-op-kind timing before the race (issue 23, op_timing.py): where bf16 attention's backward costs 4x fp32's, a
-# policy keeping attention in fp32 can beat both uniform modes; it then races them on the whole step.
+# the base of the policy the per-op-kind timing builds before the race (issue 23, op_timing.py)
 _POLICY_BASE = "bf16"
 
 
@@ -132,9 +131,8 @@ class AutoPrecision(Precision):
         is_main: bool = True,
         run: RunContext | None = None,
     ) -> None:
-        """As the base, plus ``agree`` (several processes: the main one's list of names for everyone) and
-        whether this is the main process (the one whose measurement is everyone's); ``run`` is the context
-        of the line it says again once it has decided (``announce()``)."""
+        """As the base, plus ``agree`` (several processes: the main one's list of names for everyone) and whether
+        this is the main process (whose measurement is everyone's); ``run``'s line is said again once decided."""
         super().configure(scaler_kwargs, found_inf_reducer, run=run)
         self._agree = agree
         self._is_main = is_main
@@ -156,8 +154,13 @@ class AutoPrecision(Precision):
         for p in self.candidates:
             p.forget_parameters()
 
-    def _add_candidate(self, candidate: Precision) -> None:
-        """A candidate made during the race (the measured policy), configured as the others were."""
+    def _add_candidate(self, candidate: Precision | str) -> None:
+        """A measured policy joins the candidates as configured as they are (by name: a cache's, a checkpoint's)."""
+        names = [p.name for p in self.candidates]
+        if isinstance(candidate, str):
+            if candidate in names or not candidate.startswith(f"{_POLICY_BASE}:") or _POLICY_BASE not in names:
+                return
+            candidate = make_policy(candidate, self.device)
         candidate.configure(getattr(self, "_scaler_kwargs", None), getattr(self, "_found_inf_reducer", None))
         candidate.register_param_names(self._param_names)
         self.candidates = sorted([*self.candidates, candidate], key=lambda p: p.safety_rank)
@@ -273,13 +276,12 @@ class AutoPrecision(Precision):
         passes_per_step: int = 1,
         compile_asked: bool = False,
     ) -> AutoDecision | None:
-        """Race the candidates on ``loss_fn`` (one forward of the real step, returning its loss) and adopt
-        the winner; return the decision. A no-op once decided. ``excluded`` names candidates that may not win,
-        with why; ``unsafe_formats`` formats so (fp16, which a diagnosis saw overflow); ``run_steps`` (the run's
-        length, if known) caps the race at a share of it; ``clock`` defaults to
-        :func:`~mixprec.precision.trial.race_clock`'s. A cached decision is re-checked by timing its chosen mode
-        now, and raced again if it is off. Costs a few forward+backward passes and host syncs, once per run; the
-        state of ``models`` and the RNG are left exactly as found.
+        """Race the candidates on ``loss_fn`` (one forward of the real step, returning its loss) and adopt the
+        winner; return the decision. A no-op once decided. ``excluded`` names candidates that may not win, with
+        why; ``unsafe_formats`` formats so (fp16, which a diagnosis saw overflow); ``run_steps`` (the run's length,
+        if known) caps the race at a share of it; ``clock`` defaults to :func:`~mixprec.precision.trial.race_clock`'s.
+        A cached decision is re-checked by timing its chosen mode now, and raced again if it is off. Costs a few
+        forward+backward passes and host syncs, once per run; ``models`` and the RNG are left exactly as found.
 
         ``in_run`` races as the run's own first steps instead (inrun.py; returns None: the decision comes at
         the optimizer step that ends the race, and each step must begin with :meth:`begin_step`). By default
@@ -301,8 +303,8 @@ class AutoPrecision(Precision):
         key = auto_cache.fingerprint(self.device, models, auto_cache.shapes_of(batch), key_names, self.processes)
         self.cache_key, self._compile_asked = (key if use_cache else None), compile_asked
         cached = auto_cache.lookup(key) if use_cache else None
-        if op_policy and cached is not None and cached.chosen not in names and cached.chosen.startswith(_POLICY_BASE):
-            self._add_candidate(make_policy(cached.chosen, self.device))  # a cached race's policy
+        if op_policy and cached is not None:
+            self._add_candidate(cached.chosen)  # a cached race's policy
             names = [p.name for p in self.candidates]  # safest first, the policy in its place
         same = self._agree or (lambda xs: xs)
         hit = same([cached.chosen] if cached is not None and cached.chosen in names else [])
@@ -394,6 +396,7 @@ class AutoPrecision(Precision):
 
     def adopt(self, decision: AutoDecision) -> None:
         """Run as ``decision.chosen`` from now on (a resumed run's recorded decision, or the race's)."""
+        self._add_candidate(decision.chosen)  # a resumed run's measured policy, or the main process's
         by_name = {p.name: p for p in self.candidates}
         if decision.chosen not in by_name:
             raise ValueError(
