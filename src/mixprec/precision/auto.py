@@ -155,7 +155,7 @@ class AutoPrecision(Precision):
             p.forget_parameters()
 
     def _add_candidate(self, candidate: Precision | str) -> None:
-        """A measured policy joins the candidates as configured as they are (by name: a cache's, a checkpoint's)."""
+        """A measured policy joins the candidates, configured like them (by name: a cache's or a checkpoint's)."""
         names = [p.name for p in self.candidates]
         if isinstance(candidate, str):
             if candidate in names or not candidate.startswith(f"{_POLICY_BASE}:") or _POLICY_BASE not in names:
