@@ -592,3 +592,20 @@ def test_a_resumed_run_keeps_the_measured_policy_its_checkpoint_recorded():
     other = {**record.to_dict(), "chosen": "fp16:fp32_ops=softmax"}  # a policy auto never builds: still refused
     with pytest.raises(ValueError, match="the recorded decision 'fp16:fp32_ops=softmax' is not a candidate"):
         make_precision("auto", "cpu").adopt_recorded("fp16:fp32_ops=softmax", other)
+
+
+def test_an_accelerator_that_loads_the_state_of_an_auto_run_keeps_its_measured_policy(monkeypatch, tmp_path):
+    # Accelerator.load_state of a run whose auto chose a measured policy raised "not a candidate" before
+    from mixprec.precision.op_timing import KindTiming
+
+    timings = (KindTiming("linear", 1, 1.0, 2.0), KindTiming("attention", 1, 12.0, 3.0))
+    _auto_decides_with_planted_op_timing(monkeypatch, timings)  # the planted policy wins; then a run to resume:
+    first = Accelerator(mixed_precision="auto", verbose=False)
+    model = first.prepare(AttentionLM())
+    first.backward(model(torch.randn(2, 4, 16)))
+    first.save_state(str(tmp_path / "state"))
+    again = Accelerator(mixed_precision="auto", verbose=False)
+    again.prepare(AttentionLM())
+    again.load_state(str(tmp_path / "state"))
+    assert again.mixed_precision == first.mixed_precision == "bf16:fp32_ops=attention"
+    assert again.auto_decision.source == "checkpoint"
