@@ -589,9 +589,9 @@ def test_a_resumed_run_keeps_the_measured_policy_its_checkpoint_recorded():
     auto.adopt_recorded(chosen, record.to_dict())
     assert auto.name == chosen and auto.decision.source == "checkpoint"
     assert auto.resolved.policy.fp32_ops == frozenset({"attention"})  # the policy itself, not uniform bf16
-    other = {**record.to_dict(), "chosen": "fp16:fp32_ops=softmax"}  # a policy auto never builds: still refused
-    with pytest.raises(ValueError, match="the recorded decision 'fp16:fp32_ops=softmax' is not a candidate"):
-        make_precision("auto", "cpu").adopt_recorded("fp16:fp32_ops=softmax", other)
+    other = {**record.to_dict(), "chosen": "bf16-pure"}  # a mode auto does not race: still refused
+    with pytest.raises(ValueError, match="the recorded decision 'bf16-pure' is not a candidate"):
+        make_precision("auto", "cpu").adopt_recorded("bf16-pure", other)
 
 
 def test_an_accelerator_that_loads_the_state_of_an_auto_run_keeps_its_measured_policy(monkeypatch, tmp_path):

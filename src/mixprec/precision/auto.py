@@ -31,7 +31,7 @@ from mixprec.precision.decision import AutoDecision, excluded_by_format
 from mixprec.precision.inrun import InRunRace, in_run_plan
 from mixprec.precision.master_weights import master_names
 from mixprec.precision.op_timing import measure_op_kinds, op_timing_budget, op_timing_skipped, policy_candidate
-from mixprec.precision.policy import make_policy
+from mixprec.precision.policy import recorded_policy
 from mixprec.precision.probe import emulated_candidates
 from mixprec.precision.race import ROUNDS, Agree, Clock, Unfinished, decide, decide_steps, recheck
 from mixprec.precision.race_step import SCALE_BACKOFF, Optimizers, RaceSteps
@@ -154,13 +154,10 @@ class AutoPrecision(Precision):
         for p in self.candidates:
             p.forget_parameters()
 
-    def _add_candidate(self, candidate: Precision | str) -> None:
-        """A measured policy joins the candidates, configured like them (by name: a cache's or a checkpoint's)."""
-        names = [p.name for p in self.candidates]
-        if isinstance(candidate, str):
-            if candidate in names or not candidate.startswith(f"{_POLICY_BASE}:") or _POLICY_BASE not in names:
-                return
-            candidate = make_policy(candidate, self.device)
+    def _add_candidate(self, candidate: Precision | None) -> None:
+        """A measured policy joins the candidates, configured like them (None, or one already there: nothing)."""
+        if candidate is None or candidate.name in [p.name for p in self.candidates]:
+            return
         candidate.configure(getattr(self, "_scaler_kwargs", None), getattr(self, "_found_inf_reducer", None))
         candidate.register_param_names(self._param_names)
         self.candidates = sorted([*self.candidates, candidate], key=lambda p: p.safety_rank)
@@ -304,7 +301,7 @@ class AutoPrecision(Precision):
         self.cache_key, self._compile_asked = (key if use_cache else None), compile_asked
         cached = auto_cache.lookup(key) if use_cache else None
         if op_policy and cached is not None:
-            self._add_candidate(cached.chosen)  # a cached race's policy
+            self._add_candidate(recorded_policy(cached.chosen, names, self.device))  # a cached race's policy
             names = [p.name for p in self.candidates]  # safest first, the policy in its place
         same = self._agree or (lambda xs: xs)
         hit = same([cached.chosen] if cached is not None and cached.chosen in names else [])
@@ -396,7 +393,7 @@ class AutoPrecision(Precision):
 
     def adopt(self, decision: AutoDecision) -> None:
         """Run as ``decision.chosen`` from now on (a resumed run's recorded decision, or the race's)."""
-        self._add_candidate(decision.chosen)  # a resumed run's measured policy, or the main process's
+        self._add_candidate(recorded_policy(decision.chosen, [p.name for p in self.candidates], self.device))
         by_name = {p.name: p for p in self.candidates}
         if decision.chosen not in by_name:
             raise ValueError(

@@ -108,3 +108,10 @@ def make_policy(spec: str, device: torch.device | str | None = None) -> PolicyMi
             f"{' or '.join(repr(b + ':') for b in POLICY_BASES)}"
         )
     return POLICY_BASES[policy.base](policy.fp32_ops, device)
+
+
+def recorded_policy(name: str, bases: Iterable[str], device: torch.device | str) -> PolicyMixedPrecision | None:
+    """The policy a record names (a cached race's decision, a checkpoint's) as a strategy, where "auto" could
+    have measured it: a policy whose base mode is one of ``bases`` (auto's candidates' names); None for any
+    other name. auto's candidates are the registered modes, so a policy it measured must be made again."""
+    return make_policy(name, device) if ":" in name and name.split(":")[0] in set(bases) else None
