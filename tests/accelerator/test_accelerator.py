@@ -404,3 +404,15 @@ def test_the_example_restarted_by_the_launcher_continues_from_its_newest_checkpo
         load_tensors(tmp_path / "restarted" / "model.safetensors"),
     )
     assert all(torch.equal(whole[k], restarted[k]) for k in whole)  # steps 5-6 again, bit for bit
+
+
+def test_a_model_with_gradient_checkpointing_is_refused_at_prepare_under_a_per_op_policy() -> None:
+    # the recompute in backward does not run the policy's fp32 regions: said at prepare, naming the fix, not as a
+    # traceback from the first backward; the uniform mode prepares the same model
+    from mixprec.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"^prepare\(\): GPT has gradient checkpointing on, .*use precision='bf16'"):
+        Accelerator(mixed_precision="bf16:fp32_ops=attention", verbose=False).prepare(model)
+    Accelerator(mixed_precision="bf16", verbose=False).prepare(model)

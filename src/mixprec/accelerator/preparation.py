@@ -28,6 +28,7 @@ from mixprec.accelerator.prepared import (
 )
 from mixprec.accelerator.step_in_backward import BackwardStepper
 from mixprec.loaders.data import PreparedDataLoader, prepare_dataloader, skip_first_batches
+from mixprec.precision.policy import recomputes_activations
 
 if TYPE_CHECKING:
     from mixprec.accelerator.config import AcceleratorConfig
@@ -109,6 +110,11 @@ class Preparation:
                 return model
             raise ValueError(f"{type(model).__name__} was prepared by another Accelerator")
         check_preparable(model)
+        if self._precision.recompute_refusal and recomputes_activations(model):  # said here, not at backward
+            raise ValueError(
+                f"prepare(): {type(model).__name__} has gradient checkpointing on, and precision "
+                f"{self._precision.name!r} cannot train it: {self._precision.recompute_refusal}"
+            )
         model = self._strategy.wrap_model(model, self._precision)
         # the forward under autocast, and through DDP's wrapper where the strategy has one (it arms the sync)
         patch_forward(model, self._precision, self._strategy.training_forward(model))

@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 
 from mixprec.precision.base import Precision
 from mixprec.precision.op_policy import OP_KINDS, OpPolicy, kind_of
-from mixprec.precision.policy import POLICY_BASES, make_policy
+from mixprec.precision.policy import POLICY_BASES, make_policy, recomputes_activations
 from mixprec.precision.race import BUDGET_SHARE
 
 # fp32 must be 5% faster than the low-precision kernel to be forced: a kind within the noise stays as autocast
@@ -302,7 +302,7 @@ def op_timing_skipped(run_steps: int | None, models: Sequence[torch.nn.Module] =
     timing alone took 9% of the run, for a policy that came out uniform bf16). Nor where one of ``models``
     recomputes its activations in backward (gradient checkpointing): the recompute does not run a policy's
     fp32 regions, so no policy could train it (policy.py refuses it), and racing one crashed the run."""
-    if any(_recomputes(m) for m in models):
+    if any(recomputes_activations(m) for m in models):
         return (
             "per-op-kind timing skipped: the model recomputes its activations in backward (gradient "
             "checkpointing), where a per-op policy's fp32 regions do not hold; the uniform modes race"
@@ -313,14 +313,6 @@ def op_timing_skipped(run_steps: int | None, models: Sequence[torch.nn.Module] =
         f"per-op-kind timing skipped: its shortest course (~{SHORTEST_PASSES} passes of the step) would cost "
         f"over {BUDGET_SHARE:.0%} of this {run_steps}-pass run; the uniform modes race"
     )
-
-
-def _recomputes(model: torch.nn.Module) -> bool:
-    """Whether ``model`` (or the module a wrapper holds: DDP's ``module``, torch.compile's ``_orig_mod``) has
-    gradient checkpointing on, by HF's flag (mixprec's GPT has it too). A hand-made ``torch.utils.checkpoint``
-    call inside a forward is not seen: a policy then fails on its first backward, naming the fix."""
-    inner = [model, getattr(model, "module", None), getattr(model, "_orig_mod", None)]
-    return any(bool(getattr(m, "is_gradient_checkpointing", False)) for m in inner if m is not None)
 
 
 def op_timing_budget(run_steps: int | None) -> Callable[[float], float]:

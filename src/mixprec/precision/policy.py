@@ -115,3 +115,12 @@ def recorded_policy(name: str, bases: Iterable[str], device: torch.device | str)
     have measured it: a policy whose base mode is one of ``bases`` (auto's candidates' names); None for any
     other name. auto's candidates are the registered modes, so a policy it measured must be made again."""
     return make_policy(name, device) if ":" in name and name.split(":")[0] in set(bases) else None
+
+
+def recomputes_activations(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or the module a wrapper holds: DDP's ``module``, torch.compile's ``_orig_mod``) has
+    activation (gradient) checkpointing on, by HF's flag (mixprec's GPT has it too): what a policy cannot train
+    (``recompute_refusal``). A hand-made ``torch.utils.checkpoint`` call inside a forward is not seen; a policy
+    then fails on its first backward, naming the fix."""
+    inner = [model, getattr(model, "module", None), getattr(model, "_orig_mod", None)]
+    return any(bool(getattr(m, "is_gradient_checkpointing", False)) for m in inner if m is not None)
