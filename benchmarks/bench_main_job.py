@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -56,8 +55,7 @@ def run_once(precision: str, folder: Path, extra: list[str], threads: int | None
     }
     decision = summary.get("auto_precision") or {}
     if decision:  # what auto's race cost: the op timing's replays + the race (aside: its trials; in-run: the excess)
-        found = re.search(r"\(([\d.]+) s;", decision.get("op_timing", ""))
-        cost = (float(found.group(1)) if found else 0.0) + decision.get("cost_seconds", 0.0)
+        cost = decision.get("op_timing_seconds", 0.0) + decision.get("cost_seconds", 0.0)
         out["race_cost_s"] = round(cost, 2)
         out["race_share"] = round(cost / summary["train_runtime"], 4) if summary.get("train_runtime") else None
         out["race_steps"] = decision.get("in_run_steps", 0)

@@ -489,6 +489,7 @@ def test_a_measured_per_op_policy_joins_the_race_and_wins_when_its_whole_step_is
     assert decision.candidates == ["fp32", "bf16:fp32_ops=attention", "bf16"]
     assert decision.step_seconds["bf16:fp32_ops=attention"] < decision.step_seconds["bf16"]
     assert "attention" in decision.op_timing and "policy: bf16:fp32_ops=attention" in decision.table()
+    assert decision.op_timing_seconds == 0.01  # the timing's own seconds, counted in the run's race time
 
 
 def test_a_policy_that_saves_a_large_share_of_its_base_modes_step_is_raced_without_the_base(monkeypatch):

@@ -40,8 +40,7 @@ from mixprec.precision.trial import no_trace, race_clock, run_trial
 if TYPE_CHECKING:
     from mixprec.scaling.scaler import GradScaler
 
-# the base of the policy the per-op-kind timing builds before the race (issue 23, op_timing.py)
-_POLICY_BASE = "bf16"
+_POLICY_BASE = "bf16"  # the base of the policy the per-op-kind timing builds (issue 23, op_timing.py)
 
 
 class AutoPrecision(Precision):
@@ -345,11 +344,13 @@ class AutoPrecision(Precision):
             if self.prefilter and alone:
                 excluded.update({k: v for k, v in emulated_candidates(self.candidates).items() if k not in excluded})
             op_report = op_timing_skipped(run_steps, models) if op_policy else ""  # short run, or recomputes
+            op_seconds = 0.0
             uniform = len(names) == len(by_name) and not any(":" in n for n in names)  # no policy raced yet
             if op_policy and not op_report and _POLICY_BASE not in excluded and uniform:
                 with self._selecting(by_name[_POLICY_BASE]):  # its forward is not the step that settles (pending)
                     report = measure_op_kinds(loss_fn, self.device, _POLICY_BASE, budget_s=op_timing_budget(run_steps))
                 op_report, policy = report.explain(), policy_candidate(report, self.device)
+                op_seconds = report.elapsed_s
                 if policy is not None:
                     self._add_candidate(policy)
                     names = [p.name for p in self.candidates]  # safest first: fp32, the policy, bf16, ...
@@ -373,7 +374,9 @@ class AutoPrecision(Precision):
                 if stale:
                     decision = AutoDecision(**{**decision.to_dict(), "checked": stale})
                 if op_report:
-                    decision = AutoDecision(**{**decision.to_dict(), "op_timing": op_report})
+                    decision = AutoDecision(
+                        **{**decision.to_dict(), "op_timing": op_report, "op_timing_seconds": op_seconds}
+                    )
                 if not self._is_main:
                     decision = decision.with_source("main process")
                 if use_cache and decision.source == "measured":

@@ -43,6 +43,7 @@ class AutoDecision:
     measured_at: str = ""  # when the race ran (UTC, ISO 8601): a cached decision says how old it is
     checked: str = ""  # a cached decision's re-check in this run: what was measured, and the verdict
     op_timing: str = ""  # the per-op-kind timing behind a policy candidate (op_timing.OpTimingReport.explain)
+    op_timing_seconds: float = 0.0  # what that timing took (before the race: not in cost_seconds)
     # the race's trials were the run's first training steps (this many), not trials aside from it: its cost is
     # then their time over the chosen mode's
     in_run_steps: int = 0
