@@ -147,11 +147,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float | None]]:
     vocab = GPT_PRESETS[args.model].vocab_size
     batch = torch.randint(vocab, (args.batch_size, args.seq_len + 1), generator=generator).to(args.device)
     variants: dict[str, Callable[[], None]] = {}
-    initial = {tool: {k: v.clone() for k, v in model.state_dict().items()} for tool, model in models.items()}
     for tool, model in models.items():
         for name in args.precisions.split(","):
             # every variant trains its own copy from the same start (an optimizer per copy)
-            variants[f"{tool} {name}"] = make_step(tool, _fresh_copy(model, initial[tool]), name, batch, args.compile)
+            variants[f"{tool} {name}"] = make_step(tool, copy.deepcopy(model), name, batch, args.compile)
     for step in variants.values():
         for _ in range(args.warmup):
             step()
@@ -161,12 +160,6 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float | None]]:
         for key in order if r % 2 == 0 else reversed(order):
             times[key].append(time_steps(variants[key], args.steps, batch.device))
     return report(args, times)
-
-
-def _fresh_copy(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    twin = copy.deepcopy(model)
-    twin.load_state_dict(state)
-    return twin
 
 
 def report(args: argparse.Namespace, times: dict[str, list[float]]) -> dict[str, dict[str, float | None]]:
