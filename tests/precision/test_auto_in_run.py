@@ -263,3 +263,46 @@ def test_a_short_in_run_race_keeps_a_mode_one_burst_made_slower_than_the_safest(
     except StopIteration as stop:
         decision = stop.value
     assert "bf16" not in decision.dropped and bf16_steps >= 1 + race.EARLY_ROUNDS  # timed on, not dropped
+
+
+def test_a_long_trainer_run_races_the_measured_policy_as_its_steps_times_it_in_the_summary_and_resumes_in_it(
+    monkeypatch, tmp_path
+):
+    # the default job's path: the op timing builds a policy that rules uniform bf16 out, the policy races fp32 as
+    # the run's own steps, the summary's race counts the op timing too, and a resume keeps the policy
+    from mixprec.precision import auto as auto_module
+    from mixprec.precision.op_timing import KindTiming, OpTimingReport, policy_from_timings
+
+    timings = (KindTiming("linear", 1, 1.0, 2.0), KindTiming("attention", 1, 12.0, 3.0))
+    planted = lambda forward, device, base, budget_s: OpTimingReport(  # noqa: E731
+        base, str(device), timings, policy_from_timings(base, timings), 0.25
+    )
+    monkeypatch.setattr(auto_module, "measure_op_kinds", planted)
+    monkeypatch.setenv("MIXPREC_AUTO_OP_POLICY", "1")
+    monkeypatch.delenv("MIXPREC_AUTO_RACE", raising=False)
+    _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+
+    def train(max_steps: int, resume: bool = False) -> Trainer:
+        args = TrainingArguments(
+            output_dir=str(tmp_path),
+            disable_tqdm=True,
+            save_plots=False,
+            save_steps=200,
+            precision="auto",
+            max_steps=max_steps,
+            per_device_train_batch_size=4,
+            logging_steps=1000,
+        )
+        trainer = Trainer(make_model(), args, train_dataset=make_examples(64))
+        trainer.train(resume_from_checkpoint=resume or None)
+        return trainer
+
+    decision = train(200).accelerator.auto_decision
+    assert decision.chosen == "bf16:fp32_ops=attention" and decision.in_run_steps > 0
+    assert set(decision.step_seconds) == {"fp32", "bf16:fp32_ops=attention"} and "bf16" in decision.excluded
+    summary = json.loads((tmp_path / "train_summary.json").read_text())
+    assert decision.op_timing_seconds == 0.25
+    assert summary["time"]["run_seconds"]["race"] == pytest.approx(0.25 + decision.cost_seconds, abs=1e-3)
+    resumed = train(210, resume=True)
+    assert resumed.accelerator.mixed_precision == "bf16:fp32_ops=attention"
+    assert resumed.accelerator.auto_decision.source == "checkpoint" and resumed.state.global_step == 210
