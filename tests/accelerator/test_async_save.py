@@ -159,6 +159,40 @@ def test_trainer_async_save_checkpoints_are_complete_and_resume_exactly(tmp_path
         assert torch.equal(a, b), name
 
 
+def test_torchaos_8bit_optimizer_states_save_asynchronously_and_resume_exactly(tmp_path):
+    # torchao's 8-bit states are tensor subclasses (codes, block scales, one shared map) without empty_like or
+    # copy_: the async copy takes the plain tensors they hold and builds the states again around their copies
+    # (`mixprec train --optim adamw_torch_8bit` saved asynchronously and crashed at its first checkpoint)
+    pytest.importorskip("torchao.optim")
+
+    def trainer(out: Path) -> Trainer:
+        torch.manual_seed(0)
+        args = TrainingArguments(
+            str(out),
+            max_steps=4,
+            save_steps=2,
+            async_save=True,
+            optim="adamw_torch_8bit",
+            per_device_train_batch_size=4,
+            learning_rate=1e-2,
+            report_to="none",
+            use_cpu=True,
+            logging_steps=100,
+        )
+        return Trainer(model=TinyLM(width=128), args=args, train_dataset=data())  # 128x128: past 8-bit's minimum
+
+    straight = trainer(tmp_path / "a")
+    straight.train()
+    states = [s for s in straight.optimizer.state_dict()["state"].values() if "exp_avg" in s]
+    assert any(type(s["exp_avg"]).__name__ == "OptimState8bit" for s in states)  # the subclass was saved
+    verify_manifest(tmp_path / "a" / "checkpoint-2")
+    shutil.copytree(tmp_path / "a" / "checkpoint-2", tmp_path / "b" / "checkpoint-2")  # as if stopped there
+    resumed = trainer(tmp_path / "b")
+    resumed.train(resume_from_checkpoint=True)
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_async_save_is_refused_with_sharded_state() -> None:
     acc = Accelerator(cpu=True, distributed="fsdp", fsdp_state_dict_type="sharded", verbose=False)
     try:

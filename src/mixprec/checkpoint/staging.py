@@ -16,17 +16,19 @@ rewrites (a BatchNorm's running statistics: the caller names their addresses in 
 capture. Tensors off the CPU are copied at the capture, all of them, as before: a copy from a CUDA device on
 another thread would need a stream of its own, ordered after the step's kernels (not built yet).
 
-Non-tensor leaves (a learning rate, a step kept as a number) are not copied: they are taken as they are at the
+A tensor subclass that wraps plain tensors (torchao's low-bit optimizer states) is copied as the tensors it
+holds and built again around the copies. Non-tensor leaves (a learning rate, a step kept as a number) are not copied: they are taken as they are at the
 call, in new containers, as ``copy.deepcopy`` would keep immutable values.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Set
+from collections.abc import Callable, Iterator, Set
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from mixprec.tree import TreeSpec, tree_flatten, tree_unflatten
 
@@ -56,7 +58,7 @@ class HostStaging:
         elif now:
             clones: dict[tuple[Any, ...], torch.Tensor] = {}  # a buffer under two names stays one tensor
             for position, i in enumerate(tensor_at):
-                if leaves[i].numel() and leaves[i].data_ptr() in now:
+                if leaves[i].numel() and not is_traceable_wrapper_subclass(leaves[i]) and leaves[i].data_ptr() in now:
                     key = _key(leaves[i], position)
                     if key not in clones:
                         clones[key] = leaves[i].clone()  # preserve_format: a sync save's strides
@@ -65,7 +67,7 @@ class HostStaging:
 
     def _copy(self, leaves: list[Any], tensor_at: list[int]) -> None:
         """Replace each tensor leaf by its host buffer, filled with its values."""
-        tensors = [leaves[i] for i in tensor_at]
+        tensors, rebuild = _unwrapped([leaves[i] for i in tensor_at])
         keys = [_key(t, i) for i, t in enumerate(tensors)]
         if keys != self._keys:
             self._plan(tensors, keys)
@@ -74,8 +76,8 @@ class HostStaging:
             sources[slot] = tensor
         if self._buffers:
             _copy_into(self._buffers, sources)  # type: ignore[arg-type]
-        for i, slot in zip(tensor_at, self._slot):
-            leaves[i] = self._buffers[slot]
+        for i, copy in zip(tensor_at, rebuild([self._buffers[slot] for slot in self._slot])):
+            leaves[i] = copy
 
     def _plan(self, tensors: list[torch.Tensor], keys: list[tuple[Any, ...]]) -> None:
         # buffers of the old plan are kept where one fits (same shape and dtype): a state that changed shape
@@ -117,6 +119,35 @@ class Staged:
         """The state with host copies (copied first if need be); rebuilding the containers is a tree walk."""
         self.copy()
         return tree_unflatten(self._leaves, self._spec)
+
+
+def _unwrapped(
+    tensors: list[torch.Tensor],
+) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], list[torch.Tensor]]]:
+    """``tensors`` as plain tensors, and how to build them again from copies of those. A tensor subclass that
+    wraps plain tensors (torchao's 8-bit and 4-bit optimizer states: codes, scales and a shared quantisation
+    map; torch's DTensor) stands for the tensors it holds, since such a class need not implement ``empty_like``
+    or ``copy_``; its copy is the class built again (``__tensor_unflatten__``) around copies of them."""
+    flat: list[torch.Tensor] = []
+
+    def take(tensor: torch.Tensor) -> Callable[[Iterator[torch.Tensor]], torch.Tensor]:
+        if not is_traceable_wrapper_subclass(tensor):
+            flat.append(tensor)
+            return next
+        names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+        inner = [take(getattr(tensor, name)) for name in names]
+        cls, size, stride = type(tensor), tensor.size(), tensor.stride()
+        return lambda copies: cls.__tensor_unflatten__(  # type: ignore[attr-defined]
+            {name: build(copies) for name, build in zip(names, inner)}, context, size, stride
+        )
+
+    builds = [take(t) for t in tensors]
+
+    def rebuild(copies: list[torch.Tensor]) -> list[torch.Tensor]:
+        each = iter(copies)
+        return [build(each) for build in builds]
+
+    return flat, rebuild
 
 
 def _copy_into(buffers: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
