@@ -239,7 +239,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def auto_run(distributed: str | None = None) -> dict:
-    accelerator = Accelerator(mixed_precision="auto", distributed=distributed, verbose=False)
+    os.environ["MIXPREC_AUTO_PREFILTER"] = "1"  # as a user's run: a mode emulated on this CPU is left out
+    try:
+        accelerator = Accelerator(mixed_precision="auto", distributed=distributed, verbose=False)
+    finally:
+        os.environ["MIXPREC_AUTO_PREFILTER"] = "0"
     model, optimizer, loader, scheduler = build(accelerator)
     for i, batch in enumerate(loader):
         accelerator.backward(model(batch["input_ids"], labels=batch["labels"]).loss)
@@ -249,7 +253,12 @@ def auto_run(distributed: str | None = None) -> dict:
             break
     decision = accelerator.auto_decision
     params = torch.cat([_local(p).detach().flatten().float() for p in model.parameters()])
-    return {"chosen": accelerator.mixed_precision, "source": decision.source, "params": params.tolist()}
+    return {
+        "chosen": accelerator.mixed_precision,
+        "source": decision.source,
+        "excluded": decision.excluded,
+        "params": params.tolist(),
+    }
 
 
 def auto_in_run(max_steps: int = 200) -> dict:
@@ -299,6 +308,9 @@ def main() -> None:
     if first.process_index == 1:
         first.set_trigger()  # only rank 1 raises it: every rank sees it, then it is lowered everywhere
     results["trigger"] = [quiet, first.check_trigger(), first.check_trigger()]
+    # "auto"'s agreement: rank 0's words for every rank, the race's own ("settled", "stop") as well as modes
+    agree = first.strategy.agreement()
+    results["agreed"] = agree(["bf16", "settled", "stop"] if first.is_main_process else ["fp32"])
     results["dispatched"] = dispatched()
     results["no_sync"] = no_sync_grads()
     results["local_sgd"] = local_sgd()

@@ -163,7 +163,7 @@ class Accelerator:
         self._precision.configure(
             self.config.scaler_kwargs,
             self._strategy.found_inf_reducer(),
-            agree=self._strategy.agreement([p.name for p in self._precision.options()]),
+            agree=self._strategy.agreement(),
             is_main=self._strategy.is_main_process,
             run=run_context(self.config, self._strategy),  # the precision says the run's line (auto: once decided)
         )

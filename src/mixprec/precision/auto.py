@@ -75,8 +75,7 @@ class AutoPrecision(Precision):
         if op_policy is None:
             op_policy = os.environ.get("MIXPREC_AUTO_OP_POLICY", "1") != "0"
         self.op_policy = op_policy and any(p.name == _POLICY_BASE for p in self.candidates)
-        # on a CPU, a mode the one-block probe shows emulated is left out before its first trial (probe.py;
-        # MIXPREC_AUTO_PREFILTER=0 races every candidate, as the tests with planted speeds need)
+        # a CPU mode the GEMM probe shows emulated is left out untried (probe.py; =0: planted-speed tests race all)
         self.prefilter = os.environ.get("MIXPREC_AUTO_PREFILTER", "1") != "0"
 
     def bind(self, device: torch.device, processes: int = 1) -> None:
@@ -341,8 +340,9 @@ class AutoPrecision(Precision):
                 stale = f"the cached race of {reused.measured_at or 'an earlier run'} did not hold ({note})"
 
             excluded = {**excluded_by_format(self.candidates, unsafe_formats or {}), **(excluded or {})}
-            if self.prefilter and alone:
-                excluded.update({k: v for k, v in emulated_candidates(self.candidates).items() if k not in excluded})
+            if self.prefilter:  # every process leaves out what the main one's probe found (the same trials for all)
+                found = same([f"{k}\n{v}" for k, v in emulated_candidates(self.candidates).items()])
+                excluded.update({k: v for k, v in (f.split("\n", 1) for f in found) if k not in excluded})
             op_report = op_timing_skipped(run_steps, models) if op_policy else ""  # short run, or recomputes
             op_seconds = 0.0
             uniform = len(names) == len(by_name) and not any(":" in n for n in names)  # no policy raced yet

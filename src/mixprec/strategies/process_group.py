@@ -156,15 +156,14 @@ class ProcessGroupStrategy(DistributedStrategy):
 
         return pytree.tree_map(lambda x: pad(x) if isinstance(x, torch.Tensor) else x, data)
 
-    def agreement(self, universe: list[str]) -> Callable[[list[str]], list[str]] | None:
+    def agreement(self) -> Callable[[list[str]], list[str]] | None:
         if self.num_processes == 1:
             return None
 
-        def agree(names: list[str]) -> list[str]:
-            # as a mask, so any sub-list in universe's order travels (one small broadcast)
-            mask = torch.tensor([name in names for name in universe], dtype=torch.int32, device=self.device)
-            mask = self.broadcast(mask, src=0)
-            return [name for name, keep in zip(universe, mask.tolist()) if keep]
+        def agree(words: list[str]) -> list[str]:
+            # any words travel, not only the modes' names: a mask over the candidates' names dropped the race's
+            # own "settled" and "stop", so under several processes every warm-up and race ran to its maximum
+            return list(self.broadcast_object(list(words), src=0))
 
         return agree
 

@@ -144,9 +144,10 @@ class DistributedStrategy:
         so ``data`` itself here (see :class:`~mixprec.strategies.process_group.ProcessGroupStrategy`)."""
         return data
 
-    def agreement(self, universe: list[str]) -> Callable[[list[str]], list[str]] | None:
-        """A function handing every process the main one's choice among ``universe`` ("auto" races in
-        lockstep and decides once); None with one process, which decides alone."""
+    def agreement(self) -> Callable[[list[str]], list[str]] | None:
+        """A function handing every process the main one's list of words ("auto" races in lockstep and decides
+        once: which modes race on, whether a warm-up has settled, whether to stop); None with one process,
+        which decides alone."""
         return None
 
     def found_inf_reducer(self) -> Callable[[torch.Tensor], None] | None:
