@@ -306,3 +306,5 @@ def test_a_long_trainer_run_races_the_measured_policy_as_its_steps_times_it_in_t
     resumed = train(210, resume=True)
     assert resumed.accelerator.mixed_precision == "bf16:fp32_ops=attention"
     assert resumed.accelerator.auto_decision.source == "checkpoint" and resumed.state.global_step == 210
+    summary = json.loads((tmp_path / "train_summary.json").read_text())  # the resumed run's: it raced nothing
+    assert summary["time"]["run_seconds"]["race"] == 0.0

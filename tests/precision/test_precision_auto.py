@@ -341,6 +341,8 @@ def test_a_repeated_run_reuses_the_cached_decision_and_cache_off_measures_again(
     assert second.auto_decision.source == "cache" and second.mixed_precision == "bf16"
     assert "reused a cached race" in second.precision.reason and "within the noise" in second.precision.reason
     assert first.auto_decision.measured_at in second.precision.reason  # says when it was measured
+    # this run's cost is its re-check (a few trials of bf16), not the cached race's (both modes, every round)
+    assert 0 < second.auto_decision.seconds_this_run < first.auto_decision.seconds_this_run
     monkeypatch.setenv("MIXPREC_AUTO_CACHE", "0")
     third = Accelerator(mixed_precision="auto", verbose=False)
     _train(third, steps=1)

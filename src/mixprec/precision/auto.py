@@ -331,11 +331,11 @@ class AutoPrecision(Precision):
                 source = "cache" if cached is not None and cached.chosen == hit[0] else "main process"
                 base = cached if cached is not None else AutoDecision(hit[0], {}, device=self.device.type)
                 reused = AutoDecision(**{**base.to_dict(), "chosen": hit[0], "source": source, "checked": ""})
-                holds, note = True, "not re-checked (several processes take the main one's)"
+                holds, note, spent = True, "not re-checked (several processes take the main one's)", 0.0
                 if source == "cache" and alone:  # checked, not trusted (issue 29)
-                    holds, note = recheck(reused, run, clock, clock_name)
+                    holds, note, spent = recheck(reused, run, clock, clock_name)
                 if holds:
-                    self.adopt(AutoDecision(**{**reused.to_dict(), "checked": note}))
+                    self.adopt(reused.reused_here(note, spent))
                     return self.decision
                 stale = f"the cached race of {reused.measured_at or 'an earlier run'} did not hold ({note})"
 

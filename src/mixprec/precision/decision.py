@@ -151,6 +151,16 @@ class AutoDecision:
         """A copy whose ``source`` says where the decision came from ("measured", "cache", "main process"...)."""
         return AutoDecision(**{**asdict(self), "source": source})
 
+    def reused_here(self, checked: str, seconds: float) -> AutoDecision:
+        """This cached decision as the run's: re-checked (``checked`` says how) in ``seconds``, all it cost here."""
+        return AutoDecision(**{**asdict(self), "checked": checked, "cost_seconds": seconds, "op_timing_seconds": 0.0})
+
+    @property
+    def seconds_this_run(self) -> float:
+        """What deciding cost the run that holds this decision: the op timing and the race (its replay too), or a
+        cached decision's re-check; nothing for a checkpoint's, kept from the run that measured it."""
+        return 0.0 if self.source == "checkpoint" else self.op_timing_seconds + self.cost_seconds
+
     def with_replay(self, steps: int, seconds: float) -> AutoDecision:
         """This decision after the Trainer replayed the race's ``steps`` in the chosen mode, in ``seconds``
         (counted in the race's cost)."""

@@ -337,9 +337,11 @@ def recheck_steps(decision: AutoDecision, clock_name: str) -> Generator[Trial, O
     )
 
 
-def recheck(decision: AutoDecision, run: Run, clock: Clock, clock_name: str) -> tuple[bool, str]:
-    """:func:`recheck_steps` run back to back."""
-    return drive(recheck_steps(decision, clock_name), run, clock)
+def recheck(decision: AutoDecision, run: Run, clock: Clock, clock_name: str) -> tuple[bool, str, float]:
+    """:func:`recheck_steps` run back to back; the wall seconds it took last."""
+    start = time.perf_counter()
+    holds, note = drive(recheck_steps(decision, clock_name), run, clock)
+    return holds, note, time.perf_counter() - start
 
 
 def decide_steps(

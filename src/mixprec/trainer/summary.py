@@ -161,8 +161,8 @@ def finish_run(run: RunContext, steps_before: int, compiled: dict[str, Any] | No
         device=acc.device,
         comm=acc.config.comm_dtype.describe(acc.num_processes),
     )
-    decision = acc.auto_decision  # its race: the op timing before it, then the trials (and their replay)
-    race = decision.op_timing_seconds + decision.cost_seconds if decision is not None else 0.0
+    decision = acc.auto_decision  # this run's race: the op timing, the trials and their replay, or a re-check
+    race = decision.seconds_this_run if decision is not None else 0.0
     summary["time"] = meter.phases.breakdown(summary["train_runtime"], summary["train_loss_steps"], race)
     if compiled is not None:
         summary["compile"] = compiled
