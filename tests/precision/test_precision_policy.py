@@ -165,3 +165,25 @@ def test_a_policy_says_up_front_that_it_cannot_train_with_activation_checkpointi
     assert "use precision='bf16'" in resolve_precision("bf16:fp32_ops=attention", "cpu").recompute_refusal
     assert "use precision='fp16'" in recompute_refusal("fp16:fp32_ops=softmax")
     assert [recompute_refusal(n) for n in ("fp32", "bf16", "fp16", "bf16-pure", "auto")] == [""] * 5
+
+
+def test_a_model_with_checkpointing_on_is_seen_by_either_hf_flag_without_a_deprecation_warning():
+    # what auto asks before timing op kinds and what prepare asks before a policy: HF 5 models answer
+    # is_activation_checkpointing, and their old is_gradient_checkpointing warns; mixprec's GPT has the old one
+    import warnings
+
+    from mixprec.precision.policy import recomputes_activations
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    hf = transformers.GPT2LMHeadModel(config)
+    gpt = _gpt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert not recomputes_activations(hf) and not recomputes_activations(gpt)
+        enable = getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable
+        enable()
+        gpt.gradient_checkpointing_enable()
+        wrapper = torch.nn.Module()
+        wrapper.module = hf  # as DDP holds it
+        assert recomputes_activations(hf) and recomputes_activations(wrapper) and recomputes_activations(gpt)

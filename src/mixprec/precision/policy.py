@@ -123,4 +123,10 @@ def recomputes_activations(model: torch.nn.Module) -> bool:
     (``recompute_refusal``). A hand-made ``torch.utils.checkpoint`` call inside a forward is not seen; a policy
     then fails on its first backward, naming the fix."""
     inner = [model, getattr(model, "module", None), getattr(model, "_orig_mod", None)]
-    return any(bool(getattr(m, "is_gradient_checkpointing", False)) for m in inner if m is not None)
+    return any(_recomputes(m) for m in inner if m is not None)
+
+
+def _recomputes(module: torch.nn.Module) -> bool:
+    # HF 5's name first: its old one, still on every HF 5 model, warns that it goes in v6
+    flag = getattr(module, "is_activation_checkpointing", None)
+    return bool(flag if flag is not None else getattr(module, "is_gradient_checkpointing", False))
