@@ -10,7 +10,8 @@ decides, :meth:`RaceRewind.replay` puts the snapshot back and trains those micro
 of the chosen mode (:func:`replay_micro_batch`: the loop's step without its events). From then on the run is
 bit-identical to one that named the chosen mode: its weights, moments, schedule, loss scale, skipped steps and
 RNG are that run's. What stays the race's: the losses, grad norms and skipped-step events already logged for
-those steps (each skip event says ``race_step``), the step count, samples and tokens (the steps are not counted
+those steps (each skip event says ``race_step``), an evaluation that fell on one of them (``eval_steps`` shorter
+than the race: its metrics are the race's model's), the step count, samples and tokens (the steps are not counted
 twice), and anything a callback did at them (a ``training_step`` override runs again for each replayed
 micro-batch). The decision says what was replayed and what it cost (``replayed_steps``, ``replay_seconds``,
 within ``cost_seconds``).
