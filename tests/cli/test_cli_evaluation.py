@@ -8,7 +8,7 @@ import json
 import pytest
 
 from mixprec import Trainer, TrainingArguments
-from mixprec.cli._evaluation import EVAL_BATCH_FACTOR, LOGITS_BYTES, LOGITS_SHARE, eval_batch_size
+from mixprec.cli._evaluation import EVAL_BATCH_FACTOR, EVAL_BATCH_TOKENS, LOGITS_BYTES, LOGITS_SHARE, eval_batch_size
 from mixprec.cli.main import main
 from mixprec.trainer import trainer as trainer_module
 
@@ -32,8 +32,10 @@ def test_the_run_evaluates_at_a_larger_batch_and_reports_the_same_validation_los
     record = json.loads((run / "run.json").read_text())
     trainer = trained[0]
     windows = len(trainer.eval_dataset)
-    assert windows > 4 * EVAL_BATCH_FACTOR  # the corpus holds enough windows for the rule to show
-    assert record["training_arguments"]["per_device_eval_batch_size"] == 4 * EVAL_BATCH_FACTOR
+    # 4 training batches of 32-token windows are fewer tokens than EVAL_BATCH_TOKENS; the corpus holds fewer still
+    batch = min(EVAL_BATCH_TOKENS // 32, windows)
+    assert batch > 4 * EVAL_BATCH_FACTOR  # enough windows for the rule to show
+    assert record["training_arguments"]["per_device_eval_batch_size"] == batch
 
     # the trained model, evaluated on the same windows at the training batch: the same figure
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -55,6 +57,9 @@ def test_the_eval_batch_is_bounded_by_the_logits_memory_and_the_windows():
     # a small vocabulary: EVAL_BATCH_FACTOR training batches, unless there are fewer windows to evaluate
     assert eval_batch_size(16, 128, 256, 512, 2**34) == 16 * EVAL_BATCH_FACTOR
     assert eval_batch_size(16, 128, 256, 40, 2**34) == 40
+    # a training batch of few, short windows: EVAL_BATCH_TOKENS tokens a batch (not thousands of tiny forwards)
+    assert eval_batch_size(1, 2, 256, 32_768, 2**34) == EVAL_BATCH_TOKENS // 2
+    assert eval_batch_size(1, 1024, 256, 10_000, 2**34) == EVAL_BATCH_TOKENS // 1024
     # GPT-2 on an 80 GB GPU: as many windows as 1/8 of it holds logits for, never below the training batch
     fits = int(80e9 * LOGITS_SHARE) // per_window
     assert 16 < fits < 16 * EVAL_BATCH_FACTOR

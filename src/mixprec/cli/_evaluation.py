@@ -34,6 +34,10 @@ EVAL_TOKENS = 2**16
 
 EVAL_BATCH_FACTOR = 4
 """The evaluation batch, in training batches, where the logits allow it."""
+EVAL_BATCH_TOKENS = 2**13
+"""The evaluation batch's tokens at least, where the logits allow it (the default run's 64 windows of 128): a
+training batch of a few short sequences would otherwise read ``EVAL_TOKENS`` in thousands of tiny forwards
+(``--batch-size 1 --seq-len 2``: 8,192 of them, 6.2 s of a 5-step run)."""
 LOGITS_BYTES = 10
 """Bytes per logit an evaluation holds at its peak: the compute dtype's (2 under bf16/fp16 autocast), the fp32
 copy the loss takes, and its fp32 log-softmax."""
@@ -54,10 +58,10 @@ def device_memory_bytes() -> int | None:
 def eval_batch_size(
     train_batch: int, seq_len: int, vocab_size: int, eval_windows: int, memory_bytes: int | None
 ) -> int:
-    """``EVAL_BATCH_FACTOR`` training batches, at most the batch whose logits fit in ``LOGITS_SHARE`` of
-    ``memory_bytes`` (unbounded when None) but never below ``train_batch``, and never more than the
-    ``eval_windows`` there are to evaluate."""
-    batch = train_batch * EVAL_BATCH_FACTOR
+    """``EVAL_BATCH_FACTOR`` training batches (``EVAL_BATCH_TOKENS`` at least), at most the batch whose logits
+    fit in ``LOGITS_SHARE`` of ``memory_bytes`` (unbounded when None) but never below ``train_batch``, and never
+    more than the ``eval_windows`` there are to evaluate."""
+    batch = max(train_batch * EVAL_BATCH_FACTOR, EVAL_BATCH_TOKENS // max(1, seq_len))
     if memory_bytes is not None:
         fits = int(memory_bytes * LOGITS_SHARE) // max(1, seq_len * vocab_size * LOGITS_BYTES)
         batch = min(batch, max(train_batch, fits))
