@@ -104,11 +104,62 @@ def test_free_memory_unhooks_the_parameters() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def test_auto_races_without_fp16_and_its_trials_step_no_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the default precision with the step in backward was refused ("auto may choose fp16"): auto now leaves the
+    # modes that scale the loss out of its race, saying why, and a trial's backward (raced aside) updates nothing,
+    # so the run is bit for bit the one that named the winner
+    monkeypatch.setenv("MIXPREC_AUTO_RACE", "aside")
+    accelerator, model, optimizer, _ = train("auto", True)
+    decision = accelerator.auto_decision
+    assert decision.source == "measured" and "fp16" not in decision.step_seconds
+    assert decision.excluded["fp16"].startswith("step_in_backward=True: its loss scaling needs every gradient")
+    _, named, named_optimizer, _ = train(accelerator.mixed_precision, True)
+    for a, b in zip(model.parameters(), named.parameters()):
+        assert torch.equal(a, b)
+    assert optimizer.state_dict()["state"].keys() == named_optimizer.state_dict()["state"].keys()
+
+
+def test_the_trainer_under_auto_steps_in_backward_and_its_race_replays_to_the_winners_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # raced as the run's steps (each updating in backward), then replayed in the winner: the named run's weights
+    monkeypatch.setenv("MIXPREC_AUTO_RACE", "in-run")
+
+    def trainer(precision: str) -> Trainer:
+        args = TrainingArguments(
+            output_dir=str(tmp_path / precision),
+            precision=precision,
+            step_in_backward=True,
+            max_grad_norm=0,
+            max_steps=40,
+            per_device_train_batch_size=8,
+            learning_rate=1e-2,
+            report_to="none",
+            disable_tqdm=True,
+            save_plots=False,
+            use_cpu=True,
+        )
+        result = Trainer(make_tiny_lm(), args, train_dataset=[b for batch in make_batches(40) for b in _rows(batch)])
+        result.train()
+        return result
+
+    auto = trainer("auto")
+    decision = auto.accelerator.auto_decision
+    assert (
+        decision.in_run_steps > 0 and decision.replayed_steps == decision.in_run_steps and "fp16" in decision.excluded
+    )
+    named = trainer(auto.accelerator.mixed_precision)
+    for a, b in zip(auto.model.parameters(), named.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def _rows(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    return [{k: v[i] for k, v in batch.items()} for i in range(len(batch["input_ids"]))]
+
+
 def test_what_it_cannot_honour_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="fp16's loss scaling skips a step"):
         Accelerator(mixed_precision="fp16", step_in_backward=True, verbose=False)
-    with pytest.raises(ValueError, match="mixed_precision='auto'.*use bf16, bf16-pure or fp32"):
-        Accelerator(mixed_precision="auto", step_in_backward=True, verbose=False)
     with pytest.raises(ValueError, match="gradient_accumulation_steps=2, step_in_backward=True"):
         Accelerator(gradient_accumulation_steps=2, step_in_backward=True, verbose=False)
     accelerator, model, _, _ = train("fp32", True, steps=1)

@@ -185,6 +185,16 @@ def test_step_in_backward_trains_without_clipping_and_says_so(tmp_path, corpus, 
     assert arguments["step_in_backward"] is True and arguments["max_grad_norm"] is None
 
 
+def test_step_in_backward_under_the_default_auto_races_without_fp16(tmp_path, corpus, capsys):
+    run = tmp_path / "run"
+    flags = [f for f in FAST if f not in ("--precision", "fp32")]  # the default precision: auto
+    assert (
+        main(["train", "--data", corpus, *flags, "--max-steps", "20", "--step-in-backward", "--output-dir", str(run)])
+        == 0
+    )
+    assert "fp16 excluded: step_in_backward=True: its loss scaling needs every gradient" in capsys.readouterr().err
+
+
 def test_a_bad_flag_value_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train", "--batch-size", "0"])

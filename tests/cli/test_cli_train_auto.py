@@ -27,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("quick_train_cli")  # conftest.py: tmp_path
 @pytest.fixture
 def bf16_wins(monkeypatch):
     monkeypatch.setattr(registry, "auto_candidates", lambda device: [SleepyFp32(device), Bf16MixedPrecision(device)])
+    monkeypatch.setenv("MIXPREC_AUTO_RACE", "aside")  # these runs of 2-4 steps would keep fp32 unraced
 
 
 def _events(run: Path, name: str) -> list[dict]:

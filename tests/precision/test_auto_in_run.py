@@ -118,8 +118,9 @@ def test_a_mode_that_keeps_weights_in_low_precision_races_aside(monkeypatch):
     assert accelerator.auto_decision.in_run_steps == 0 and out["racing"] == [False]
 
 
-@pytest.mark.parametrize("max_steps, env, in_run", [(120, None, True), (5, None, False), (120, "aside", False)])
-def test_the_trainer_races_a_long_run_as_its_steps_and_a_short_one_aside(monkeypatch, tmp_path, max_steps, env, in_run):
+@pytest.mark.parametrize("max_steps, env, in_run", [(120, None, True), (120, "aside", False), (5, "aside", False)])
+def test_the_trainer_races_a_long_run_as_its_steps_and_aside_when_asked(monkeypatch, tmp_path, max_steps, env, in_run):
+    # (a run too short for an in-run race does not race unless asked: the test below)
     if env:
         monkeypatch.setenv("MIXPREC_AUTO_RACE", env)
     _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
@@ -308,3 +309,42 @@ def test_a_long_trainer_run_races_the_measured_policy_as_its_steps_times_it_in_t
     assert resumed.accelerator.auto_decision.source == "checkpoint" and resumed.state.global_step == 210
     summary = json.loads((tmp_path / "train_summary.json").read_text())  # the resumed run's: it raced nothing
     assert summary["time"]["run_seconds"]["race"] == 0.0
+
+
+def test_a_run_too_short_for_any_race_to_pay_keeps_the_safest_mode_unraced_and_says_so(monkeypatch, tmp_path):
+    # a 3-step GPT-2 run on a CPU raced aside for 12 s and trained for 10: below an in-run race's shortest run,
+    # a race's own passes outnumber what the fastest mode could save over the whole run
+    from mixprec.precision.inrun import shortest_in_run, too_short_to_race
+
+    monkeypatch.delenv("MIXPREC_AUTO_RACE", raising=False)
+    _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+    shortest = shortest_in_run(2)
+
+    def train(max_steps: int) -> Trainer:
+        args = TrainingArguments(
+            output_dir=str(tmp_path / str(max_steps)),
+            disable_tqdm=True,
+            save_plots=False,
+            precision="auto",
+            max_steps=max_steps,
+            per_device_train_batch_size=4,
+            logging_steps=1000,
+        )
+        trainer = Trainer(make_model(), args, train_dataset=make_examples(256))
+        trainer.train()
+        return trainer
+
+    short = train(shortest - 1)
+    decision = short.accelerator.auto_decision
+    assert (decision.source, decision.chosen, decision.step_seconds) == ("guess", "fp32", {})
+    assert (
+        f"without racing: this run's {shortest - 1} steps are fewer than a race" in short.accelerator.precision.reason
+    )
+    summary = json.loads((tmp_path / str(shortest - 1) / "train_summary.json").read_text())
+    assert summary["time"]["run_seconds"]["race"] == 0.0
+    assert train(shortest).accelerator.auto_decision.source == "measured"  # long enough: raced
+    # a caller that chose how to race races, however short the run
+    candidates = [SleepyFp32("cpu"), Bf16MixedPrecision("cpu")]
+    assert too_short_to_race(3, candidates, asked=False) is None and too_short_to_race(None, candidates) is None
+    monkeypatch.setenv("MIXPREC_AUTO_RACE", "aside")
+    assert too_short_to_race(3, candidates) is None

@@ -12,7 +12,7 @@ import torch
 from mixprec import Accelerator
 from mixprec.precision import registry
 from mixprec.precision.auto import AutoPrecision
-from mixprec.precision.registry import autocast_format, autocast_modes, hf_flags, make_precision, may_scale_loss
+from mixprec.precision.registry import autocast_format, autocast_modes, hf_flags, make_precision
 
 
 def _step(acc: Accelerator) -> None:
@@ -86,7 +86,7 @@ def test_training_arguments_keep_a_strategy_and_save_its_name(tmp_path):
     ],
 )
 def test_the_registry_answers_what_callers_asked_of_name_strings(name, scales, flags, fmt):
-    assert may_scale_loss(name) is scales and hf_flags(name) == flags
+    assert hf_flags(name) == flags
     p = make_precision(name, "cpu")  # the object gives the same answers
     assert p.may_scale_loss is scales and p.hf_flags == flags
     assert (autocast_format(p).name if autocast_format(p) is not None else None) == fmt

@@ -57,10 +57,22 @@ REFUSALS = {
 }
 
 
+LEFT_OUT = "step_in_backward=True: its loss scaling needs every gradient before the first update"
+"""Why "auto" races without fp16 (and fp16 policies) in a run that steps in backward."""
+
+
+def fit_for_step_in_backward(precision: Precision) -> bool:
+    """Whether ``precision`` can update each parameter during backward: not a mode that scales the loss (fp16's
+    unscale and inf check need every gradient before any step); "auto" first leaves such candidates out of its
+    race (``LEFT_OUT`` in its decision) and then can."""
+    precision.leave_out(lambda p: p.needs_loss_scaling, LEFT_OUT)
+    return not precision.may_scale_loss
+
+
 def refuse_step_in_backward(precision: Precision, processes: int) -> None:
-    """``Accelerator(step_in_backward=True)`` refused where it cannot run: a precision that may scale the loss
-    (fp16's unscale and inf check need every gradient before any step), several processes."""
-    if precision.may_scale_loss:
+    """``Accelerator(step_in_backward=True)`` refused where it cannot run: a precision that scales the loss,
+    several processes."""
+    if not fit_for_step_in_backward(precision):
         raise ValueError(f"Accelerator(mixed_precision={precision.name!r}, step_in_backward=True): {REFUSALS['fp16']}")
     if processes > 1:
         raise ValueError(f"Accelerator(step_in_backward=True): {REFUSALS['processes']}")
@@ -100,6 +112,8 @@ class BackwardStepper:
         self._group_of.clear()
 
     def _step(self, param: torch.Tensor) -> None:
+        if self.precision.in_trial:  # auto's race trial: its gradients are read and put back, nothing steps
+            return
         if self.fence is not None:
             self.fence()
         groups = self.optimizer.param_groups

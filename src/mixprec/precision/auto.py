@@ -1,17 +1,16 @@
 """precision="auto" where a training step exists: decided by racing the candidates on that step.
 
-``AutoPrecision`` is the strategy an Accelerator holds for "auto". Until :meth:`settle` it runs as its
-safest candidate (fp32); ``settle(loss_fn, models)`` races every candidate on ``loss_fn`` — the user's own
-forward and backward on the first training batch (see :mod:`~mixprec.precision.race`) — and from then on
-every hook delegates to the chosen strategy. The Trainer calls ``settle`` before its first step; in a
-hand-written Accelerator loop the prepared model's first training forward calls :meth:`begin_step`.
+``AutoPrecision`` is the strategy an Accelerator holds for "auto". Until :meth:`settle` it runs as its safest
+candidate (fp32); ``settle(loss_fn, models)`` races every candidate on ``loss_fn``, the user's own forward and
+backward on the first training batch (:mod:`~mixprec.precision.race`), and from then on every hook delegates to
+the chosen strategy. The Trainer calls ``settle`` before its first step; in a hand-written Accelerator loop the
+prepared model's first training forward calls :meth:`begin_step`.
 
-Raced aside, nothing of the race reaches training: each trial restores gradients, buffers and RNG states (see
-:mod:`~mixprec.precision.trial`); raced as the run's steps (inrun.py), the Trainer replays them in the chosen mode
-(trainer/race_rewind.py; a hand-written loop keeps them). Either way the run is bit-identical to one that asked
-for the chosen mode by name. A decision is made once per run: resuming adopts the one the checkpoint recorded
-(:meth:`adopt`), every process takes the main one's, and a repeated run may reuse a cached one
-(:mod:`~mixprec.precision.auto_cache`).
+Raced aside, each trial restores gradients, buffers and RNG states (:mod:`~mixprec.precision.trial`); raced as
+the run's steps (inrun.py), the Trainer replays them in the chosen mode (trainer/race_rewind.py; a hand-written
+loop keeps them). Either way the run is bit-identical to one that named the chosen mode. A decision is made once
+per run: a resume adopts the checkpoint's (:meth:`adopt`), every process takes the main one's, and a repeated
+run may reuse a cached one (:mod:`~mixprec.precision.auto_cache`).
 """
 
 from __future__ import annotations
@@ -28,12 +27,12 @@ from mixprec.precision.announcement import RunContext
 from mixprec.precision.base import Precision
 from mixprec.precision.compile_choice import CompileFigures
 from mixprec.precision.decision import AutoDecision, excluded_by_format
-from mixprec.precision.inrun import InRunRace, in_run_plan
+from mixprec.precision.inrun import InRunRace, in_run_plan, too_short_to_race
 from mixprec.precision.master_weights import master_names
 from mixprec.precision.op_timing import measure_op_kinds, op_timing_budget, op_timing_skipped, policy_candidate
 from mixprec.precision.policy import recorded_policy
 from mixprec.precision.probe import emulated_candidates
-from mixprec.precision.race import ROUNDS, Agree, Clock, Unfinished, decide, decide_steps, recheck
+from mixprec.precision.race import ROUNDS, Agree, Clock, Unfinished, decide, decide_steps, recheck, reuse
 from mixprec.precision.race_step import SCALE_BACKOFF, Optimizers, RaceSteps
 from mixprec.precision.trial import no_trace, race_clock, run_trial
 
@@ -60,6 +59,7 @@ class AutoPrecision(Precision):
         self.decision: AutoDecision | None = None
         self._chosen: Precision | None = None
         self._trying: Precision | None = None
+        self._left_out: dict[str, str] = {}  # candidates the run cannot train (leave_out), with why
         super().__init__(self.candidates[0].device)
         self.processes = processes
         self._agree: Agree | None = None
@@ -70,10 +70,8 @@ class AutoPrecision(Precision):
         self._stepped: Precision | None = None  # the mode that ran the last optimizer step
         self.cache_key: str | None = None  # the race's key in the cache (auto_cache.py); None with the cache off
         self._compile_asked = False  # the run compiles where it pays: an earlier run's figures join the decision
-        # a measured per-op policy joins the race where bf16 autocast is a candidate (op_timing.py)
-        # (MIXPREC_AUTO_OP_POLICY=0 races the uniform modes only, as MIXPREC_AUTO_CACHE=0 turns the cache off)
-        if op_policy is None:
-            op_policy = os.environ.get("MIXPREC_AUTO_OP_POLICY", "1") != "0"
+        # a measured per-op policy races where bf16 autocast does (op_timing.py; MIXPREC_AUTO_OP_POLICY=0: uniform)
+        op_policy = os.environ.get("MIXPREC_AUTO_OP_POLICY", "1") != "0" if op_policy is None else op_policy
         self.op_policy = op_policy and any(p.name == _POLICY_BASE for p in self.candidates)
         # a CPU mode the GEMM probe shows emulated is left out untried (probe.py; =0: planted-speed tests race all)
         self.prefilter = os.environ.get("MIXPREC_AUTO_PREFILTER", "1") != "0"
@@ -162,6 +160,13 @@ class AutoPrecision(Precision):
 
     def options(self) -> list[Precision]:
         return [self._chosen] if self._chosen is not None else list(self.candidates)
+
+    def leave_out(self, unfit: Callable[[Precision], bool], why: str) -> None:
+        if self.decision is None and not unfit(self.candidates[0]):  # the safest (fp32) is fit for any run
+            self._left_out.update({p.name: why for p in self.candidates if unfit(p)})
+            self.candidates = [p for p in self.candidates if not unfit(p)]
+
+    in_trial = property(lambda self: self._trying is not None and self._in_run is None)  # type: ignore[assignment]
 
     # -- the hooks: the current strategy's ---------------------------------------------------------
 
@@ -271,28 +276,28 @@ class AutoPrecision(Precision):
         passes_per_step: int = 1,
         compile_asked: bool = False,
     ) -> AutoDecision | None:
-        """Race the candidates on ``loss_fn`` (one forward of the real step, returning its loss) and adopt the
-        winner; return the decision. A no-op once decided. ``excluded`` names candidates that may not win, with
-        why; ``unsafe_formats`` formats so (fp16, which a diagnosis saw overflow); ``run_steps`` (the run's length,
-        if known) caps the race at a share of it; ``clock`` defaults to :func:`~mixprec.precision.trial.race_clock`'s.
-        A cached decision is re-checked by timing its chosen mode now, and raced again if it is off. Costs a few
-        forward+backward passes and host syncs, once per run; ``models`` and the RNG are left exactly as found.
-
-        ``in_run`` races as the run's own first steps instead (inrun.py; returns None: the decision comes at
-        the optimizer step that ends the race, and each step must begin with :meth:`begin_step`). By default
-        it does when the run is known (``run_steps`` forward+backward passes, ``passes_per_step`` to a
-        step) and not among the shortest (inrun.py's ``in_run_plan``), and every candidate keeps fp32 weights.
-        ``compile_asked``: the run compiles where it pays; what that cost before, in the chosen mode, joins it."""
+        """Race the candidates on ``loss_fn`` (one forward of the real step, returning its loss), adopt the
+        winner, return the decision; a no-op once decided. ``excluded`` names candidates that may not win, with
+        why; ``unsafe_formats`` formats so (fp16, which a diagnosis saw overflow); ``run_steps`` (the run's
+        length, if known) caps the race at a share of it; ``clock`` defaults to ``race_clock``'s. A cached
+        decision is re-checked by timing its chosen mode now. Costs a few forward+backward passes and host syncs,
+        once per run; ``models`` and the RNG are left exactly as found. ``in_run`` races as the run's own first
+        steps instead (inrun.py; returns None: the decision comes at the optimizer step that ends the race, and
+        each step begins with :meth:`begin_step`); by default where the run is known (``run_steps`` passes,
+        ``passes_per_step`` a step), not among the shortest (``in_run_plan``), and every candidate keeps fp32
+        weights. ``compile_asked``: the run compiles where it pays; what that cost before joins the decision."""
         if self.decision is not None or self._in_run is not None:
+            return self.decision
+        steps_left = None if run_steps is None else run_steps // max(1, passes_per_step)
+        if (short := too_short_to_race(steps_left, self.candidates, in_run)) is not None:
+            self.adopt(short)  # the safest, unraced: no race could win back its cost
             return self.decision
         clock_name = "given clock"
         if clock is None:
             clock, clock_name = race_clock(self.device)
         # several processes run every trial in lockstep (a backward is a collective): none stops early
         alone = self._agree is None
-        # the policy is measured by one process alone: under several, its forward-only replays would have to
-        # agree too, so there the uniform modes race as before
-        op_policy = self.op_policy and alone
+        op_policy = self.op_policy and alone  # several processes' forward-only replays would have to agree too
         names = [p.name for p in self.candidates]
         key_names = [*names, "op-policy"] if op_policy else names
         key = auto_cache.fingerprint(self.device, models, auto_cache.shapes_of(batch), key_names, self.processes)
@@ -327,19 +332,15 @@ class AutoPrecision(Precision):
                     scales[name] = max(scales[name] * SCALE_BACKOFF, 1.0)
 
             stale = ""
-            if hit:
-                source = "cache" if cached is not None and cached.chosen == hit[0] else "main process"
-                base = cached if cached is not None else AutoDecision(hit[0], {}, device=self.device.type)
-                reused = AutoDecision(**{**base.to_dict(), "chosen": hit[0], "source": source, "checked": ""})
-                holds, note, spent = True, "not re-checked (several processes take the main one's)", 0.0
-                if source == "cache" and alone:  # checked, not trusted (issue 29)
-                    holds, note, spent = recheck(reused, run, clock, clock_name)
-                if holds:
-                    self.adopt(reused.reused_here(note, spent))
+            if hit:  # a cached decision is checked, not trusted (issue 29); the main process's is taken
+                check = (lambda d: recheck(d, run, clock, clock_name)) if alone else None
+                reused, stale = reuse(hit[0], cached, self.device.type, check)
+                if reused is not None:
+                    self.adopt(reused)
                     return self.decision
-                stale = f"the cached race of {reused.measured_at or 'an earlier run'} did not hold ({note})"
 
-            excluded = {**excluded_by_format(self.candidates, unsafe_formats or {}), **(excluded or {})}
+            unsafe = excluded_by_format(self.candidates, unsafe_formats or {})  # by the formats they compute in
+            excluded = {**self._left_out, **unsafe, **(excluded or {})}
             if self.prefilter:  # every process leaves out what the main one's probe found (the same trials for all)
                 found = same([f"{k}\n{v}" for k, v in emulated_candidates(self.candidates).items()])
                 excluded.update({k: v for k, v in (f.split("\n", 1) for f in found) if k not in excluded})
@@ -357,7 +358,6 @@ class AutoPrecision(Precision):
                     by_name[policy.name], scales[policy.name] = policy, 1.0
                     if dominated := report.base_dominated():  # the policy beats its base by far: one race less
                         excluded.setdefault(_POLICY_BASE, dominated)
-            steps_left = None if run_steps is None else run_steps // max(1, passes_per_step)
             fp32_weights = all(p.param_dtype == torch.float32 for p in self.candidates)  # any may take a step
             in_run, rounds = in_run_plan(steps_left, len(names), rounds, in_run, fp32_weights)
             race = dict(
@@ -406,9 +406,8 @@ class AutoPrecision(Precision):
             )
         if self._compile_asked and self.cache_key and not decision.compile:  # what compiling it cost before
             decision = auto_cache.with_cached_compile(self.cache_key, decision)
-        self._chosen = by_name[decision.chosen]
+        self._chosen, self.decision = by_name[decision.chosen], decision
         self._chosen.reason = decision.explain()
-        self.decision = decision
         self._in_run = self._trying = None  # a resume's decision ends a race running as the steps
         self.announce()  # the run's line again, now with the decision
 

@@ -170,9 +170,19 @@ class Precision:
 
     @property
     def may_scale_loss(self) -> bool:
-        """Whether this run scales the loss, or may: fp16 and its policies, and a mode still to be decided (it
-        may turn out fp16). What a caller that cannot work with a loss scale (the step in backward) asks."""
-        return self.pending or self.needs_loss_scaling
+        """Whether this run scales the loss, or may: fp16 and its policies, and "auto" while a candidate does.
+        What a caller that cannot work with a loss scale (the step in backward) asks."""
+        return any(p.needs_loss_scaling for p in self.options())
+
+    def leave_out(self, unfit: Callable[[Precision], bool], why: str) -> None:
+        """A run that some modes cannot train (the step in backward: fp16): nothing for a named mode, which the
+        caller refuses; "auto" races without its ``unfit`` candidates and says ``why`` in its decision."""
+
+    @property
+    def in_trial(self) -> bool:
+        """Whether the step now running is a race's trial ("auto"), whose gradients are read and put back: nothing
+        may step the weights in its backward."""
+        return False
 
     @property
     def grad_dtype(self) -> torch.dtype:

@@ -93,8 +93,10 @@ class AutoDecision:
 
     def explain(self) -> str:
         """One sentence: what was measured, where, when and how, and what was chosen."""
+        checked = f"; {self.checked}" if self.checked else ""
+        checked += f"; {CompileFigures.from_dict(self.compile).explain()}" if self.compile else ""
         if self.source == "guess":
-            return self.measured
+            return self.measured + checked
         speed = self.speedups()
         parts = []
         for name in self._ordered(self.step_seconds):
@@ -129,8 +131,6 @@ class AutoDecision:
                     f"before them and took them again in {self.chosen} ({self.replayed_steps} steps, "
                     f"{self.replay_seconds:.2f}s): {self.cost_seconds:.2f}s in all over the chosen mode's"
                 )
-        checked = f"; {self.checked}" if self.checked else ""
-        checked += f"; {CompileFigures.from_dict(self.compile).explain()}" if self.compile else ""
         return (
             f"auto on {self.device} {how} the candidates on {self.measured} ({threads}, {self.clock}, "
             f"{self.rounds} paired rounds{when}; medians: {'; '.join(parts) or 'nothing timed'}) and chose "

@@ -22,13 +22,17 @@ be the same for all, as aside, where their trials are never stopped either).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec.precision.decision import AutoDecision
 from mixprec.precision.race import EARLY_ROUNDS, MAX_WARMUP, MIN_ROUNDS, Failed, Outcome, Steps, Trial, Unfinished
 from mixprec.precision.trial import synchronize
+
+if TYPE_CHECKING:
+    from mixprec.precision.base import Precision
 
 
 def shortest_in_run(candidates: int) -> int:
@@ -37,6 +41,28 @@ def shortest_in_run(candidates: int) -> int:
     36: a 60-step run raced aside paid 5.1 s of trials, 30% of the run; as its own steps it pays only their
     time over the winner's, bounded by the race's budget (race.py's ``BUDGET_SHARE``)."""
     return 2 * candidates * (1 + EARLY_ROUNDS)
+
+
+def too_short_to_race(
+    steps_left: int | None, candidates: Sequence[Precision], asked: bool | None = None
+) -> AutoDecision | None:
+    """The decision for a run too short for any race to pay: fewer optimizer steps than an in-run race needs
+    (:func:`shortest_in_run`), where a race aside costs more passes (a warm-up and ``EARLY_ROUNDS`` rounds of
+    every mode) than the fastest could save over the whole run: a 3-step GPT-2 run on a CPU raced for 12 s and
+    trained for 10. The safest candidate, unraced, saying so; None for a longer or unknown run, one candidate,
+    or a run whose caller chose how to race (``asked``, ``MIXPREC_AUTO_RACE``)."""
+    shortest = shortest_in_run(len(candidates))
+    if steps_left is None or steps_left >= shortest or len(candidates) < 2:
+        return None
+    if asked is not None or os.environ.get("MIXPREC_AUTO_RACE"):
+        return None
+    safest = candidates[0]
+    said = (
+        f"auto on {safest.device.type} kept {safest.name}, the safest, without racing: this run's {steps_left} "
+        f"steps are fewer than a race of {len(candidates)} modes needs to win back its cost ({shortest}); name "
+        "a precision to run another"
+    )
+    return AutoDecision(safest.name, {}, device=safest.device.type, source="guess", measured=said)
 
 
 def in_run_plan(

@@ -344,6 +344,26 @@ def recheck(decision: AutoDecision, run: Run, clock: Clock, clock_name: str) -> 
     return holds, note, time.perf_counter() - start
 
 
+def reuse(
+    chosen: str,
+    cached: AutoDecision | None,
+    device: str,
+    check: Callable[[AutoDecision], tuple[bool, str, float]] | None,
+) -> tuple[AutoDecision | None, str]:
+    """A decision taken as it was: the cache's (``cached``, when it chose ``chosen``), re-checked by ``check``
+    (:func:`recheck`; None where several processes take the main one's, unchecked), or the main process's.
+    Returns it, costing this run only its re-check, or None and why the cache did not hold."""
+    source = "cache" if cached is not None and cached.chosen == chosen else "main process"
+    base = cached if cached is not None else AutoDecision(chosen, {}, device=device)
+    reused = AutoDecision(**{**base.to_dict(), "chosen": chosen, "source": source, "checked": ""})
+    if source != "cache" or check is None:
+        return reused.reused_here("not re-checked (several processes take the main one's)", 0.0), ""
+    holds, note, seconds = check(reused)
+    if holds:
+        return reused.reused_here(note, seconds), ""
+    return None, f"the cached race of {reused.measured_at or 'an earlier run'} did not hold ({note})"
+
+
 def decide_steps(
     candidates: Sequence[str],
     *,

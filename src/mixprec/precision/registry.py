@@ -114,13 +114,6 @@ def needs_loss_scaling(name: str) -> bool:
     return key != AUTO and _class_of(key).needs_loss_scaling
 
 
-def may_scale_loss(name: str) -> bool:
-    """Whether the mode ``name`` scales the loss, or may: fp16 and its policies, and "auto" (it may pick fp16).
-    What a caller that cannot work with a loss scale (the step in backward) asks of a name at the edge; a
-    strategy answers it itself (:attr:`Precision.may_scale_loss`)."""
-    return canonical_name(name) == AUTO or needs_loss_scaling(name)
-
-
 def recompute_refusal(name: str) -> str:
     """Why the mode ``name`` cannot train a model with activation checkpointing on, or "" where it can (a
     per-op policy cannot). Asked of a name at the edge; a strategy answers it itself

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from mixprec.accelerator.delegation import delegate
-from mixprec.accelerator.step_in_backward import REFUSALS
+from mixprec.accelerator.step_in_backward import REFUSALS, fit_for_step_in_backward
 from mixprec.precision.base import Precision
-from mixprec.precision.registry import canonical_name, hf_flags, may_scale_loss, policy_name, recompute_refusal
+from mixprec.precision.registry import canonical_name, hf_flags, needs_loss_scaling, policy_name, recompute_refusal
 from mixprec.strategies.comm import make_comm
 from mixprec.trainer.configs import (
     DISTRIBUTED,
@@ -228,8 +228,8 @@ class TrainingArguments(HFCompatFields):
         if self.max_grad_norm == 0:
             self.max_grad_norm = None
         if self.step_in_backward:
-            strategy = self.precision_strategy  # "auto" may choose fp16
-            if strategy.may_scale_loss if strategy is not None else may_scale_loss(self.precision):
+            strategy = self.precision_strategy  # "auto" races without fp16 (fit_for_step_in_backward)
+            if not fit_for_step_in_backward(strategy) if strategy is not None else needs_loss_scaling(self.precision):
                 fail("step_in_backward", True, f"with precision={self.precision!r}: {REFUSALS['fp16']}")
             if self.max_grad_norm is not None:
                 fail("step_in_backward", True, f"with max_grad_norm={self.max_grad_norm}: {REFUSALS['clip']}")
