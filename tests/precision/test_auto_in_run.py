@@ -343,6 +343,12 @@ def test_a_run_too_short_for_any_race_to_pay_keeps_the_safest_mode_unraced_and_s
     summary = json.loads((tmp_path / str(shortest - 1) / "train_summary.json").read_text())
     assert summary["time"]["run_seconds"]["race"] == 0.0
     assert train(shortest).accelerator.auto_decision.source == "measured"  # long enough: raced
+    # resumed for longer, the unraced run decides afresh (nothing was measured to keep): here it races as its steps
+    args = short.args
+    args.max_steps, args.output_dir = shortest + 40, str(tmp_path / str(shortest - 1))
+    longer = Trainer(make_model(), args, train_dataset=make_examples(256))
+    longer.train(resume_from_checkpoint=True)
+    assert longer.accelerator.auto_decision.source == "measured" and longer.accelerator.auto_decision.in_run_steps > 0
     # a caller that chose how to race races, however short the run
     candidates = [SleepyFp32("cpu"), Bf16MixedPrecision("cpu")]
     assert too_short_to_race(3, candidates, asked=False) is None and too_short_to_race(None, candidates) is None

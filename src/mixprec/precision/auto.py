@@ -429,8 +429,8 @@ class AutoPrecision(Precision):
         """At resume: keep the decision the checkpoint recorded (no measuring), or the precision it ran."""
         if self.decision is not None:
             return super().adopt_recorded(saved_name, record)
-        if not record and saved_name == self.name:  # saved while its race ran as the steps: race again here
-            return
+        if (not record and saved_name == self.name) or (record or {}).get("source") == "guess":
+            return  # saved while its race ran as the steps, or unraced (a run too short): this one decides afresh
         if record:
             self.adopt(AutoDecision.from_dict(dict(record)).with_source("checkpoint"))
         else:
