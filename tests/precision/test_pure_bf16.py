@@ -169,5 +169,7 @@ def test_pure_bf16_with_8bit_adam_states_holds_about_6_bytes_per_parameter():
     optimizer.step()
     per_param = training_state_bytes(model, optimizer)["per_param"]
     assert per_param < 6.1  # 2 (bf16 weight) + 2 (bf16 grad) + ~2 (two 8-bit moments and their block scales)
+    # the run's line says the states as they are (it said "Adam states in bf16 (8 bytes per parameter)")
+    assert "in bf16, AdamW8bit's quantised Adam states; updates with stochastic rounding" in acc.precision.reason
     with pytest.raises(ValueError, match="Kahan"):
         Accelerator(mixed_precision="bf16-pure-kahan", verbose=False).prepare(AdamW8bit(model.parameters()))

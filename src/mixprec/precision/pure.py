@@ -72,6 +72,7 @@ class PureBf16Precision(Bf16MixedPrecision):
                     "Kahan summation; use precision='bf16-pure' with it"
                 )
             optimizer.bf16_stochastic_round = True
+            self._states = f"{kind.__name__}'s quantised Adam states"  # said as they are, not as this mode's own
             self._note_rounding({"stochastic"})
             return optimizer
         if kind not in (torch.optim.AdamW, torch.optim.Adam):
@@ -116,6 +117,7 @@ class PureBf16Precision(Bf16MixedPrecision):
 
     def __init__(self, device: torch.device | str | None = None, reason: str = "") -> None:
         self._rounding = self.rounding
+        self._states = ""  # the optimizer's own states, where a prepared one keeps them otherwise than in bf16
         super().__init__(device, reason)
         self._default_reason = not reason
         if not reason:
@@ -125,6 +127,8 @@ class PureBf16Precision(Bf16MixedPrecision):
         return self._ROUNDING_TEXT.get(self._rounding, "updates with per-group rounding (the optimizer's own)")
 
     def _reason_text(self) -> str:
+        if self._states:  # torchao's 8/4-bit states: about 6 or 5 bytes per parameter in all
+            return f"{self.name} was asked for: parameters and gradients in bf16, {self._states}; {self._update_text()}"
         kahan = " + 2 for the compensation" if self._rounding == "kahan" else ""
         return (
             f"{self.name} was asked for: parameters, gradients and Adam states in bf16 (8 bytes per "
