@@ -176,6 +176,18 @@ def test_bad_input_is_one_line_on_stderr_and_exit_code_2(tmp_path, capsys, case)
     assert not (tmp_path / "runs").exists()  # nothing written for a run that never started
 
 
+def test_step_in_backward_under_torchrun_is_refused_in_flags_before_any_process_starts_training(
+    tmp_path, corpus, capsys, monkeypatch
+):
+    # it was refused by the Accelerator, in Python's words, after every process had loaded its model
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", "29999")  # what torchrun sets; nothing connects: refused before that
+    assert main(["train", "--data", corpus, *FAST, "--step-in-backward", "--output-dir", str(tmp_path / "r")]) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert line.startswith("mixprec train: error: --step-in-backward with 2 processes: gradients are averaged")
+
+
 def test_step_in_backward_trains_without_clipping_and_says_so(tmp_path, corpus, capsys):
     run = tmp_path / "run"
     argv = ["train", "--data", corpus, *FAST, "--max-steps", "3", "--step-in-backward", "--output-dir", str(run)]

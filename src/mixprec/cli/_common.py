@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.accelerator.step_in_backward import fit_for_step_in_backward
 from mixprec.cli._config_file import track_explicit
 from mixprec.cli.main import CliError
 from mixprec.data import VOCAB_SIZE, CausalLMDataset, load_corpus, unigram_entropy
@@ -126,6 +127,21 @@ def check_optimizer_fits(precision: Precision, optim: str) -> None:
         f"--precision {precision.name} --optim {optim}: {precision.name} steps the weights with its own "
         f"update, which {optim} cannot give; use " + ", or ".join(ways or ["another --optim"])
     )
+
+
+def check_step_in_backward(precision: Precision, asked: str, processes: int) -> None:
+    """Refuse --step-in-backward where it cannot run, in the command line's words: several processes (gradients
+    are averaged after backward), a --precision that scales the loss ("auto" races without those modes)."""
+    if processes > 1:
+        raise CliError(
+            f"--step-in-backward with {processes} processes: gradients are averaged across processes after "
+            "backward; run it in one process, or drop --step-in-backward"
+        )
+    if not fit_for_step_in_backward(precision):
+        raise CliError(
+            f"--step-in-backward with --precision {asked}: fp16's loss scaling skips a step only once the whole "
+            "backward is done; use bf16, bf16-pure or fp32 (--precision) with --step-in-backward"
+        )
 
 
 def _refusal(precision: Precision, optim: str) -> str | None:

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from mixprec.accelerator.step_in_backward import fit_for_step_in_backward
 from mixprec.cli import _rundir, _summary_table, _threads
 from mixprec.cli._common import (
     DataModelInfo,
     add_data_model_args,
     check_optimizer_fits,
+    check_step_in_backward,
     load_model_and_data,
     nonnegative_int,
     parse_precision,
@@ -296,11 +296,8 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         torch.set_num_threads(threads.threads)
     precision = parse_precision(args.precision, args.fp32_ops)  # the one parse of --precision / --fp32-ops
     check_optimizer_fits(precision, args.optim)  # bf16-pure steps with its own AdamW: said in flags, up front
-    if args.step_in_backward and not fit_for_step_in_backward(precision):  # said in flags, not in Python
-        raise CliError(
-            f"--step-in-backward with --precision {args.precision}: fp16's loss scaling skips a step only once the "
-            "whole backward is done; use bf16, bf16-pure or fp32 (--precision) with --step-in-backward"
-        )
+    if args.step_in_backward:  # said in flags, before any process builds its model
+        check_step_in_backward(precision, args.precision, _rundir.world_size())
     if args.gradient_checkpointing and precision.recompute_refusal:
         raise CliError(f"--gradient-checkpointing with --precision {precision.name}: {precision.recompute_refusal}")
     lora = lora_plan(args, precision)  # a bad --lora-* flag fails before anything is loaded
