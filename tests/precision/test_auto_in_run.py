@@ -354,3 +354,36 @@ def test_a_run_too_short_for_any_race_to_pay_keeps_the_safest_mode_unraced_and_s
     assert too_short_to_race(3, candidates, asked=False) is None and too_short_to_race(None, candidates) is None
     monkeypatch.setenv("MIXPREC_AUTO_RACE", "aside")
     assert too_short_to_race(3, candidates) is None
+
+
+def test_a_race_as_the_steps_of_torchaos_8bit_adam_undoes_and_replays_its_quantised_states(monkeypatch, tmp_path):
+    # each race step's transaction copies the optimizer state: torchao's 8-bit states have no clone(), and the
+    # default `mixprec train --optim adamw_torch_8bit` crashed on its first race step
+    pytest.importorskip("torchao.optim")
+    monkeypatch.setenv("MIXPREC_AUTO_RACE", "in-run")
+    _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+
+    def train(precision: str) -> Trainer:
+        args = TrainingArguments(
+            output_dir=str(tmp_path / precision),
+            disable_tqdm=True,
+            save_plots=False,
+            save_strategy="no",
+            precision=precision,
+            optim="adamw_torch_8bit",
+            max_steps=40,
+            per_device_train_batch_size=4,
+            logging_steps=1000,
+        )
+        trainer = Trainer(make_model(width=128), args, train_dataset=make_examples(256))  # 128x128: 8-bit states
+        trainer.train()
+        return trainer
+
+    auto = train("auto")
+    decision = auto.accelerator.auto_decision
+    assert decision.in_run_steps > 0 and decision.replayed_steps == decision.in_run_steps
+    states = auto.optimizer.optimizer.state.values()
+    assert any(type(s.get("exp_avg")).__name__ == "OptimState8bit" for s in states)
+    named = train(decision.chosen)  # the replay leaves the winner's run, quantised states and all
+    for a, b in zip(auto.model.parameters(), named.model.parameters()):
+        assert torch.equal(a, b)

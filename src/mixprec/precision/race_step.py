@@ -52,7 +52,8 @@ RaceStep = tuple[str, float, bool]
 
 
 def _clone(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+    # a copy by _to_copy, not clone(): torchao's 8/4-bit optimizer states implement the one and not the other
+    return value.detach().to(value.device, copy=True) if isinstance(value, torch.Tensor) else value
 
 
 class StepSnapshot:
