@@ -387,3 +387,27 @@ def test_a_race_as_the_steps_of_torchaos_8bit_adam_undoes_and_replays_its_quanti
     named = train(decision.chosen)  # the replay leaves the winner's run, quantised states and all
     for a, b in zip(auto.model.parameters(), named.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_the_watch_follows_the_race_steps_once_and_not_their_replay(monkeypatch, tmp_path):
+    # the replay takes the race's steps again without their events; the watch followed them a second time: a
+    # second sample of each, and a bad race step's capsule written twice and listed twice in the summary
+    monkeypatch.setenv("MIXPREC_AUTO_RACE", "in-run")
+    _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        disable_tqdm=True,
+        save_plots=False,
+        save_strategy="no",
+        precision="auto",
+        precision_watch=1,  # a sample at every step
+        max_steps=40,
+        per_device_train_batch_size=4,
+        logging_steps=1000,
+    )
+    trainer = Trainer(make_model(), args, train_dataset=make_examples(256))
+    trainer.train()
+    decision = trainer.accelerator.auto_decision
+    assert decision.replayed_steps == decision.in_run_steps > 0
+    steps = [sample.step for sample in trainer.accelerator.watch.samples]
+    assert sorted(steps) == list(range(1, 41))  # once each: 48 before, the 8 race steps twice

@@ -10,7 +10,8 @@ decides, :meth:`RaceRewind.replay` puts the snapshot back and trains those micro
 of the chosen mode (:func:`replay_micro_batch`: the loop's step without its events). From then on the run is
 bit-identical to one that named the chosen mode: its weights, moments, schedule, loss scale, skipped steps and
 RNG are that run's. What stays the race's: the losses, grad norms and skipped-step events already logged for
-those steps (each skip event says ``race_step``), an evaluation that fell on one of them (``eval_steps`` shorter
+those steps (each skip event says ``race_step``), the precision watch's samples, traces and capsules of them (it
+is paused during the replay), an evaluation that fell on one of them (``eval_steps`` shorter
 than the race: its metrics are the race's model's), the step count, samples and tokens (the steps are not counted
 twice), and anything a callback did at them (a ``training_step`` override runs again for each replayed
 micro-batch). The decision says what was replayed and what it cost (``replayed_steps``, ``replay_seconds``,
@@ -30,6 +31,7 @@ a hand-written Accelerator loop, whose batches mixprec never holds: there the ra
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -175,10 +177,12 @@ class RaceRewind:
         self._restore(run)
         state = acc.gradient_state
         end_of_dataloader, steps = state.end_of_dataloader, 0
+        watch = acc.watch.paused() if acc.watch is not None else contextlib.nullcontext()
         try:
-            for batch, last in self.batches:
-                state.end_of_dataloader = last  # the same accumulation windows as the race's steps
-                steps += replay_micro_batch(run, batch)
+            with watch:  # it followed these steps once, as the race ran them
+                for batch, last in self.batches:
+                    state.end_of_dataloader = last  # the same accumulation windows as the race's steps
+                    steps += replay_micro_batch(run, batch)
         finally:
             state.end_of_dataloader = end_of_dataloader
         synchronize(self._device)

@@ -23,10 +23,11 @@ On a skipped step, one replay (see :mod:`mixprec.watch.attribution`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -116,11 +117,8 @@ class PrecisionWatch:
         Accelerator preparing a second model, a GAN's or a teacher's, leaves it unwatched)."""
         if self.model is not None:
             if model is not self.model:
-                logger.info(
-                    "precision watch: already watching %s; %s is not watched",
-                    type(self.model).__name__,
-                    type(model).__name__,
-                )
+                watched, other = type(self.model).__name__, type(model).__name__
+                logger.info("precision watch: already watching %s; %s is not watched", watched, other)
             return
         self.model = model
         self._host = accelerator  # its scaler is asked each time: "auto"'s is the current mode's
@@ -183,6 +181,17 @@ class PrecisionWatch:
             self._sampler.cancel()
             self._numerics.stagnation.remove()
         self._hooks.remove_all()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Steps followed once, taken again (auto's race, replayed in the chosen mode): not followed twice; the
+        samples, traces and capsules of them stay the race's, as the run's logged losses and skips do."""
+        self.sync()
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = self._in_step = False
 
     # -- following the steps ----------------------------------------------------------------------------
 
