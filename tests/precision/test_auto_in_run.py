@@ -28,6 +28,23 @@ def _candidates(monkeypatch: pytest.MonkeyPatch, *classes: type) -> None:
     monkeypatch.setattr(registry, "auto_candidates", lambda device: [cls(device) for cls in classes])
 
 
+def _auto_trainer(output_dir: Any, max_steps: int, examples: int = 256, model: Any = None, **args: Any) -> Trainer:
+    """A Trainer under precision="auto" on the tiny model: quiet, no plots, batch 4; ``args`` override."""
+    arguments = TrainingArguments(
+        **{
+            "output_dir": str(output_dir),
+            "disable_tqdm": True,
+            "save_plots": False,
+            "precision": "auto",
+            "max_steps": max_steps,
+            "per_device_train_batch_size": 4,
+            "logging_steps": 1000,
+            **args,
+        }
+    )
+    return Trainer(model if model is not None else make_model(), arguments, train_dataset=make_examples(examples))
+
+
 class ModeSpy(torch.nn.Module):
     """The tiny LM, noting the autocast dtype each training forward ran under (None: no autocast)."""
 
@@ -124,17 +141,7 @@ def test_the_trainer_races_a_long_run_as_its_steps_and_aside_when_asked(monkeypa
     if env:
         monkeypatch.setenv("MIXPREC_AUTO_RACE", env)
     _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        disable_tqdm=True,
-        save_plots=False,
-        save_strategy="no",
-        precision="auto",
-        max_steps=max_steps,
-        per_device_train_batch_size=4,
-        logging_steps=1000,
-    )
-    trainer = Trainer(make_model(), args, train_dataset=make_examples(64))
+    trainer = _auto_trainer(tmp_path, max_steps, examples=64, save_strategy="no")
     trainer.train()
     decision = trainer.accelerator.auto_decision
     assert decision.chosen == "bf16" and trainer.accelerator.mixed_precision == "bf16"
@@ -321,16 +328,7 @@ def test_a_run_too_short_for_any_race_to_pay_keeps_the_safest_mode_unraced_and_s
     shortest = shortest_in_run(2)
 
     def train(max_steps: int) -> Trainer:
-        args = TrainingArguments(
-            output_dir=str(tmp_path / str(max_steps)),
-            disable_tqdm=True,
-            save_plots=False,
-            precision="auto",
-            max_steps=max_steps,
-            per_device_train_batch_size=4,
-            logging_steps=1000,
-        )
-        trainer = Trainer(make_model(), args, train_dataset=make_examples(256))
+        trainer = _auto_trainer(tmp_path / str(max_steps), max_steps)
         trainer.train()
         return trainer
 
@@ -364,18 +362,9 @@ def test_a_race_as_the_steps_of_torchaos_8bit_adam_undoes_and_replays_its_quanti
     _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
 
     def train(precision: str) -> Trainer:
-        args = TrainingArguments(
-            output_dir=str(tmp_path / precision),
-            disable_tqdm=True,
-            save_plots=False,
-            save_strategy="no",
-            precision=precision,
-            optim="adamw_torch_8bit",
-            max_steps=40,
-            per_device_train_batch_size=4,
-            logging_steps=1000,
-        )
-        trainer = Trainer(make_model(width=128), args, train_dataset=make_examples(256))  # 128x128: 8-bit states
+        model = make_model(width=128)  # 128x128: past 8-bit's minimum
+        optim = {"optim": "adamw_torch_8bit", "precision": precision, "save_strategy": "no"}
+        trainer = _auto_trainer(tmp_path / precision, 40, model=model, **optim)
         trainer.train()
         return trainer
 
@@ -394,18 +383,7 @@ def test_the_watch_follows_the_race_steps_once_and_not_their_replay(monkeypatch,
     # second sample of each, and a bad race step's capsule written twice and listed twice in the summary
     monkeypatch.setenv("MIXPREC_AUTO_RACE", "in-run")
     _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        disable_tqdm=True,
-        save_plots=False,
-        save_strategy="no",
-        precision="auto",
-        precision_watch=1,  # a sample at every step
-        max_steps=40,
-        per_device_train_batch_size=4,
-        logging_steps=1000,
-    )
-    trainer = Trainer(make_model(), args, train_dataset=make_examples(256))
+    trainer = _auto_trainer(tmp_path, 40, save_strategy="no", precision_watch=1)  # a sample at every step
     trainer.train()
     decision = trainer.accelerator.auto_decision
     assert decision.replayed_steps == decision.in_run_steps > 0
