@@ -28,7 +28,9 @@ def _candidates(monkeypatch: pytest.MonkeyPatch, *classes: type) -> None:
     monkeypatch.setattr(registry, "auto_candidates", lambda device: [cls(device) for cls in classes])
 
 
-def _auto_trainer(output_dir: Any, max_steps: int, examples: int = 256, model: Any = None, **args: Any) -> Trainer:
+def _auto_trainer(
+    output_dir: Any, max_steps: int, examples: int = 256, model: Any = None, evaluate: bool = False, **args: Any
+) -> Trainer:
     """A Trainer under precision="auto" on the tiny model: quiet, no plots, batch 4; ``args`` override."""
     arguments = TrainingArguments(
         **{
@@ -42,7 +44,9 @@ def _auto_trainer(output_dir: Any, max_steps: int, examples: int = 256, model: A
             **args,
         }
     )
-    return Trainer(model if model is not None else make_model(), arguments, train_dataset=make_examples(examples))
+    evaluation = make_examples(32, seed=1) if evaluate else None
+    model = model if model is not None else make_model()
+    return Trainer(model, arguments, train_dataset=make_examples(examples), eval_dataset=evaluation)
 
 
 class ModeSpy(torch.nn.Module):
@@ -389,3 +393,22 @@ def test_the_watch_follows_the_race_steps_once_and_not_their_replay(monkeypatch,
     assert decision.replayed_steps == decision.in_run_steps > 0
     steps = [sample.step for sample in trainer.accelerator.watch.samples]
     assert sorted(steps) == list(range(1, 41))  # once each: 48 before, the 8 race steps twice
+
+
+@pytest.mark.parametrize("eval_steps, in_run", [(10, True), (5, False)])
+def test_the_race_ends_before_the_runs_first_evaluation_so_it_measures_the_chosen_modes_model(
+    monkeypatch, tmp_path, eval_steps, in_run
+):
+    # an evaluation at a race step measured the race's model (the race ran 8-14 steps): the race as the steps now
+    # fits before the first evaluation or save, and races aside where even EARLY_ROUNDS rounds would not fit
+    monkeypatch.delenv("MIXPREC_AUTO_RACE", raising=False)
+    _candidates(monkeypatch, SleepyFp32, Bf16MixedPrecision)
+    flow = {"evaluate": True, "eval_strategy": "steps", "eval_steps": eval_steps, "save_strategy": "no"}
+    auto = _auto_trainer(tmp_path / "auto", 200, **flow)
+    auto.train()
+    decision = auto.accelerator.auto_decision
+    assert (decision.in_run_steps > 0) is in_run and decision.in_run_steps < eval_steps
+    named = _auto_trainer(tmp_path / "named", 200, **flow, precision=decision.chosen)
+    named.train()
+    evals = [[(h["step"], h["eval_loss"]) for h in t.state.log_history if "eval_loss" in h] for t in (auto, named)]
+    assert evals[0] == evals[1]  # every evaluation, the first included, is the named mode's run's

@@ -275,17 +275,18 @@ class AutoPrecision(Precision):
         in_run: bool | None = None,
         passes_per_step: int = 1,
         compile_asked: bool = False,
+        quiet_steps: int | None = None,
     ) -> AutoDecision | None:
         """Race the candidates on ``loss_fn`` (one forward of the real step, returning its loss), adopt the
         winner, return the decision; a no-op once decided. ``excluded`` names candidates that may not win, with
-        why; ``unsafe_formats`` formats so (fp16, which a diagnosis saw overflow); ``run_steps`` (the run's
-        length, if known) caps the race at a share of it; ``clock`` defaults to ``race_clock``'s. A cached
-        decision is re-checked by timing its chosen mode now. Costs a few forward+backward passes and host syncs,
-        once per run; ``models`` and the RNG are left exactly as found. ``in_run`` races as the run's own first
-        steps instead (inrun.py; returns None: the decision comes at the optimizer step that ends the race, and
-        each step begins with :meth:`begin_step`); by default where the run is known (``run_steps`` passes,
-        ``passes_per_step`` a step), not among the shortest (``in_run_plan``), and every candidate keeps fp32
-        weights. ``compile_asked``: the run compiles where it pays; what that cost before joins the decision."""
+        why; ``unsafe_formats`` formats so (a diagnosis saw fp16 overflow); ``run_steps`` (the run's length, if
+        known) caps the race at a share of it; ``clock`` defaults to ``race_clock``'s. A cached decision is
+        re-checked by timing its chosen mode. Costs a few passes and host syncs, once per run; ``models`` and the
+        RNG are left as found. ``in_run`` races as the run's first steps instead (inrun.py; returns None: the
+        decision comes at the step that ends the race, each step begins with :meth:`begin_step`); by default
+        where the run is known (``run_steps`` passes, ``passes_per_step`` a step), not among the shortest, every
+        candidate keeps fp32 weights, and the race ends before ``quiet_steps`` (``in_run_plan``). ``compile_asked``:
+        the run compiles where it pays; what that cost before joins the decision."""
         if self.decision is not None or self._in_run is not None:
             return self.decision
         steps_left = None if run_steps is None else run_steps // max(1, passes_per_step)
@@ -359,7 +360,7 @@ class AutoPrecision(Precision):
                     if dominated := report.base_dominated():  # the policy beats its base by far: one race less
                         excluded.setdefault(_POLICY_BASE, dominated)
             fp32_weights = all(p.param_dtype == torch.float32 for p in self.candidates)  # any may take a step
-            in_run, rounds = in_run_plan(steps_left, len(names), rounds, in_run, fp32_weights)
+            in_run, rounds = in_run_plan(steps_left, len(names), rounds, in_run, fp32_weights, quiet_steps)
             race = dict(
                 device=self.device.type,
                 threads=torch.get_num_threads(),

@@ -66,20 +66,33 @@ def too_short_to_race(
 
 
 def in_run_plan(
-    steps_left: int | None, candidates: int, rounds: int, asked: bool | None = None, fp32_weights: bool = True
+    steps_left: int | None,
+    candidates: int,
+    rounds: int,
+    asked: bool | None = None,
+    fp32_weights: bool = True,
+    quiet: int | None = None,
 ) -> tuple[bool, int]:
     """Whether a run of ``steps_left`` optimizer steps (None: unknown) races as its own steps, and the rounds
     it may take: in-run from :func:`shortest_in_run` steps on (``asked``: the caller's choice instead), only
     where every candidate keeps fp32 weights (``fp32_weights``: any of them may take any step), its rounds
     capped so that the race takes at most a quarter of the run (warm-ups, at most ``MAX_WARMUP`` + 3 each,
-    included). ``MIXPREC_AUTO_RACE=aside`` (or ``in-run``) chooses for every run the caller left open."""
+    included). ``MIXPREC_AUTO_RACE=aside`` (or ``in-run``) chooses for every run the caller left open.
+
+    ``quiet``: the steps before the run first evaluates or saves. A race the run has not asked for ends before
+    then (a warm-up step and its rounds per candidate), so an evaluation measures, and a checkpoint holds, the
+    chosen mode's run; where not even ``EARLY_ROUNDS`` rounds fit, it races aside."""
+    chosen = asked is not None or os.environ.get("MIXPREC_AUTO_RACE", "") in ("in-run", "aside")
     if asked is None:
         choice = os.environ.get("MIXPREC_AUTO_RACE", "")
         long_enough = steps_left is not None and steps_left >= shortest_in_run(candidates)
         asked = choice == "in-run" or (choice != "aside" and long_enough)
-    in_run = asked and fp32_weights
+    in_run, aside_rounds = asked and fp32_weights, rounds
     if in_run and steps_left is not None:
         rounds = min(rounds, max(MIN_ROUNDS, steps_left // 4 // candidates - MAX_WARMUP - 3))
+    if in_run and quiet is not None and not chosen:
+        fits = quiet // max(1, candidates) - 1
+        in_run, rounds = (True, min(rounds, fits)) if fits >= EARLY_ROUNDS else (False, aside_rounds)
     return in_run, rounds
 
 

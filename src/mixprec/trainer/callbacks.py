@@ -232,6 +232,18 @@ class CallbackHandler:
         return control
 
 
+def steps_to_first_look(args: TrainingArguments, state: TrainerState, steps_per_epoch: int) -> int | None:
+    """The optimizer steps from ``state.global_step`` to the first at which the default flow below evaluates or
+    saves (by steps, or at an epoch's end); None when it does neither. auto's race as the run's steps ends
+    before then, so that what is evaluated or saved is the chosen mode's run."""
+    gaps = []
+    for strategy, every in ((args.eval_strategy, state.eval_steps), (args.save_strategy, state.save_steps)):
+        every = every if strategy == "steps" else steps_per_epoch if strategy == "epoch" else 0
+        if every:
+            gaps.append(every - state.global_step % every)
+    return min(gaps, default=None)
+
+
 class DefaultFlowCallback(TrainerCallback):
     """HF's default flow: log, evaluate and save on the configured step or epoch boundaries, and at the last
     step (evaluate if that step was not an evaluation step already, save when saving by steps)."""

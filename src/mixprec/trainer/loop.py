@@ -27,7 +27,7 @@ from mixprec.scaling.scaler import ConsecutiveSkipsError
 from mixprec.trainer import checkpointing as ckpt  # by module: tests wrap save_trainer_checkpoint
 from mixprec.trainer import weights
 from mixprec.trainer.batches import count_samples, count_tokens, input_tokens_seen
-from mixprec.trainer.callbacks import export_callback_states
+from mixprec.trainer.callbacks import export_callback_states, steps_to_first_look
 from mixprec.trainer.compile_gate import CompileGate
 from mixprec.trainer.hf_loggers import hf_logger
 from mixprec.trainer.neftune import neftune
@@ -299,6 +299,7 @@ class TrainingLoop:
             unsafe_formats=overflowed_formats(ctx.diagnosis),
             run_steps=passes,
             compile_asked=ctx.args.torch_compile,
+            quiet_steps=steps_to_first_look(ctx.args, ctx.state, self.plan.steps_per_epoch),  # ends before them
         )
         self._undecided = not acc.precision.decided
         if not self._undecided:

@@ -11,11 +11,12 @@ of the chosen mode (:func:`replay_micro_batch`: the loop's step without its even
 bit-identical to one that named the chosen mode: its weights, moments, schedule, loss scale, skipped steps and
 RNG are that run's. What stays the race's: the losses, grad norms and skipped-step events already logged for
 those steps (each skip event says ``race_step``), the precision watch's samples, traces and capsules of them (it
-is paused during the replay), an evaluation that fell on one of them (``eval_steps`` shorter
-than the race: its metrics are the race's model's), the step count, samples and tokens (the steps are not counted
-twice), and anything a callback did at them (a ``training_step`` override runs again for each replayed
-micro-batch). The decision says what was replayed and what it cost (``replayed_steps``, ``replay_seconds``,
-within ``cost_seconds``).
+is paused during the replay), the step count, samples and tokens (the steps are not counted twice), and anything
+a callback did at them (a ``training_step`` override runs again for each replayed micro-batch). The default flow
+neither evaluates nor saves among them: the race ends before the run's first evaluation or save
+(``callbacks.steps_to_first_look``), or races aside where it cannot; under ``MIXPREC_AUTO_RACE=in-run`` an
+evaluation at a race step measures the race's model. The decision says what was replayed and what it cost
+(``replayed_steps``, ``replay_seconds``, within ``cost_seconds``).
 
 Costs: one copy of the trainable parameters, buffers and optimizer state in CPU memory while the race runs (a GPU run
 does not double its device memory; the copy and the restore are one device-host transfer each), the race's
@@ -23,10 +24,11 @@ micro-batches held as the loader gave them (on the device), and the race's steps
 mode: with fp32, bf16 and fp16 racing, ~16 steps. Two host syncs to time the replay.
 
 Where it does not apply: a race still undecided when an epoch ends (the next epoch's loader order draws from
-the RNG, which a rewind would move) or when the run stops; a checkpoint saved during the race, whose resumed
-run races again from there; a race of more than ``REPLAY_SHARE`` of a short run's steps (:meth:`RaceRewind.pays`);
-a hand-written Accelerator loop, whose batches mixprec never holds: there the race's steps stay as they ran
-(``MIXPREC_AUTO_RACE=aside`` gives a run bit-identical to the chosen mode's anywhere).
+the RNG, which a rewind would move) or when the run stops; a checkpoint saved during the race (a callback's, or
+under ``MIXPREC_AUTO_RACE=in-run``), whose resumed run races again from there; a race of more than
+``REPLAY_SHARE`` of a short run's steps (:meth:`RaceRewind.pays`); a hand-written Accelerator loop, whose batches
+mixprec never holds: there the race's steps stay as they ran (``MIXPREC_AUTO_RACE=aside`` gives a run
+bit-identical to the chosen mode's anywhere).
 """
 
 from __future__ import annotations
