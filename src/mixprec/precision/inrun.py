@@ -43,6 +43,12 @@ def shortest_in_run(candidates: int) -> int:
     return 2 * candidates * (1 + EARLY_ROUNDS)
 
 
+def race_chosen(asked: bool | None) -> bool:
+    """Whether the caller chose how to race (``asked``: in-run or not) or ``MIXPREC_AUTO_RACE`` did for every
+    run: then neither a run's shortness nor its first evaluation overrides the choice."""
+    return asked is not None or os.environ.get("MIXPREC_AUTO_RACE", "") in ("in-run", "aside")
+
+
 def too_short_to_race(
     steps_left: int | None, candidates: Sequence[Precision], asked: bool | None = None
 ) -> AutoDecision | None:
@@ -54,7 +60,7 @@ def too_short_to_race(
     shortest = shortest_in_run(len(candidates))
     if steps_left is None or steps_left >= shortest or len(candidates) < 2:
         return None
-    if asked is not None or os.environ.get("MIXPREC_AUTO_RACE"):
+    if race_chosen(asked):
         return None
     safest = candidates[0]
     said = (
@@ -82,7 +88,7 @@ def in_run_plan(
     ``quiet``: the steps before the run first evaluates or saves. A race the run has not asked for ends before
     then (a warm-up step and its rounds per candidate), so an evaluation measures, and a checkpoint holds, the
     chosen mode's run; where not even ``EARLY_ROUNDS`` rounds fit, it races aside."""
-    chosen = asked is not None or os.environ.get("MIXPREC_AUTO_RACE", "") in ("in-run", "aside")
+    chosen = race_chosen(asked)
     if asked is None:
         choice = os.environ.get("MIXPREC_AUTO_RACE", "")
         long_enough = steps_left is not None and steps_left >= shortest_in_run(candidates)
