@@ -593,8 +593,22 @@ def test_a_resumed_run_keeps_the_measured_policy_its_checkpoint_recorded():
     assert auto.name == chosen and auto.decision.source == "checkpoint"
     assert auto.resolved.policy.fp32_ops == frozenset({"attention"})  # the policy itself, not uniform bf16
     other = {**record.to_dict(), "chosen": "bf16-pure"}  # a mode auto does not race: still refused
-    with pytest.raises(ValueError, match="the recorded decision 'bf16-pure' is not a candidate"):
+    with pytest.raises(ValueError, match="the recorded decision 'bf16-pure' cannot run here \\(not a candidate on cpu"):
         make_precision("auto", "cpu").adopt_recorded("bf16-pure", other)
+
+
+def test_a_resumed_fp16_decision_that_step_in_backward_leaves_out_names_that_cause():
+    # a GPU run's auto chose fp16; resumed with step_in_backward, auto races without fp16, and the refusal said
+    # only "not a candidate on cuda (fp32, bf16)", which hid the flag that left it out
+    from mixprec.accelerator.step_in_backward import LEFT_OUT, fit_for_step_in_backward
+
+    auto = make_precision("auto", "cpu")
+    assert "fp16" in [p.name for p in auto.candidates]
+    assert fit_for_step_in_backward(auto)
+    record = AutoDecision("fp16", {"fp32": 0.11, "fp16": 0.05}, device="cpu", candidates=["fp32", "fp16"])
+    with pytest.raises(ValueError, match="'fp16' cannot run here") as refused:
+        auto.adopt_recorded("fp16", record.to_dict())
+    assert LEFT_OUT in str(refused.value) and "precision='fp16'" in str(refused.value)
 
 
 def test_an_accelerator_that_loads_the_state_of_an_auto_run_keeps_its_measured_policy(monkeypatch, tmp_path):

@@ -399,11 +399,11 @@ class AutoPrecision(Precision):
         """Run as ``decision.chosen`` from now on (a resumed run's recorded decision, or the race's)."""
         self._add_candidate(recorded_policy(decision.chosen, [p.name for p in self.candidates], self.device))
         by_name = {p.name: p for p in self.candidates}
-        if decision.chosen not in by_name:
+        if decision.chosen not in by_name:  # left out by this run (step_in_backward), or not raced on this device
+            why = self._left_out.get(decision.chosen) or f"not a candidate on {self.device} ({', '.join(by_name)})"
             raise ValueError(
-                f"precision='auto': the recorded decision {decision.chosen!r} is not a candidate on "
-                f"{self.device} ({', '.join(by_name)}); resume with precision={decision.chosen!r} on a device "
-                "that runs it, or start a new run"
+                f"precision='auto': the recorded decision {decision.chosen!r} cannot run here ({why}); resume "
+                f"with precision={decision.chosen!r} and the settings and device that run it, or start a new run"
             )
         if self._compile_asked and self.cache_key and not decision.compile:  # what compiling it cost before
             decision = auto_cache.with_cached_compile(self.cache_key, decision)
