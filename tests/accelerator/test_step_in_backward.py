@@ -69,13 +69,16 @@ def test_bf16_pure_learns_as_well_stepping_in_backward() -> None:
     assert abs(sum(during[-5:]) - sum(plain[-5:])) / sum(plain[-5:]) < 0.02
 
 
-def test_checkpoint_resumes_bit_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16-pure"])
+def test_checkpoint_resumes_bit_exact(tmp_path: Path, precision: str) -> None:
+    # with a schedule: the hooks stepped with the learning rate of the groups load_state_dict had replaced
     def run(resume: bool, save: bool) -> torch.nn.Module:
         torch.manual_seed(0)
-        accelerator = Accelerator(mixed_precision="bf16-pure", step_in_backward=True, verbose=False)
+        accelerator = Accelerator(mixed_precision=precision, step_in_backward=True, verbose=False)
         model = make_tiny_lm()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        model, optimizer = accelerator.prepare(model, optimizer)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)
         batches = make_batches(6)
         start = 0
         if resume:
@@ -84,6 +87,7 @@ def test_checkpoint_resumes_bit_exact(tmp_path: Path) -> None:
         for i, batch in enumerate(batches[start:], start):
             accelerator.backward(model(**batch).loss)
             optimizer.step()
+            schedule.step()
             optimizer.zero_grad()
             if save and i == 2:
                 accelerator.save_state(str(tmp_path / "ckpt"))

@@ -13,11 +13,12 @@ Not every triple: a covering design. Each precision meets each level, and each f
 - Accelerator: capsule + replay (with the watch and a planted skip), resume, LoRA
 - Trainer: watch (with a planted skip), HfArgumentParser, z-loss, resume (not for the in-run race: a
   checkpoint taken while it races resumes by racing again, by design, so no bit-identical twin exists)
-- command line: one feature per precision (CLI_FEATURE)
+- command line: one feature per precision (CLI_FEATURE), and the step in backward with a resume for every
+  precision but fp16 (refused: its loss scaling needs every gradient first)
 
-That is 8 + 24 + 31 + 8 = 71 cells here, 8 in test_combinations_comm.py (each precision with one comm dtype, two
+That is 8 + 24 + 31 + 8 + 7 = 78 cells here, 8 in test_combinations_comm.py (each precision with one comm dtype, two
 processes, one launch), and 7 that cannot combine (REFUSED: 6 on the command line, 1 at the Accelerator),
-refused at the edge with one line naming the argument and the fix: 86 cells in all, about 40 s on 2 busy cores.
+refused at the edge with one line naming the argument and the fix: 93 cells in all, about 50 s on 2 busy cores.
 
 The invariants every cell checks (combo_checks.py, each its own AssertionError kind, so an expected failure
 names the one invariant a known defect breaks): no warning, log record or printed line names a 16-bit format
@@ -164,7 +165,7 @@ def test_cell(precision, level, feature, tmp_path, monkeypatch, request, capsys)
 FAST = ["--seq-len", "32", "--batch-size", "4", "--epoch-tokens", "256"]
 
 
-def cli_cell(precision, feature, run, corpus, hf_folder, findings, said, capsys, monkeypatch) -> None:
+def cli_cell(precision, feature, run, corpus, hf_folder, findings, said, capsys, monkeypatch, flags=()) -> None:
     from mixprec.cli import train as train_cli
 
     monkeypatch.setattr(train_cli, "SAMPLE_BYTES", 8)  # the closing sample: a byte per forward pass
@@ -172,7 +173,7 @@ def cli_cell(precision, feature, run, corpus, hf_folder, findings, said, capsys,
         monkeypatch.setattr("mixprec.trainer.plots.plot_run", lambda *args, **kwargs: None)
     model = ["--model", hf_folder, "--lora-r", "4"] if feature == "lora" else ["--model", "tiny"]
     extra = {"watch": ["--watch", "1"], "z-loss": ["--z-loss", "0.01"]}.get(feature, [])
-    argv = ["train", "--data", corpus, *model, *FAST, "--precision", precision_name(precision), *extra]
+    argv = ["train", "--data", corpus, *model, *FAST, "--precision", precision_name(precision), *extra, *flags]
     assert main([*argv, "--epochs", "2", "--output-dir", str(run)]) == 0
     printed = capsys.readouterr()
     said.add_text(printed.out + printed.err)
@@ -206,6 +207,25 @@ def cli_cell(precision, feature, run, corpus, hf_folder, findings, said, capsys,
         FigureMismatch,
         f"the resumed run's loss {summary['train_loss']} is the whole 4-step run's mean",
     )
+
+
+@pytest.mark.parametrize("precision", [p for p in PRECISIONS if p != "fp16"])  # fp16: REFUSED below
+def test_step_in_backward_cell(precision, tmp_path, monkeypatch, request, capsys):
+    """The step-in-backward axis: each precision that can update parameters during the backward does so on the
+    command line, and a crash after checkpoint-2 resumes bit-identical (auto races without fp16)."""
+    set_race(precision, monkeypatch)
+    corpus = request.getfixturevalue("corpus")
+    sandbox = Sandbox(tmp_path, monkeypatch)
+    run = sandbox.cwd / "run"
+    findings = Findings()
+    with listening() as said:
+        cli_cell(precision, "resume", run, corpus, None, findings, said, capsys, monkeypatch, ["--step-in-backward"])
+    printed = capsys.readouterr()
+    said.add_text(printed.out + printed.err)
+    said.formats_named(precision, findings)
+    sandbox.check([run, run.parent / f"{run.name}-resumed"], findings)
+    findings.check()
+    assert "step-in-backward = true" in (run / "config.toml").read_text()  # the resumed run read it back
 
 
 def _row(out: str, name: str) -> str:

@@ -92,17 +92,17 @@ class BackwardStepper:
         self.optimizer = optimizer
         self.precision = precision
         self.fence = fence  # an asynchronous save still copying the weights: the first update waits for it
-        self._group_of: dict[int, dict[str, Any]] = {}
+        self._group_of: dict[int, int] = {}  # a parameter's group, by index: load_state_dict makes new group dicts
         self._handles: list[Any] = []
         self.install()
 
     def install(self) -> None:
         """Hook every trainable parameter of the optimizer (again, after ``add_param_group``)."""
         self.remove()
-        for group in self.optimizer.param_groups:
+        for index, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 if p.requires_grad:
-                    self._group_of[id(p)] = group
+                    self._group_of[id(p)] = index
                     self._handles.append(p.register_post_accumulate_grad_hook(self._step))
 
     def remove(self) -> None:
@@ -117,7 +117,7 @@ class BackwardStepper:
         if self.fence is not None:
             self.fence()
         groups = self.optimizer.param_groups
-        self.optimizer.param_groups = [{**self._group_of[id(param)], "params": [param]}]
+        self.optimizer.param_groups = [{**groups[self._group_of[id(param)]], "params": [param]}]
         try:
             self.precision.parameter_step(self.optimizer)
         finally:
