@@ -16,7 +16,7 @@ _EXPORTS: dict[str, str] = {
     # primitives
     "GradScaler": "mixprec.scaling.scaler",
     "LossScaler": "mixprec.scaling.scaler",
-    "ConsecutiveSkipsError": "mixprec.scaling.scaler",
+    "ConsecutiveSkipsError": "mixprec.scaling.record",
     "ScaleRecord": "mixprec.scaling.record",
     "Precision": "mixprec.precision.base",
     "PrecisionNotSupportedError": "mixprec.precision.base",
@@ -85,8 +85,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.precision.autocast_context import autocast
     from mixprec.precision.base import Precision, PrecisionNotSupportedError
     from mixprec.precision.registry import available_precisions, resolve_precision
-    from mixprec.scaling.record import ScaleRecord
-    from mixprec.scaling.scaler import ConsecutiveSkipsError, GradScaler, LossScaler
+    from mixprec.scaling.record import ConsecutiveSkipsError, ScaleRecord
+    from mixprec.scaling.scaler import GradScaler, LossScaler
     from mixprec.strategies.process_state import AcceleratorState, PartialState
     from mixprec.trainer.args import TrainingArguments
     from mixprec.trainer.callbacks import (

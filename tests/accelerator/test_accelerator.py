@@ -234,6 +234,55 @@ def test_clip_grad_norm_measures_true_gradients() -> None:
     assert torch.isclose(norms["fp16"], norms["fp32"], rtol=1e-2), norms
 
 
+@pytest.mark.parametrize("how", ["dropped", "prepared twice"])
+def test_clipping_unscales_each_steps_gradients_once_whatever_came_before(how: str) -> None:
+    # "dropped": a batch clipped and then left out (zero_grad, no step) left its unscale and inf check behind:
+    # the next step was neither unscaled (an update 65536x too large) nor checked (an inf was applied: NaN
+    # weights). "prepared twice": the user's optimizer prepared again got a second wrapper, never unscaled
+    data = token_data(6)
+    batches = [(d["input_ids"][None], d["labels"][None]) for d in data]
+
+    def run(twice: bool = False, drop: bool = False, leave_out: bool = False) -> tuple[list[float], list]:
+        torch.manual_seed(0)
+        accelerator = Accelerator(mixed_precision="fp16", verbose=False)
+        raw = make_tiny_lm()
+        raw_optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
+        model, optimizer = accelerator.prepare(raw, raw_optimizer)
+        if twice:
+            assert accelerator.prepare(raw_optimizer) is optimizer
+        norms = []
+        for i, (ids, labels) in enumerate(batches):
+            if leave_out and i == 1:
+                continue
+            accelerator.backward(model(ids, labels=labels).loss)
+            norm = accelerator.clip_grad_norm_(model.parameters(), max_norm=1.0)
+            if drop and i == 1:  # this batch's loss spiked: dropped after clipping
+                optimizer.zero_grad()
+                continue
+            norms.append(float(norm))
+            optimizer.step()
+            optimizer.zero_grad()
+        return norms, [p.detach().clone() for p in model.parameters()]
+
+    if how == "dropped":
+        reference, expected = run(leave_out=True)  # the same run without that batch at all
+        norms, weights = run(drop=True)
+    else:
+        reference, expected = run()
+        norms, weights = run(twice=True)
+    assert norms == reference and max(norms) < 100  # the true gradients' norms, not 65536x scaled ones
+    assert all(torch.equal(a, b) for a, b in zip(weights, expected))
+
+
+def test_the_same_scheduler_prepared_twice_is_one_and_steps_once() -> None:
+    accelerator = Accelerator(mixed_precision="fp32", verbose=False)
+    raw = torch.optim.SGD(make_tiny_lm().parameters(), lr=1.0)
+    schedule = torch.optim.lr_scheduler.StepLR(raw, step_size=1, gamma=0.5)
+    optimizer, prepared = accelerator.prepare(raw, schedule)
+    assert accelerator.prepare(schedule) is prepared and accelerator.prepare(raw) is optimizer
+    assert len(accelerator._schedulers) == 1 and len(accelerator._optimizers) == 1
+
+
 def test_several_optimizers_on_one_backward_are_refused_under_fp16() -> None:
     accelerator = Accelerator(mixed_precision="fp16", verbose=False)
     model = make_tiny_lm()
@@ -345,6 +394,9 @@ def test_single_process_collectives_are_identities() -> None:
     assert torch.equal(accelerator.gather(x), x)
     assert torch.equal(accelerator.reduce({"a": x}, "mean")["a"], x)
     assert accelerator.gather(torch.tensor(2.0)).shape == (1,)
+    # what is not all tensors comes back as it is, as accelerate's (text predictions raised a TypeError)
+    assert accelerator.gather_for_metrics(["a", "b"]) == ["a", "b"] and accelerator.gather_for_metrics(3.5) == 3.5
+    assert torch.equal(accelerator.gather_for_metrics({"x": x})["x"], x)
     assert accelerator.num_processes == 1 and accelerator.is_main_process and accelerator.process_index == 0
     accelerator.wait_for_everyone()
 

@@ -220,7 +220,7 @@ def test_fsdp_refuses_a_trainable_half_parameter_by_name() -> None:
 
 @pytest.mark.parametrize("precision", ["fp16", "auto"])
 def test_repeated_overflow_names_the_model_parameter_not_its_master(precision: str) -> None:
-    from mixprec.scaling.scaler import ConsecutiveSkipsError
+    from mixprec.scaling.record import ConsecutiveSkipsError
 
     model = half_base()
     accelerator = Accelerator(mixed_precision=precision, scaler_kwargs={"max_consecutive_skips": 2}, verbose=False)

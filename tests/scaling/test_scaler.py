@@ -455,6 +455,14 @@ def test_loaded_scale_is_kept_within_the_bounds():
     ours = GradScaler()
     ours.load_state_dict(dead)
     assert ours.get_scale() == 1.0 == device_scale(ours)
+    # a torch scaler that grew past our default ceiling is taken in, as init_scale is (it was clamped to 2^24)
+    grown = torch.amp.GradScaler("cpu").state_dict() | {"scale": 2.0**30}
+    ours = GradScaler()
+    ours.load_state_dict(grown)
+    assert ours.get_scale() == 2.0**30 and ours.max_scale == 2.0**30
+    bounded = GradScaler(max_scale=2.0**20)  # bounds given explicitly hold
+    bounded.load_state_dict(grown)
+    assert bounded.get_scale() == 2.0**20
 
 
 def test_empty_state_dict_from_a_disabled_torch_scaler_is_refused():
@@ -826,6 +834,45 @@ def test_set_scale_through_update_stays_within_bounds():
     assert s.get_scale() == 2.0**20
     with pytest.raises(ValueError, match="new_scale"):
         s.update(0.0)
+
+
+@pytest.mark.parametrize("new_scale", [0.5, 2.0**30, torch.tensor(64.0)])
+def test_update_with_a_new_scale_sets_it_exactly_as_torchs(new_scale):
+    # it was clamped silently into the default bounds [1, 2^24]
+    theirs, ours = torch.amp.GradScaler("cpu", init_scale=8.0), GradScaler(init_scale=8.0)
+    for scaler in (theirs, ours):
+        _run(scaler, ".")
+        scaler.update(new_scale)
+    assert ours.get_scale() == theirs.get_scale() == float(new_scale) == device_scale(ours)
+    assert ours.record.scale == float(new_scale)
+
+
+def test_update_with_a_new_scale_records_the_step_it_ends():
+    # the step's skip went unrecorded, so a scheduler reading last_step_skipped advanced after a skipped step
+    model = linear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler(init_scale=8.0)
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    model.weight.grad[0, 0] = INF
+    scaler.step(opt)
+    scaler.update(64.0)
+    record = scaler.record
+    assert (record.steps, record.skipped_steps, record.last_step_skipped, record.scale) == (1, 1, True, 64.0)
+    assert [(e.scale, e.skipped) for e in record.history] == [(8.0, True)]
+
+
+def test_an_inf_check_of_an_optimizer_unscaled_and_not_stepped_backs_the_scale_off_as_in_torch():
+    def run(scaler):
+        a, b = linear(0), linear(1)
+        opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+        scaler.scale(a(torch.ones(2, 4)).sum() + b(torch.ones(2, 4)).sum()).backward()
+        b.weight.grad[0, 0] = INF
+        scaler.unscale_(opt_b)
+        scaler.step(opt_a)
+        scaler.update()
+        return scaler.get_scale()
+
+    assert run(GradScaler(init_scale=8.0)) == run(torch.amp.GradScaler("cpu", init_scale=8.0)) == 4.0
 
 
 def test_loss_scaler_is_the_same_class():

@@ -194,6 +194,14 @@ def test_gather_accepts_different_row_counts(ranks: list[dict]) -> None:
     assert ranks[0]["uneven_gather"] == ranks[1]["uneven_gather"] == [0, 0, 1]
 
 
+def test_gather_for_metrics_joins_what_is_not_tensors_as_objects(ranks: list[dict]) -> None:
+    for r in ranks:
+        gathered = r["metrics_objects"]
+        assert gathered["text"] == ["text 0", "text 1", "text 1"]
+        assert gathered["number"] == [0.5, 1.5]
+        assert gathered["asked"] == [0, 1]
+
+
 def test_a_trigger_set_on_one_process_is_seen_by_every_process(ranks: list[dict]) -> None:
     assert ranks[0]["trigger"] == ranks[1]["trigger"] == [False, True, False]
 

@@ -303,6 +303,12 @@ def main() -> None:
     first = Accelerator(verbose=False)  # finds the group initialised
     results["world"] = {"num_processes": first.num_processes, "backend": dist.get_backend()}
     results["uneven_gather"] = first.gather(torch.arange(first.process_index + 1)).tolist()
+    rank = first.process_index
+    results["metrics_objects"] = {  # text predictions and numbers: gathered as objects, as accelerate's
+        "text": first.gather_for_metrics([f"text {rank}"] * (rank + 1)),
+        "number": first.gather_for_metrics(rank + 0.5),
+        "asked": [int(t) for t in first.gather_for_metrics([torch.tensor(rank)], use_gather_object=True)],
+    }
     results["padded"] = padded_across(first)
     quiet = first.check_trigger()
     if first.process_index == 1:

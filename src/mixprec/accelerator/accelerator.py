@@ -371,7 +371,7 @@ class Accelerator:
     is_last_process = delegate("_processes", Processes.is_last_process)
     use_distributed = delegate("_processes", Processes.use_distributed)
     gather = delegate("_processes", Processes.gather)
-    gather_for_metrics = gather  # the prepared DataLoaders repeat no sample, so there is nothing to drop
+    gather_for_metrics = delegate("_processes", Processes.gather_for_metrics)
     pad_across_processes = delegate("_processes", Processes.pad_across_processes)
     reduce = delegate("_processes", Processes.reduce)
     wait_for_everyone = delegate("_processes", Processes.wait_for_everyone)

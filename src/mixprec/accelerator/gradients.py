@@ -228,6 +228,13 @@ class GradientState:
         self._unscaled.discard(id(optimizer))
         self.backward_pending = False
 
+    def dropped(self, optimizer: PreparedOptimizer) -> None:
+        """``optimizer``'s gradients are zeroed without a step (a batch left out after clipping): the next
+        step's gradients are unscaled and checked afresh, not stepped on this one's check."""
+        if id(optimizer) in self._unscaled:
+            self._unscaled.discard(id(optimizer))
+            self.precision.scaler.forget(optimizer.optimizer)
+
     def state_dict(self) -> dict[str, int]:
         return {"micro_step": self.micro_step}
 

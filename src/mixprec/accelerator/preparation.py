@@ -134,6 +134,9 @@ class Preparation:
         while accumulating."""
         if isinstance(optimizer, PreparedOptimizer):
             return optimizer
+        for prepared in self.registry.optimizers:  # prepared before: one wrapper, or two would unscale apart
+            if optimizer is prepared.source:
+                return prepared
         self._strategy.follow_replaced_parameters(optimizer)  # FSDP2: the sharded parameters
         converted = self._precision.convert_optimizer(optimizer)
         fence = self._fence
@@ -150,6 +153,9 @@ class Preparation:
         """``scheduler``, advanced as accelerate's: not while accumulating, nor after a skipped step."""
         if isinstance(scheduler, PreparedScheduler):
             return scheduler
+        for prepared in self.registry.schedulers:  # prepared before: one wrapper, or it would step twice
+            if scheduler is prepared.scheduler:
+                return prepared
         target = getattr(scheduler, "optimizer", None)
         owners = [o for o in self.registry.optimizers if target in (o, o.optimizer, o.source)]
         prepared = PreparedScheduler(scheduler, owners, self._gradients, fence=self._fence, **self._scheduler_rule)

@@ -226,6 +226,7 @@ class PreparedOptimizer(WrappedOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._gradients.sync_gradients:
+            self._gradients.dropped(self)  # a step not taken: its unscale and inf check go with its gradients
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:

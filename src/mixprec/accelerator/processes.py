@@ -72,7 +72,18 @@ class Processes:
         different numbers of rows. Collective, and a host sync (the row counts)."""
         return _map_tensors(data, self._strategy.all_gather, self.device)
 
-    gather_for_metrics = gather  # the prepared DataLoaders repeat no sample, so there is nothing to drop
+    def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
+        """:meth:`gather` for an evaluation's outputs, as accelerate's: data that is not all tensors (text
+        predictions, numbers), or any with ``use_gather_object=True``, is gathered as Python objects, each
+        process's list joined in process order (alone: returned as it is). The prepared DataLoaders repeat no
+        sample, so there is nothing to drop."""
+        leaves = pytree.tree_leaves(data)
+        if not use_gather_object and leaves and all(isinstance(x, torch.Tensor) for x in leaves):
+            return self.gather(data)
+        if self.num_processes == 1:
+            return data
+        parts = [self._strategy.broadcast_object(data, src=rank) for rank in range(self.num_processes)]
+        return [x for part in parts for x in part] if all(isinstance(p, (list, tuple)) for p in parts) else parts
 
     def pad_across_processes(self, data: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
         """Pad tensors (nested) along ``dim`` to the longest any process holds, with ``pad_index`` (at the start

@@ -1,6 +1,6 @@
 """Loss scaling: the GradScaler and its per-step record."""
 
-from mixprec.scaling.record import ScaleRecord, StepEntry
-from mixprec.scaling.scaler import ConsecutiveSkipsError, GradScaler, LossScaler
+from mixprec.scaling.record import ConsecutiveSkipsError, ScaleRecord, StepEntry
+from mixprec.scaling.scaler import GradScaler, LossScaler
 
 __all__ = ["ConsecutiveSkipsError", "GradScaler", "LossScaler", "ScaleRecord", "StepEntry"]

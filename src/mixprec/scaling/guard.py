@@ -55,9 +55,10 @@ class NonFiniteGuard(GradScaler):
         skipped = bool(self._skipped_now)
         self.record.add(1.0, skipped, 1.0)
         optimizers, self._skipped_now, self._stepped = self._skipped_now, [], False
-        self._raise_if_too_many_skips(
+        self.record.raise_if_too_many_skips(
             skipped,
-            optimizers,
+            self.max_consecutive_skips,
+            lambda: [n for opt in optimizers for n in self.nonfinite_grad_names(opt)],
             "no loss scaling in this precision",
             "Check the inputs and the learning rate, or run `mixprec diagnose`.",
         )

@@ -8,8 +8,13 @@ forces a device sync, and it is right for fused optimizers (which skip on the de
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+
+class ConsecutiveSkipsError(RuntimeError):
+    """Too many optimizer steps in a row were skipped for non-finite gradients."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,19 @@ class ScaleRecord:
         else:
             self.consecutive_skips = 0
         return entry
+
+    def raise_if_too_many_skips(
+        self, skipped: bool, limit: int | None, names: Callable[[], list[str]], state: str, advice: str
+    ) -> None:
+        """Raise :class:`ConsecutiveSkipsError` once ``limit`` steps in a row were skipped (``None``: never),
+        naming the parameters whose gradients are non-finite (``names``, read only then: it syncs)."""
+        if skipped and limit is not None and self.consecutive_skips >= limit:
+            found = names()
+            raise ConsecutiveSkipsError(
+                f"{self.consecutive_skips} optimizer steps in a row were skipped for non-finite gradients "
+                f"({state}). Non-finite gradients in: {', '.join(found[:20]) or 'none left (were they zeroed?)'}"
+                f"{' ...' if len(found) > 20 else ''}. {advice}"
+            )
 
     @property
     def applied_steps(self) -> int:

@@ -48,10 +48,6 @@ DEFAULT_MIN_SCALE = 1.0
 DEFAULT_MAX_SCALE = 2.0**24
 
 
-class ConsecutiveSkipsError(RuntimeError):
-    """Too many optimizer steps in a row were skipped for non-finite gradients."""
-
-
 def _fp32(x: float) -> float:
     """Round to fp32 as the device-side scale tensor does, so the host mirror matches it exactly (values
     beyond fp32's range become inf, as a cast does, where some Python versions' struct raises instead)."""
@@ -99,6 +95,7 @@ class GradScaler:
         if isinstance(device, (int, float)) and not isinstance(device, bool):
             raise TypeError(f"GradScaler's first argument is the device, got {device!r}; pass init_scale={device!r}")
         _check(init_scale > 0, "init_scale", init_scale, "must be > 0")
+        self._bounds_given = min_scale is not None or max_scale is not None  # else a scale set is taken in
         if min_scale is None:
             min_scale = min(DEFAULT_MIN_SCALE, float(init_scale))
         if max_scale is None:
@@ -254,61 +251,47 @@ class GradScaler:
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Back off on overflow (after ``hysteresis`` of them), grow after ``growth_interval`` clean steps,
-        keep the scale within its bounds, and record the step. Syncs once only after a fused step."""
+        keep the scale within its bounds, and record the step; ``new_scale`` sets the scale instead, exactly,
+        as torch's does (the bounds widen to take it in). Syncs once only after a fused step."""
         if not self._enabled:
             self.record.add(1.0, False, 1.0)
             return
-        if new_scale is not None:
-            self._set_scale(new_scale)
-            return
         stepped = [s for s in self._states.values() if s.stage is Stage.STEPPED]
-        if not stepped:
+        if not stepped and new_scale is None:
             raise RuntimeError(
                 "update() was called without scaler.step(optimizer) since the last update(); "
                 "call scaler.step(optimizer) first"
             )
-        # An optimizer handed `grad_scaler=` checks its own gradients; it records a check only if it called
-        # scaler.unscale_(self). The scale moves on the checks there are, as in torch.
-        checked = [s for s in stepped if s.found_inf is not None]
-        if not checked:
+        # Every inf check since the last update moves the scale, an optimizer's unscaled and not stepped too, as
+        # in torch. An optimizer handed `grad_scaler=` checks its own gradients and records a check only if it
+        # called scaler.unscale_(self).
+        checked = [s for s in self._states.values() if s.found_inf is not None]
+        if not checked and new_scale is None:
             raise RuntimeError(
                 "update() found no inf/NaN check for this step: an optimizer that takes grad_scaler= must call "
                 "grad_scaler.unscale_(self) in its step(), or pass a new scale to update(new_scale)"
             )
-        stepped = checked
-        found_inf = stepped[0].found_inf
-        for s in stepped[1:]:
-            found_inf = found_inf + s.found_inf
-        known = [s.found_inf_host for s in stepped]
+        found_inf = sum((s.found_inf for s in checked[1:]), checked[0].found_inf) if checked else None
+        known = [s.found_inf_host for s in checked]
         skipped = any(known) if None not in known else bool(found_inf.item())
         scale_used = self._scale_host
-        self._advance(found_inf, skipped)
-        self.record.add(scale_used, skipped, self._scale_host)
+        if new_scale is None:
+            self._advance(found_inf, skipped)
+        else:
+            self._set_scale(new_scale)
+        if stepped:
+            self.record.add(scale_used, skipped, self._scale_host)
         optimizers = [s.optimizer for s in stepped]
         self._states = {}
         self._scaled_since_update = False
-        self._raise_if_too_many_skips(
+        self.record.raise_if_too_many_skips(
             skipped,
-            optimizers,
+            self.max_consecutive_skips,
+            lambda: [n for opt in optimizers for n in self.nonfinite_grad_names(opt)],
             f"loss scale {self._scale_host:g}, floor {self.min_scale:g}",
             "The forward pass likely overflows: check the inputs and learning rate, try precision='bf16', or "
             "run `mixprec diagnose`.",
         )
-
-    def _raise_if_too_many_skips(
-        self, skipped: bool, optimizers: list[torch.optim.Optimizer], state: str, advice: str
-    ) -> None:
-        """Raise :class:`ConsecutiveSkipsError`, naming the non-finite gradients, once ``max_consecutive_skips``
-        steps in a row were skipped (the scaler's and the non-finite guard's breaker)."""
-        limit = self.max_consecutive_skips
-        if skipped and limit is not None and self.record.consecutive_skips >= limit:
-            names = [n for opt in optimizers for n in self.nonfinite_grad_names(opt)]
-            raise ConsecutiveSkipsError(
-                f"{self.record.consecutive_skips} optimizer steps in a row were skipped for non-finite "
-                f"gradients ({state}). Non-finite gradients in: "
-                f"{', '.join(names[:20]) or 'none left (were they zeroed?)'}{' ...' if len(names) > 20 else ''}. "
-                f"{advice}"
-            )
 
     def nonfinite_grad_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
         """Names of ``optimizer``'s parameters whose gradient holds inf/NaN. One host sync: for the rare
@@ -353,7 +336,9 @@ class GradScaler:
         self.max_scale = float(state_dict.get("max_scale", self.max_scale))
         if "record" in state_dict:
             self.record.load_state_dict(state_dict["record"])
-        # The bounds hold for loaded scales too: torch's scaler can have decayed to 0.0 (or grown past ours).
+        if "max_scale" not in state_dict and self._scale_host > 0:  # torch's
+            self._take_in(self._scale_host)
+        # The bounds hold for loaded scales too: torch's scaler can have decayed to 0.0
         self._scale_host = _fp32(min(max(self._scale_host, self.min_scale), self.max_scale))
         self.record.scale = self.get_scale()
         if self._scale is not None:
@@ -428,11 +413,22 @@ class GradScaler:
     def _set_scale(self, new_scale: float | torch.Tensor) -> None:
         value = float(new_scale.item() if isinstance(new_scale, torch.Tensor) else new_scale)
         _check(value > 0, "new_scale", value, "must be > 0")
+        self._take_in(value)
         self._scale_host = _fp32(min(max(value, self.min_scale), self.max_scale))
+        self.record.scale = self._scale_host
         if self._scale is not None:
             self._scale.fill_(self._scale_host)
-        self._states = {}
-        self._scaled_since_update = False
+
+    def _take_in(self, value: float) -> None:
+        """A scale set by hand (``update(new_scale)``, a torch state) widens the default bounds, as ``init_scale``
+        does; bounds given explicitly hold it."""
+        if not self._bounds_given:
+            self.min_scale, self.max_scale = min(self.min_scale, value), max(self.max_scale, value)
+
+    def forget(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop ``optimizer``'s unscale and inf check of this step: its gradients were zeroed without a step
+        (the Accelerator's ``zero_grad``), so its next step unscales and checks afresh."""
+        self._states.pop(id(optimizer), None)
 
 
 LossScaler = GradScaler

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec.loaders.from_datasets import DataPosition, is_stream
-from mixprec.scaling.scaler import ConsecutiveSkipsError
+from mixprec.scaling.record import ConsecutiveSkipsError
 from mixprec.trainer import checkpointing as ckpt  # by module: tests wrap save_trainer_checkpoint
 from mixprec.trainer import weights
 from mixprec.trainer.batches import count_samples, count_tokens, input_tokens_seen
