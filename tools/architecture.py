@@ -43,6 +43,7 @@ ROOMS: dict[str, tuple[int, str]] = {
     "checkpoint": (0, "the CheckpointManager, numbered folders, safe files"),
     "tracking": (0, "accelerate's log_with trackers"),
     "tree": (-1, "the one walk over nested data (a leaf: imports nothing from mixprec)"),
+    "shards": (-1, "a DTensor's local shard (FSDP2): the one place that knows (a leaf)"),
     "_version": (-1, "__version__ (a leaf)"),
 }
 FLOORS: dict[str, int] = {room: floor for room, (floor, _) in ROOMS.items()}

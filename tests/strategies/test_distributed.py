@@ -27,7 +27,7 @@ pytestmark = [
 
 WORKER = Path(__file__).with_name("test_distributed_worker.py")
 N_SAMPLES = 36
-KINDS = ("ddp-fp32", "ddp-fp16", "fsdp-fp32", "fsdp-fp16")
+KINDS = ("ddp-fp32", "ddp-fp16", "fsdp-fp32", "fsdp-fp16", "fsdp-bf16-pure")
 
 
 def _free_port() -> int:

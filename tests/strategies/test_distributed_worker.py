@@ -332,6 +332,7 @@ def main() -> None:
             t0 = time.perf_counter()
             results[f"{distributed or 'ddp'}-{precision}"] = run_kind(distributed, precision, out)
             results[f"{distributed or 'ddp'}-{precision}"]["seconds"] = time.perf_counter() - t0
+    results["fsdp-bf16-pure"] = run_kind("fsdp", "bf16-pure", out)  # its Adam steps each process's own shard
     results["half-base"] = half_base_masters()
     # gradients on the wire in bf16/fp16: compared with ddp-fp32 / fsdp-fp32 above (same data, same init)
     results["comm"] = {

@@ -25,6 +25,7 @@ import torch
 from mixprec.optim.kahan import kahan_update_buckets_
 from mixprec.optim.noise import RoundingNoise
 from mixprec.optim.rounding import round_stochastically_
+from mixprec.shards import local
 
 ROUNDINGS = ("stochastic", "kahan", "nearest")
 
@@ -224,14 +225,14 @@ def _buckets(
     size = 0
     for p in params:
         this = (p.device, p.dtype, float(state[p]["step"]))
-        limit = limit_of(p.device)
+        limit, numel = limit_of(p.device), local(p).numel()  # FSDP2: this process's shard
         if this != key and slices:
             yield key, slices
             slices, size = [], 0
         key = this
         start = 0
-        while start < p.numel():
-            take = min(p.numel() - start, limit - size)
+        while start < numel:
+            take = min(numel - start, limit - size)
             slices.append((p, start, start + take))
             size += take
             start += take
@@ -251,7 +252,7 @@ def _update_bucket(
     ws, gs, ms, vs = (list(buf.split(sizes)) for buf in (w, g, m, v))
 
     def part(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-        return [t.view(-1)[start:end] for t, (_, start, end) in zip(tensors, slices)]
+        return [local(t).view(-1)[start:end] for t, (_, start, end) in zip(tensors, slices)]
 
     params = [p for p, _, _ in slices]
     weights = part(work[p] for p in params)

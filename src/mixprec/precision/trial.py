@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec.precision.race import Unfinished
+from mixprec.shards import local
 
 if TYPE_CHECKING:
     from mixprec.precision.base import Precision
@@ -52,14 +53,8 @@ class TrialState:
 
     def grads_finite(self) -> bool:
         """Whether every gradient is finite. One host sync."""
-        flags = [torch.isfinite(_local(p.grad)).all() for p in self.params if p.grad is not None]
+        flags = [torch.isfinite(local(p.grad)).all() for p in self.params if p.grad is not None]
         return bool(torch.stack(flags).all()) if flags else True
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2), the tensor itself otherwise: the check stays on this process."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def synchronize(device: torch.device) -> None:

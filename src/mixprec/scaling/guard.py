@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from mixprec.scaling.scaler import GradScaler
+from mixprec.shards import local
 
 
 class NonFiniteGuard(GradScaler):
@@ -39,7 +40,7 @@ class NonFiniteGuard(GradScaler):
         bad = False
         if grads:
             with torch.no_grad():
-                norms = torch._foreach_norm([_local(g) for g in grads])
+                norms = torch._foreach_norm([local(g) for g in grads])
                 flag = (~torch.stack([n.float().to(grads[0].device) for n in norms]).isfinite().all()).float()
                 if self._found_inf_reducer is not None:  # sharded gradients: every process skips together
                     self._found_inf_reducer(flag)
@@ -70,8 +71,3 @@ class NonFiniteGuard(GradScaler):
         """The step record (from a guard's or a scaler's state: a run resumed in another precision)."""
         if "record" in state_dict:
             self.record.load_state_dict(state_dict["record"])
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t

@@ -46,6 +46,7 @@ import torch
 from mixprec.checkpoint.rng import rng_snapshot, set_rng_state
 from mixprec.precision.auto import AutoPrecision
 from mixprec.precision.trial import synchronize
+from mixprec.shards import local
 from mixprec.tree import tree_map
 
 if TYPE_CHECKING:
@@ -61,23 +62,17 @@ Trainer example went from 1.02x bf16's time to 1.20x with its 10 race steps repl
 4-6% of its 200-300 steps. ``MIXPREC_AUTO_REPLAY=all`` replays whatever the share."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2), the tensor itself otherwise: each process keeps and restores its own."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
 class _Kept:
     """A live tensor and a CPU copy of its value; :meth:`put_back` writes the copy into it, in place (so
     whatever holds the tensor, a fused optimizer's LR or an FSDP2 shard, sees the old value)."""
 
     def __init__(self, live: torch.Tensor) -> None:
         self.live = live
-        self.saved = _local(live).detach().to("cpu", copy=True)
+        self.saved = local(live).detach().to("cpu", copy=True)
 
     def put_back(self) -> torch.Tensor:
         with torch.no_grad():
-            _local(self.live).copy_(self.saved)
+            local(self.live).copy_(self.saved)
         return self.live
 
 
