@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from mixprec.accelerator.delegation import delegate
-from mixprec.accelerator.step_in_backward import REFUSALS, fit_for_step_in_backward
+from mixprec.accelerator.step_in_backward import REFUSALS
 from mixprec.precision.base import Precision
-from mixprec.precision.registry import canonical_name, hf_flags, needs_loss_scaling, policy_name, recompute_refusal
 from mixprec.strategies.comm import make_comm
+from mixprec.trainer import precision_fields
 from mixprec.trainer.configs import (
     DISTRIBUTED,
     REPORTERS,
@@ -221,16 +221,13 @@ class TrainingArguments(HFCompatFields):
         self._whole_steps()
         self.check_hf_fields()
         self._hf_rules.merge_eval_alias()
-        self._resolve_precision()
+        precision_fields.resolve(self)  # the mode, and the checks that depend on it (step_in_backward, recompute)
         if self.eval_steps is None:
             self.eval_steps = self.logging_steps  # HF's default
         self._hf_rules.apply_implied()
         if self.max_grad_norm == 0:
             self.max_grad_norm = None
         if self.step_in_backward:
-            strategy = self.precision_strategy  # "auto" races without fp16 (fit_for_step_in_backward)
-            if not fit_for_step_in_backward(strategy) if strategy is not None else needs_loss_scaling(self.precision):
-                fail("step_in_backward", True, f"with precision={self.precision!r}: {REFUSALS['fp16']}")
             if self.max_grad_norm is not None:
                 fail("step_in_backward", True, f"with max_grad_norm={self.max_grad_norm}: {REFUSALS['clip']}")
             if self.gradient_accumulation_steps != 1:
@@ -239,10 +236,6 @@ class TrainingArguments(HFCompatFields):
                     True,
                     f"with gradient_accumulation_steps={self.gradient_accumulation_steps}: {REFUSALS['accumulate']}",
                 )
-        if self._hf_rules.checkpointing_requested()[0]:  # a policy's fp32 regions do not survive the recompute
-            why = self._strategy.recompute_refusal if self._strategy is not None else recompute_refusal(self.precision)
-            if why:
-                fail("activation_checkpointing", True, f"with precision={self.precision!r}: {why}")
         self.report_to = list(self._normalise_report_to(self.report_to))
         if self.logging_dir is None:
             self.logging_dir = f"{self.output_dir.rstrip('/')}/runs"
@@ -269,28 +262,6 @@ class TrainingArguments(HFCompatFields):
             if isinstance(value, float) and value >= 1 and value.is_integer():
                 setattr(self, name, int(value))
 
-    def _resolve_precision(self) -> None:
-        if self.fp16 and self.bf16:
-            fail("bf16", self.bf16, "fp16=True and bf16=True were both set; choose one (or set precision=...)")
-        flag = "fp16" if self.fp16 else "bf16" if self.bf16 else None  # HF's flags: sugar for a name
-        given = self.precision if self.precision is not None else flag or "fp32"
-        self._strategy = given if isinstance(given, Precision) else None  # made at the edge (mixprec train)
-        try:
-            name = given.name if isinstance(given, Precision) else canonical_name(given)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"TrainingArguments(precision={given!r}): {err}") from None
-        if self.fp32_ops:
-            try:
-                name = canonical_name(policy_name(name, self.fp32_ops, made=self._strategy))
-            except ValueError as err:
-                raise ValueError(f"TrainingArguments(fp32_ops={self.fp32_ops!r}): {err}") from None
-            self.fp32_ops = None  # folded into the name: one source of truth from here on
-        flags = self._strategy.hf_flags if self._strategy is not None else hf_flags(name)  # the mode's own answer
-        if flag is not None and flags != (self.fp16, self.bf16):
-            fail("precision", given, f"conflicts with {flag}=True; set one of them")
-        self.precision = name  # always the name: what to_dict, JSON and YAML write
-        self.fp16, self.bf16 = flags  # truthful HF flags: code reading args.fp16 sees what will run
-
     @property
     def precision_strategy(self) -> Precision | None:
         """The strategy passed as ``precision=`` (as it is); None for a name, which the Accelerator parses per run."""
@@ -314,6 +285,7 @@ class TrainingArguments(HFCompatFields):
     @property
     def precision_config(self) -> PrecisionConfig:
         """The precision fields as one frozen view (the precision, the loss scaler's knobs), checked."""
+        precision_fields.sync(self)  # an edit since construction (args.fp16 = True) is what runs
         return PrecisionConfig(self)
 
     @property
@@ -380,6 +352,7 @@ class TrainingArguments(HFCompatFields):
 
     def validate(self) -> None:
         """Validate every group and the rules that span groups. Called at construction and by the Trainer."""
+        precision_fields.sync(self)
         self.refuse_unsupported()
         _ = (self.precision_config, self.optimization, self.schedule, self.logging)  # each validates itself
         ev = self.evaluation
