@@ -10,19 +10,16 @@ edited flag as HF's flag would, an edited ``precision`` over the flags it made. 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from mixprec.accelerator.step_in_backward import REFUSALS, fit_for_step_in_backward
 from mixprec.precision.base import Precision
 from mixprec.precision.registry import canonical_name, hf_flags, needs_loss_scaling, policy_name, recompute_refusal
 from mixprec.trainer.configs import fail
 
-if TYPE_CHECKING:
-    from mixprec.trainer.args import TrainingArguments
 
-
-def resolve(args: TrainingArguments) -> None:
-    """The mode the three fields name, checked against the fields that depend on it; one-line errors name the
+def resolve(args: Any) -> None:
+    """The mode ``args``' (a TrainingArguments) three fields name, checked against the fields that depend on it; one-line errors name the
     field and the fix."""
     if args.fp16 and args.bf16:
         fail("bf16", args.bf16, "fp16=True and bf16=True were both set; choose one (or set precision=...)")
@@ -55,7 +52,7 @@ def resolve(args: TrainingArguments) -> None:
             fail("activation_checkpointing", True, f"with precision={name!r}: {why}")
 
 
-def sync(args: TrainingArguments) -> None:
+def sync(args: Any) -> None:
     """Resolve again after a field was edited since the last resolution (nothing to do otherwise)."""
     resolved = args.__dict__.get("_resolved")
     if resolved is None or (args.precision, args.fp16, args.bf16) == resolved:
