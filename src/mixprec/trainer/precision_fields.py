@@ -19,8 +19,8 @@ from mixprec.trainer.configs import fail
 
 
 def resolve(args: Any) -> None:
-    """The mode ``args``' (a TrainingArguments) three fields name, checked against the fields that depend on it; one-line errors name the
-    field and the fix."""
+    """The mode the three fields of ``args`` (a TrainingArguments) name, checked against the fields that depend
+    on it; one-line errors name the field and the fix."""
     if args.fp16 and args.bf16:
         fail("bf16", args.bf16, "fp16=True and bf16=True were both set; choose one (or set precision=...)")
     flag = "fp16" if args.fp16 else "bf16" if args.bf16 else None
