@@ -172,6 +172,39 @@ def test_evaluate_and_predict_follow_hf(tmp_path):
     assert "test_loss" in test_metrics and "test_accuracy" in test_metrics
 
 
+class WithAux(torch.nn.Module):
+    """A model returning a dict with an extra output, as HF models return hidden states or caches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = make_model()
+
+    def forward(self, input_ids, labels=None):
+        out = self.inner(input_ids, labels=labels)
+        return {"loss": out.loss, "logits": out.logits, "aux": out.logits.mean(-1)}
+
+
+def test_predict_honours_ignore_keys_and_prediction_loss_only_as_hf(tmp_path):
+    # ignore_keys was accepted and dropped, and predict() returned predictions and ran compute_metrics under
+    # prediction_loss_only=True (HF returns the loss alone)
+    called = []
+
+    def metrics(eval_pred):
+        called.append(1)
+        return {}
+
+    trainer = Trainer(WithAux(), quiet_args(tmp_path), compute_metrics=metrics)
+    both = trainer.predict(make_examples(4, 2)).predictions
+    assert isinstance(both, tuple) and [p.shape for p in both] == [(4, SEQ, VOCAB), (4, SEQ)]
+    assert trainer.predict(make_examples(4, 2), ignore_keys=["aux"]).predictions.shape == (4, SEQ, VOCAB)
+    evaluated = trainer.evaluate(make_examples(4, 2), ignore_keys=["aux"])
+    assert "eval_loss" in evaluated
+    trainer.args.prediction_loss_only = True
+    called.clear()
+    out = trainer.predict(make_examples(4, 2))
+    assert out.predictions is None and out.label_ids is None and "test_loss" in out.metrics and not called
+
+
 def test_eval_loss_is_the_mean_over_examples(tmp_path):
     model = make_model(dropout=0.0)
     examples = make_examples(20, 1)  # batches of 8, 8, 4: a mean of batch means would weigh the 4 wrong

@@ -33,12 +33,13 @@ class EvalResult:
     label_ids: Any
 
 
-def logits_of(outputs: Any) -> Any:
-    """Everything a model returned except its loss (HF's rule): one tensor, or a tuple of them."""
+def logits_of(outputs: Any, ignore_keys: Sequence[str] = ()) -> Any:
+    """Everything a model returned except its loss and ``ignore_keys`` (HF's rule): one tensor, or a tuple."""
     if isinstance(outputs, torch.Tensor):
         return None
     if isinstance(outputs, Mapping):
-        values = [v for k, v in outputs.items() if k != "loss" and isinstance(v, torch.Tensor)]
+        left_out = {"loss", *ignore_keys}
+        values = [v for k, v in outputs.items() if k not in left_out and isinstance(v, torch.Tensor)]
     elif hasattr(outputs, "loss") and hasattr(outputs, "logits"):
         values = [outputs.logits]
     elif isinstance(outputs, (tuple, list)):
@@ -48,6 +49,14 @@ def logits_of(outputs: Any) -> Any:
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
+
+
+def ignored_keys(model: torch.nn.Module, ignore_keys: Sequence[str] | None) -> Sequence[str]:
+    """The output keys evaluation leaves out of the logits: ``ignore_keys``, or by default the model config's
+    ``keys_to_ignore_at_inference`` (HF's)."""
+    if ignore_keys is not None:
+        return ignore_keys
+    return getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", None) or ()
 
 
 def _labels_of(batch: Any, label_names: Sequence[str]) -> Any:
@@ -93,18 +102,28 @@ PredictionStep = Callable[[torch.nn.Module, Any, bool], tuple[Any, Any, Any]]
 
 
 def prediction_step(
-    compute_loss: ComputeLoss, model: torch.nn.Module, batch: Any, label_names: Sequence[str], loss_only: bool
+    compute_loss: ComputeLoss,
+    model: torch.nn.Module,
+    batch: Any,
+    label_names: Sequence[str],
+    loss_only: bool,
+    ignore_keys: Sequence[str] = (),
 ) -> tuple[torch.Tensor | None, Any, Any]:
     """One evaluation batch, HF's ``prediction_step``: ``(loss, logits, labels)``, each None when absent;
     with ``loss_only`` the logits and labels are None."""
-    loss, logits = eval_step(compute_loss, model, batch, label_names, need_loss=loss_only)
+    loss, logits = eval_step(compute_loss, model, batch, label_names, need_loss=loss_only, ignore_keys=ignore_keys)
     if loss_only:
         return loss, None, None
     return loss, logits, _labels_of(batch, label_names)
 
 
 def eval_step(
-    compute_loss: ComputeLoss, model: torch.nn.Module, batch: Any, label_names: Sequence[str], need_loss: bool
+    compute_loss: ComputeLoss,
+    model: torch.nn.Module,
+    batch: Any,
+    label_names: Sequence[str],
+    need_loss: bool,
+    ignore_keys: Sequence[str] = (),
 ) -> tuple[torch.Tensor | None, Any]:
     """One evaluation batch: ``(loss or None, logits or None)``.
 
@@ -115,7 +134,7 @@ def eval_step(
     labelled = not isinstance(batch, Mapping) or any(k in batch for k in label_names)
     if not labelled and not need_loss:
         outputs = call_model(model, batch)
-        return _optional_loss(outputs, required=False), logits_of(outputs)
+        return _optional_loss(outputs, required=False), logits_of(outputs, ignore_keys)
     try:
         result = compute_loss(model, batch, return_outputs=True)
     except ValueError:
@@ -124,14 +143,14 @@ def eval_step(
         # predict() with a model that returns no loss even given labels: its outputs are what is wanted
         # (a second forward, on this rare path only).
         outputs = call_model(model, batch)
-        return None, logits_of(outputs)
+        return None, logits_of(outputs, ignore_keys)
     if isinstance(result, tuple) and len(result) == 2:
         loss, outputs = result
     else:  # an override that ignores return_outputs and returns the loss alone
         loss, outputs = result, None
     if isinstance(outputs, torch.Tensor):  # an override's model output: a bare tensor is its logits
         return loss, outputs if outputs is not loss else None
-    return loss, logits_of(outputs)
+    return loss, logits_of(outputs, ignore_keys)
 
 
 def check_compute_metrics(compute_metrics: Any, batch_eval_metrics: bool) -> None:

@@ -75,9 +75,7 @@ class Trainer:
     ) -> None:  # HF's arguments, in HF's order (transformers 5)
         self.args = args if args is not None else TrainingArguments()
         check_optimizer_arguments(model_init, optimizers, optimizer_cls_and_kwargs)
-        self.compute_loss_func = compute_loss_func
-        """HF's ``compute_loss_func(outputs, labels, num_items_in_batch=...)``: the loss from the model's
-        outputs and the batch's labels, which are then not passed to the model."""
+        self.compute_loss_func = compute_loss_func  # HF's: the loss from (outputs, labels, num_items_in_batch=)
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self._memory = MemoryMetrics(not self.args.skip_memory_metrics, self.args.device)
         self._memory.start("init")
@@ -111,15 +109,14 @@ class Trainer:
         self.optimizer, self.lr_scheduler = optimizers
         self._trained = False
         self.diagnosis: Any = None
-        self.resume_command = "trainer.train(resume_from_checkpoint=True)"
-        """How the user continues this run, for the stop and disk-full messages (the CLI sets its own)."""
+        self.resume_command = "trainer.train(resume_from_checkpoint=True)"  # for stop messages (the CLI's own)
         # Prepared first, before any eval loader: save_state records data positions in preparation order.
         self._loaders = TrainerLoaders(self.accelerator, args, self.data_collator)
         self._train_loader = self._loaders.train(train_dataset) if train_dataset is not None else None
 
         self.meter = StepMeter(self._current_lr, self._current_scale, args.logging_nan_inf_filter)
+        # callbacks, log_history, metrics.jsonl and the progress bar; owns state and control
         self.events = RunEvents(args, self.accelerator, reporters, list(callbacks or []))
-        """Callbacks, log_history, metrics.jsonl and the progress bar; owns ``state`` and ``control``."""
         self._endings = ScriptEndings(args, self.events, self.accelerator)
         self.callback_handler.model = self.model
         self.event("on_init_end")
@@ -377,7 +374,7 @@ class Trainer:
 
     # -- evaluation and prediction -------------------------------------------------------------------
 
-    def _run_eval(self, dataset: Any, prefix: str, want_predictions: bool) -> EvalResult:
+    def _run_eval(self, dataset: Any, prefix: str, want_predictions: bool, ignore_keys: Any = None) -> EvalResult:
         loader = self.get_eval_dataloader(dataset)
         dataset = dataset if dataset is not None else self.eval_dataset
         self.callback_handler.eval_dataloader = loader
@@ -385,7 +382,7 @@ class Trainer:
             self._prepared_model(),
             loader,
             self.accelerator,
-            step=lambda model, batch, loss_only: self.prediction_step(model, batch, loss_only),
+            step=lambda model, batch, loss_only: self.prediction_step(model, batch, loss_only, ignore_keys),
             dataset_size=None if is_stream(dataset) else len(dataset),
             want_predictions=want_predictions,
             compute_metrics=self.compute_metrics,
@@ -400,15 +397,16 @@ class Trainer:
     ) -> tuple[torch.Tensor | None, Any, Any]:
         """One evaluation batch, HF's override point: ``(loss, logits, labels)``, each None when absent (and
         logits and labels None with ``prediction_loss_only``). The loss is ``compute_loss``'s, the function
-        training uses, an override included."""
-        return evaluation.prediction_step(self.compute_loss, model, inputs, self._label_names, prediction_loss_only)
+        training uses, an override included; ``ignore_keys`` are left out of the logits."""
+        step, keys = evaluation.prediction_step, evaluation.ignored_keys(self.model, ignore_keys)
+        return step(self.compute_loss, model, inputs, self._label_names, prediction_loss_only, keys)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:
         """Loss and ``compute_metrics`` over the evaluation set, logged with prefix ``eval_``."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         want = self.compute_metrics is not None and not self.args.prediction_loss_only
         with self._memory.measure("eval") as memory:
-            metrics = self._run_eval(dataset, metric_key_prefix, want).metrics
+            metrics = self._run_eval(dataset, metric_key_prefix, want, ignore_keys).metrics
             self.log(metrics)
             self.event("on_evaluate", metrics=metrics)
         metrics.update(memory)  # HF's eval_mem_* (returned, not logged)
@@ -424,9 +422,11 @@ class Trainer:
         return self.evaluate(ignore_keys=ignore_keys_for_eval)
 
     def predict(self, test_dataset: Any, ignore_keys: Any = None, metric_key_prefix: str = "test") -> PredictionOutput:
-        """Predictions (everything the model returns but the loss), labels and metrics, as HF's."""
+        """Predictions (everything the model returns but the loss and ``ignore_keys``), labels and metrics, as
+        HF's; with ``prediction_loss_only`` the loss alone (predictions and labels None)."""
         with self._memory.measure("test") as memory:
-            result = self._run_eval(test_dataset, metric_key_prefix, want_predictions=True)
+            want = not self.args.prediction_loss_only
+            result = self._run_eval(test_dataset, metric_key_prefix, want, ignore_keys)
         result.metrics.update(memory)
         self.event("on_predict", metrics=result.metrics)
         return PredictionOutput(result.predictions, result.label_ids, result.metrics)
