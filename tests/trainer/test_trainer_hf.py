@@ -146,3 +146,26 @@ def test_patched_evaluate_plants_the_metrics_that_choose_the_best_checkpoint(tmp
     assert evaluate.call_count == 4
     assert trainer.state.best_metric == 0.9
     assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
+
+
+def test_the_logged_learning_rate_is_the_one_each_step_ran_with_as_hfs(tmp_path):
+    # mixprec logged the schedule's next rate (0.000875 at step 1 of a linear decay from 1e-3 over 8 steps)
+    def logged(trainer_cls, args_cls, folder):
+        args = args_cls(
+            output_dir=str(folder),
+            learning_rate=1e-3,
+            max_steps=8,
+            per_device_train_batch_size=4,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            use_cpu=True,
+        )
+        trainer = trainer_cls(model=tiny_gpt2(), args=args, train_dataset=lm_split(32, 0))
+        trainer.train()
+        return [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
+
+    hf = logged(transformers.Trainer, transformers.TrainingArguments, tmp_path / "hf")
+    ours = logged(Trainer, TrainingArguments, tmp_path / "ours")
+    assert hf[0] == 1e-3 and ours == pytest.approx(hf, rel=1e-9)
