@@ -12,7 +12,7 @@ from mixprec.trainer.meter import StepMeter
 
 
 def _meter(**kwargs) -> StepMeter:
-    return StepMeter(lambda: 0.0, lambda: 1.0, **kwargs)
+    return StepMeter(lambda: 1.0, **kwargs)
 
 
 def test_non_finite_losses_are_left_out_of_the_window_and_the_run_mean():

@@ -172,7 +172,6 @@ class TrainingLoop:
         self.interrupted: int | None = None  # the signal that stopped the run
         self._micro_in_step = 0
         self._grad_norm: torch.Tensor | None = None
-        self._step_lr = 0.0  # the learning rate the last step ran with (HF logs it, not the schedule's next)
         self._scaling = False
         self._last_scale: float | None = None
         self._undecided = False  # decided on the steps themselves ("auto"): logged at the step that decides it
@@ -343,7 +342,7 @@ class TrainingLoop:
         if skipped:
             self._record_skip(scale_used)
         events.fire("on_optimizer_step", skipped=skipped)
-        self._step_lr = float(ctx.lr_scheduler.get_last_lr()[0])
+        ctx.meter.learning_rate = float(ctx.lr_scheduler.get_last_lr()[0])  # this step's, logged (HF's)
         ctx.lr_scheduler.step()  # the prepared scheduler holds still after a skipped step
         ctx.optimizer.zero_grad()
         self.compile.step_ended(self.plan.max_steps - ctx.state.global_step - 1)
@@ -422,7 +421,7 @@ class TrainingLoop:
             logs["nonfinite_losses"] = filtered
         if self._grad_norm is not None:
             logs["grad_norm"] = float(self._grad_norm)
-        logs["learning_rate"] = self._step_lr
+        logs["learning_rate"] = ctx.meter.learning_rate
         if ctx.args.include_num_input_tokens_seen != "no":
             logs["num_input_tokens_seen"] = ctx.state.num_input_tokens_seen
         scaler = ctx.accelerator.scaler

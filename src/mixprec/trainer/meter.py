@@ -18,10 +18,8 @@ from mixprec.trainer.phase_clock import PhaseClock
 class StepMeter:
     """Loss since the last log, throughput since the last look, and totals for the summary."""
 
-    def __init__(
-        self, learning_rate: Callable[[], float], loss_scale: Callable[[], float], nan_inf_filter: bool = True
-    ) -> None:
-        self._learning_rate = learning_rate
+    def __init__(self, loss_scale: Callable[[], float], nan_inf_filter: bool = True) -> None:
+        self.learning_rate = 0.0  # the rate the last step ran with (the loop sets it): logged and shown, as HF's
         self._loss_scale = loss_scale
         # HF's logging_nan_inf_filter: the non-finite loss of a skipped step is left out of the logged means
         # (counted on the device, so still no sync), instead of turning every later mean into nan
@@ -136,7 +134,7 @@ class StepMeter:
         loss = self.window_mean()
         if loss is not None:
             shown["loss"] = f"{loss:.4f}"
-        shown["lr"] = f"{self._learning_rate():.2e}"
+        shown["lr"] = f"{self.learning_rate:.2e}"
         shown["scale"] = f"{self._loss_scale():g}"
         if self.tokens:
             shown["tok/s"] = f"{(self.tokens - k0) / dt:.0f}"

@@ -114,7 +114,7 @@ class Trainer:
         self._loaders = TrainerLoaders(self.accelerator, args, self.data_collator)
         self._train_loader = self._loaders.train(train_dataset) if train_dataset is not None else None
 
-        self.meter = StepMeter(self._current_lr, self._current_scale, args.logging_nan_inf_filter)
+        self.meter = StepMeter(self._current_scale, args.logging_nan_inf_filter)
         # callbacks, log_history, metrics.jsonl and the progress bar; owns state and control
         self.events = RunEvents(args, self.accelerator, reporters, list(callbacks or []))
         self._endings = ScriptEndings(args, self.events, self.accelerator)
@@ -237,9 +237,6 @@ class Trainer:
             loss = loss / steps
         self.accelerator.backward(loss)
         return loss.detach()
-
-    def _current_lr(self) -> float:
-        return float(self.lr_scheduler.get_last_lr()[0]) if self.lr_scheduler is not None else 0.0
 
     def _current_scale(self) -> float:
         return self.accelerator.scaler.get_scale() if self.accelerator.scaler.is_enabled() else 1.0
