@@ -90,6 +90,8 @@ def test_fp32_ops_flag_folds_into_the_precision_and_a_typo_is_one_line():
 
     assert parse_precision("bf16", "attention").name == "bf16:fp32_ops=attention"
     assert parse_precision("bf16:fp32_ops=attention").name == "bf16:fp32_ops=attention"  # the same, spelled out
+    # a policy's own kinds stay beside the flag's (attention was dropped)
+    assert parse_precision("fp16:fp32_ops=attention", "norm").name == "fp16:fp32_ops=attention,norm"
     with pytest.raises(CliError, match=r"^--fp32-ops: .*unknown op kind 'attn'; choose from: linear, attention"):
         parse_precision("bf16", "attn")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -100,6 +101,33 @@ def test_resume_with_more_epochs_after_a_finished_run(tmp_path, corpus, capsys):
     assert main(["train", "--data", corpus, *FAST, *one_step_epochs, "--epochs", "1", "--output-dir", str(run)]) == 0
     assert main(["train", "--resume", str(run), "--epochs", "2"]) == 0
     assert "2 (2 epochs)" in capsys.readouterr().out
+
+
+def test_resume_at_or_past_the_runs_end_trains_nothing_and_keeps_its_files(tmp_path, corpus, capsys):
+    # --max-steps below the steps done trained one step more (step 5 of 2) and pruned a good checkpoint; a
+    # finished run resumed overwrote train_summary.json and run.json with NaN and zero figures
+    run = tmp_path / "run"
+    assert main(["train", "--data", corpus, *FAST, "--max-steps", "4", "--output-dir", str(run)]) == 0
+    kept = {name: (run / name).read_text() for name in ("train_summary.json", "run.json", "config.toml")}
+    folders = sorted(p.name for p in run.glob("checkpoint-*"))
+    capsys.readouterr()
+    for more in (["--max-steps", "2"], ["--max-steps", "4"]):
+        assert main(["train", "--resume", str(run), *more]) == 0
+        assert "nothing to train: resumed at step 4" in capsys.readouterr().err
+        assert sorted(p.name for p in run.glob("checkpoint-*")) == folders
+        assert {name: (run / name).read_text() for name in kept} == kept
+
+
+def test_a_precision_named_on_resume_replaces_the_saved_one_and_its_fp32_ops(tmp_path, corpus, capsys):
+    # the saved --fp32-ops attention joined (or was refused beside) the precision typed on the resume
+    run = tmp_path / "run"
+    flags = [*FAST[:-2], "--precision", "bf16", "--fp32-ops", "attention", "--max-steps", "2"]
+    assert main(["train", "--data", corpus, *flags, "--output-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--precision", "fp32", "--max-steps", "3"]) == 0
+    assert re.search(r"^precision +fp32", capsys.readouterr().out, re.MULTILINE)
+    assert main(["train", "--resume", str(run), "--precision", "fp16:fp32_ops=norm", "--max-steps", "4"]) == 0
+    assert re.search(r"^precision +fp16:fp32_ops=norm", capsys.readouterr().out, re.MULTILINE)
 
 
 def test_config_file_sets_the_flags_and_the_command_line_overrides_it(tmp_path, corpus):

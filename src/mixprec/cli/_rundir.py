@@ -189,8 +189,11 @@ def saved_flags(args: argparse.Namespace) -> dict[str, Any]:
 def apply_saved_flags(args: argparse.Namespace, run_dir: Path) -> None:
     """On --resume, the run's own saved flags fill what neither the command line nor --config set."""
     path = run_dir / CONFIG_FILE
+    keep = explicit_flags(args) | set(args._from_config_file)
+    if "precision" in keep:  # a precision named now replaces the saved one, the kinds it kept in fp32 included
+        keep.add("fp32_ops")
     if path.is_file():
-        apply_config_file(args, path, keep=explicit_flags(args) | set(args._from_config_file))
+        apply_config_file(args, path, keep=keep)
 
 
 class SaveFlags(TrainerCallback):
@@ -204,5 +207,5 @@ class SaveFlags(TrainerCallback):
         self.text = dump_toml(flags, header=header)
 
     def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001 - the callback signature
-        if is_main():
+        if is_main() and state.global_step < state.max_steps:  # a resume past the end keeps the run's flags
             write_atomically(self.path, lambda p: Path(p).write_text(self.text, encoding="utf-8"))

@@ -355,6 +355,9 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
         # SIGTERM), which batch schedulers read as a stopped job, not a finished one
         raise SystemExit(stop.exit_status) from None
     summary = dict(output.metrics)
+    if resume_from is not None and not summary["train_loss_steps"]:  # past its end: the files keep the run
+        trainer.accelerator.end_training()
+        return 0
 
     history = trainer.state.log_history
     last_eval = _summary_table.last_value(history, "eval_loss")

@@ -193,7 +193,8 @@ def auto_candidates(device: torch.device) -> list[Precision]:
 def policy_name(name: str, fp32_ops: str | list[str] | tuple[str, ...] | None, *, made: Precision | None = None) -> str:
     """The precision name for ``name`` with ``fp32_ops`` kept in fp32 (the ``fp32_ops=`` argument of the
     Accelerator, TrainingArguments and ``mixprec train``): ``("bf16", ["attention"])`` ->
-    "bf16:fp32_ops=attention"; ``name`` unchanged when ``fp32_ops`` is empty. Raises a ValueError naming
+    "bf16:fp32_ops=attention" (a policy ``name`` keeps its own kinds too); ``name`` unchanged when ``fp32_ops`` is
+    empty. Raises a ValueError naming
     ``fp32_ops`` for an unknown kind, a mode without autocast, or beside a strategy already ``made`` (named
     ``name``: its kinds belong in its name)."""
     kinds = check_op_kinds(fp32_ops or ())
@@ -205,8 +206,9 @@ def policy_name(name: str, fp32_ops: str | list[str] | tuple[str, ...] | None, *
             f"make_precision('{made.name}:fp32_ops={','.join(sorted(kinds))}'), and drop fp32_ops"
         )
     base = canonical_name(name)
-    if ":" in base:
-        base = OpPolicy.parse(base).base
+    if ":" in base:  # a policy's own kinds stay, joined by these
+        named = OpPolicy.parse(base)
+        base, kinds = named.base, frozenset(kinds) | named.fp32_ops
     if base not in POLICY_BASES:
         raise ValueError(
             f"fp32_ops={sorted(kinds)} needs an autocast mode to refine, not precision {name!r}; "

@@ -185,11 +185,12 @@ class TrainingLoop:
     def run(self) -> None:
         ctx, plan = self.run_ctx, self.plan
         acc, events = ctx.accelerator, ctx.events
-        reduce_max = None
-        if acc.num_processes > 1:
-            reduce_max = lambda flag: bool(acc.reduce(int(flag), reduction="max").item())  # noqa: E731
+        several = acc.num_processes > 1
+        reduce_max = (lambda flag: bool(acc.reduce(int(flag), reduction="max").item())) if several else None
         events.fire("on_train_begin")
         ctx.meter.start()
+        if ctx.state.global_step >= plan.max_steps:
+            return  # resumed at or past the run's end: not one more step (finish_run says so)
         if not acc.precision_pending:  # a named precision, or "auto" kept from the checkpoint
             self._start_scaling()
         with GracefulStop() as stop:

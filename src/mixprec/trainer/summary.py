@@ -180,14 +180,19 @@ def finish_run(run: RunContext, steps_before: int, compiled: dict[str, Any] | No
             **memory,
         }
     )
-    if acc.is_main_process:
+    trained = summary["train_loss_steps"] > 0 or not steps_before  # a resume past the end trains nothing
+    if acc.is_main_process and trained:
         write_summary(summary, args.output_dir)
         if args.save_plots and events.metrics_path is not None:
             plots.plot_run(events.metrics_path, args.output_dir)  # through the module, where a test replaces it
         print(format_summary(summary), file=sys.stderr, flush=True)
+    elif acc.is_main_process:  # the files keep the run that trained
+        said = f"nothing to train: resumed at step {state.global_step}, at or past this run's end (max_steps "
+        said += f"{state.max_steps}); its summary and plots stay the last training's"
+        print(said, file=sys.stderr)
     sections = set(summary)
     events.fire("on_train_end", summary=summary)
-    if acc.is_main_process and set(summary) != sections:  # a callback added its section (the watch's): write again
+    if acc.is_main_process and trained and set(summary) != sections:  # a callback added its section: write again
         write_summary(summary, args.output_dir)
     return TrainOutput(state.global_step, summary["train_loss"], summary)
 
