@@ -84,6 +84,22 @@ def test_mfu_uses_the_peak_of_the_compute_dtype(monkeypatch):
     assert fp32.mfu == pytest.approx(1000.0 * fp32.tokens_per_s / fp32.peak.flops_per_s)
 
 
+def test_a_policy_that_keeps_linear_in_fp32_is_measured_against_fp32s_peak(monkeypatch):
+    # its matmuls run in fp32: against fp16's (emulated, slow) peak its MFU read 91-108%
+    from mixprec.bench import peak
+
+    monkeypatch.setattr(peak, "_MAX_SIZE", {"cuda": 8192, "cpu": 256})
+    config = BenchConfig(precisions=("fp16:fp32_ops=linear", "fp16:fp32_ops=attention"), steps=1, rounds=1, warmup=0)
+    linear, attention = run_bench(_workload(), config).rows
+    assert linear.peak.dtype == "float32" and attention.peak.dtype == "float16"
+
+
+def test_a_bench_of_modes_this_machine_cannot_run_says_so_in_the_table():
+    # every arm left out: the rounds divided by zero arms
+    result = run_bench(_workload(), BenchConfig(precisions=("fp8",), **FAST, measure_memory=False))
+    assert [(r.precision, r.times) for r in result.rows] == [("fp8", None)] and result.rows[0].skipped
+
+
 @pytest.mark.skipif(not __import__("mixprec.bench").bench.cpu_memory_supported(), reason="Linux only")
 def test_peak_memory_is_measured_per_precision():
     result = run_bench(_workload(), BenchConfig(precisions=("fp32", "bf16"), **FAST))

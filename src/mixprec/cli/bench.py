@@ -180,6 +180,10 @@ def run(args: argparse.Namespace) -> int:
             f"bench compares several precisions: use --precisions (e.g. --precisions fp32,{args.precision}), "
             f"not --precision"
         )
+    if "fp32_ops" in explicit_flags(args):
+        raise CliError(
+            "--fp32-ops: bench adds a per-op-kind policy as a row of its own: use --policy bf16:fp32_ops=..."
+        )
     cuda = torch.cuda.is_available()
     threads = args.threads if args.threads is not None else (None if cuda else CPU_THREADS)
     previous = torch.get_num_threads()

@@ -158,6 +158,12 @@ class Precision:
         return format_of(self.compute_dtype)
 
     @property
+    def matmul_dtype(self) -> torch.dtype:
+        """The dtype the model's matmuls (its linear layers) run in: the compute dtype, or fp32 where a policy
+        keeps them there. What a FLOP/s peak is measured in."""
+        return self.compute_dtype
+
+    @property
     def master_weights(self) -> bool:
         """Whether the optimizer steps fp32 weights (the model's own, or fp32 masters of fp16/bf16 ones)."""
         return self.param_dtype == torch.float32

@@ -62,6 +62,10 @@ class PolicyMixedPrecision(AutocastMixedPrecision):
                 f"precision {self.name!r} with activation checkpointing: {self.recompute_refusal}"
             ) from err
 
+    @property
+    def matmul_dtype(self) -> torch.dtype:
+        return torch.float32 if "linear" in self.policy.fp32_ops else self.compute_dtype
+
     def op_dtypes(self) -> dict[str, str]:
         """Each op kind's dtype under this policy: "fp32 (policy)" or what autocast does with it here."""
         low = str(self.compute_dtype).removeprefix("torch.")
