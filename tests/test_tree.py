@@ -126,3 +126,16 @@ def test_send_to_device_moves_tensors_in_dataclasses_and_sends_objects_with_to_w
     moved = send_to_device(batch, "meta")
     assert moved["out"].loss.is_meta and moved["out"].hidden[0].is_meta and type(moved["out"]) is Output
     assert type(moved["enc"]) is MovesItself and moved["enc"].t.is_meta
+
+
+def test_strict_json_writes_what_strict_readers_accept():
+    import json
+    import math
+
+    import numpy as np
+
+    from mixprec.tree import strict_json
+
+    data = {"loss": float("nan"), "scale": torch.tensor(2.0), "best": np.float32(1.5), "seen": [math.inf, 1.0]}
+    text = json.dumps(strict_json(data), allow_nan=False)  # Python's default writes NaN, which is not JSON
+    assert json.loads(text) == {"loss": None, "scale": 2.0, "best": 1.5, "seen": [None, 1.0]}

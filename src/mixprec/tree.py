@@ -21,6 +21,7 @@ end, as in torch's pytree. This module imports nothing from mixprec (a leaf belo
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -48,6 +49,19 @@ def tree_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list
 def tree_flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], TreeSpec]:
     """The leaves and the structure, for :func:`tree_unflatten` to rebuild."""
     return _pytree.tree_flatten(tree, is_leaf=_leaf_test(is_leaf))
+
+
+def strict_json(tree: Any) -> Any:
+    """``tree`` for strict JSON (``json.dumps(..., allow_nan=False)``): 0-dim tensors and numpy scalars as Python
+    numbers, inf and NaN as None (JSON has no literal for them; Python writes ``NaN``, which strict readers
+    refuse)."""
+
+    def leaf(x: Any) -> Any:
+        if hasattr(x, "item") and callable(x.item) and getattr(x, "ndim", 1) == 0:
+            x = x.item()
+        return None if isinstance(x, float) and not math.isfinite(x) else x
+
+    return tree_map(leaf, tree)
 
 
 def is_container(obj: Any) -> bool:

@@ -130,6 +130,22 @@ def test_a_precision_named_on_resume_replaces_the_saved_one_and_its_fp32_ops(tmp
     assert re.search(r"^precision +fp16:fp32_ops=norm", capsys.readouterr().out, re.MULTILINE)
 
 
+def test_a_run_whose_losses_went_non_finite_writes_strict_json_and_counts_them(tmp_path, corpus, capsys):
+    # run.json held "eval_loss": NaN, which strict readers refuse, and the summary said "the mean over the 6
+    # steps" where 1 loss was finite
+    run = tmp_path / "run"
+    assert main(["train", "--data", corpus, *FAST, "--lr", "1e9", "--max-steps", "6", "--output-dir", str(run)]) == 0
+
+    def refuse(constant: str) -> None:
+        raise ValueError(constant)
+
+    for name in ("run.json", "train_summary.json"):
+        json.loads((run / name).read_text(), parse_constant=refuse)
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert summary["train_loss_left_out"] >= 1
+    assert f"{summary['train_loss_left_out']} non-finite losses left out" in capsys.readouterr().out
+
+
 def test_config_file_sets_the_flags_and_the_command_line_overrides_it(tmp_path, corpus):
     cfg = tmp_path / "train.toml"
     cfg.write_text(

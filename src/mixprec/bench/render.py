@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
-from typing import Any
-
-from torch.utils import _pytree as pytree
 
 from mixprec.bench.result import BenchResult
 from mixprec.precision.decision import AutoDecision
+from mixprec.tree import strict_json
 
 
 def _mib(n: int | None) -> str:
@@ -114,12 +111,7 @@ def format_table(result: BenchResult) -> str:
 
 def to_json(result: BenchResult) -> str:
     """The ``--json`` document as text (one object; NaN is written as null so every parser reads it)."""
-    return json.dumps(_finite(result.to_dict()), indent=2)
-
-
-def _finite(obj: Any) -> Any:
-    """Non-finite floats as None (JSON null)."""
-    return pytree.tree_map(lambda x: None if isinstance(x, float) and not math.isfinite(x) else x, obj)
+    return json.dumps(strict_json(result.to_dict()), indent=2, allow_nan=False)
 
 
 def write_chart(result: BenchResult, path: str | Path) -> Path:

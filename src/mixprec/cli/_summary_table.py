@@ -15,6 +15,7 @@ from mixprec.precision.decision import AutoDecision
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.registry import needs_loss_scaling
 from mixprec.trainer.phase_clock import breakdown_rows
+from mixprec.trainer.summary import mean_over
 
 __all__ = ["auto_rows", "format_duration", "format_table", "last_value", "perplexity", "printable", "summary_rows"]
 
@@ -97,7 +98,7 @@ def summary_rows(
     # took. The last logged value (a mean of the last few steps) was a second, different "train loss"
     mean, over = summary.get("train_loss"), summary.get("train_loss_steps")
     if isinstance(mean, (int, float)) and over:
-        rows.append(("train loss", f"{_loss(mean)}, the mean over the {over} steps this run took"))
+        rows.append(("train loss", f"{_loss(mean)}, {mean_over(summary)}"))
     else:
         train = last_value(log_history, "loss")
         rows.append(("train loss", _loss(train[0]) + f", last logged at step {train[1]}" if train else "-"))

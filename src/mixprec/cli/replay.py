@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--tol {args.tol}: the relative distance must be > 0, e.g. --tol {DEFAULT_TOL}")
     _check_device(args.device)
     result = replay(args.capsule, device=args.device, tol=DEFAULT_TOL if args.tol is None else args.tol)
-    print(json.dumps(result.to_dict()) if args.json else result.message())
+    print(json.dumps(result.to_dict(), allow_nan=False) if args.json else result.message())
     return 0
 
 

@@ -47,6 +47,7 @@ from mixprec.strategies.launch_env import LaunchEnv
 from mixprec.strategies.restarts import restarted_anywhere, restarted_by_launcher, restarts_allowed_on_several_nodes
 from mixprec.trainer.optimizers import OPTIMIZER_NAMES
 from mixprec.trainer.signals import TrainingInterrupted
+from mixprec.tree import strict_json
 
 # -- defaults, measured on the project's 2-core AMD EPYC (AVX2) machine, where "auto" picks fp32 ------------
 # 300 steps of 16 x 128 bytes (614K bytes: a fifth of the training split, so no chunk is seen twice) bring the
@@ -429,7 +430,8 @@ def _report(
         "summary": summary,
         "sample": sample,
     }
-    (run_dir / _rundir.RUN_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    text = json.dumps(strict_json(record), indent=2, default=str, allow_nan=False)
+    (run_dir / _rundir.RUN_FILE).write_text(text + "\n", encoding="utf-8")
     _emit()
     _emit(_summary_table.format_table(rows, "mixprec train: summary"))
     _emit()

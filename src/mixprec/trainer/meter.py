@@ -34,6 +34,7 @@ class StepMeter:
         self._run_base = (0.0, 0)
         self.samples = 0
         self.tokens = 0
+        self.filtered = 0  # non-finite micro-batch losses the filter left out of this run's means
         self.phases = PhaseClock()
         """Where the run's time goes, phase by phase (the loop laps it; the summary reads it)."""
         self.start()
@@ -88,6 +89,7 @@ class StepMeter:
         total, count = window
         self.total_loss += total
         self.total_count += count
+        self.filtered += added - count
         return self._mean(total, count), added - count
 
     def mean_loss(self) -> float:

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from mixprec import tree as pytree
 from mixprec.trainer.configs import resolve_steps
+from mixprec.tree import strict_json
 
 STATE_FILE = "trainer_state.json"
 
@@ -66,7 +65,7 @@ class TrainerState:
 
     def save_to_json(self, json_path: str | Path) -> None:
         """Write the state as JSON (non-finite floats become null, so the file is strict JSON)."""
-        text = json.dumps(_finite(self.to_dict()), indent=2, sort_keys=True, allow_nan=False) + "\n"
+        text = json.dumps(strict_json(self.to_dict()), indent=2, sort_keys=True, allow_nan=False) + "\n"
         Path(json_path).write_text(text, encoding="utf-8")
 
     @classmethod
@@ -77,11 +76,6 @@ class TrainerState:
             raise ValueError(f"{json_path}: expected a JSON object, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
-
-
-def _finite(obj: Any) -> Any:
-    """Non-finite floats as None: strict JSON has no literal for them."""
-    return pytree.tree_map(lambda x: None if isinstance(x, float) and not math.isfinite(x) else x, obj)
 
 
 class EvalPrediction:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import platform
 import resource
 import sys
@@ -30,6 +29,7 @@ from mixprec._version import __version__
 from mixprec.trainer import plots
 from mixprec.trainer.phase_clock import format_breakdown
 from mixprec.trainer.state import STATE_FILE, TrainOutput
+from mixprec.tree import strict_json
 
 if TYPE_CHECKING:
     from mixprec.accelerator.accelerator import Accelerator
@@ -69,6 +69,7 @@ def build_summary(
     metric_name: str | None,
     device: torch.device,
     comm: str = "",
+    losses_left_out: int = 0,
 ) -> dict[str, Any]:
     """HF's train_* metrics, then mixprec's. Rates are over this process's work in this run (a resumed run
     counts from the resume)."""
@@ -80,6 +81,7 @@ def build_summary(
         "train_steps_per_second": round(steps_this_run / runtime, 3),
         "train_loss": train_loss,
         "train_loss_steps": steps_this_run,  # train_loss is the mean over these steps (this run's)
+        "train_loss_left_out": losses_left_out,  # ... but for these non-finite micro-batch losses (HF's filter)
         "epoch": epoch,
         "global_step": global_step,
         "skipped_steps": skipped_steps,
@@ -101,6 +103,13 @@ def build_summary(
     return summary
 
 
+def mean_over(summary: dict[str, Any]) -> str:
+    """What ``train_loss`` is the mean of: this run's steps, less the non-finite losses the filter left out."""
+    said = f"the mean over the {summary.get('train_loss_steps', '')} steps this run took"
+    left_out = summary.get("train_loss_left_out")
+    return f"{said}, {left_out} non-finite losses left out" if left_out else said
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """A few readable lines for the end of a run."""
     lines = [
@@ -109,8 +118,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"trained {summary['global_step']} steps in {summary['train_runtime']:.1f}s ({summary['precision']}"
         + (f"; {summary['comm']}" if summary.get("comm") else "")
         + ")",
-        f"  train loss {summary['train_loss']:.4f} (the mean over the {summary.get('train_loss_steps', '')} steps "
-        f"this run took); skipped steps {summary['skipped_steps']}"
+        f"  train loss {summary['train_loss']:.4f} ({mean_over(summary)}); skipped steps {summary['skipped_steps']}"
         + (f"; final loss scale {summary['final_loss_scale']:g}" if summary.get("final_loss_scale") else ""),
         f"  throughput {summary['train_samples_per_second']:.1f} samples/s"
         + (f", {summary['train_tokens_per_second']:.0f} tokens/s" if "train_tokens_per_second" in summary else ""),
@@ -129,7 +137,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 def write_summary(summary: dict[str, Any], output_dir: str | Path) -> Path:
     path = Path(output_dir) / SUMMARY_FILE
-    path.write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(strict_json(summary), indent=2, default=str, allow_nan=False) + "\n", encoding="utf-8")
     return path
 
 
@@ -154,6 +162,7 @@ def finish_run(run: RunContext, steps_before: int, compiled: dict[str, Any] | No
         samples=int(samples),
         tokens=int(tokens),
         train_loss=meter.mean_loss(),
+        losses_left_out=meter.filtered,
         epoch=state.epoch,
         best_metric=state.best_metric,
         best_model_checkpoint=state.best_model_checkpoint,
@@ -241,7 +250,7 @@ def save_metrics(output_dir: str | Path, split: str, metrics: dict[str, Any], co
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{split}_results.json"
-    plain = {k: _jsonable(v) for k, v in metrics.items()}
+    plain = strict_json(dict(metrics))
     path.write_text(json.dumps(plain, indent=4, sort_keys=True) + "\n", encoding="utf-8")
     if combined:
         every = out / ALL_RESULTS
@@ -249,14 +258,6 @@ def save_metrics(output_dir: str | Path, split: str, metrics: dict[str, Any], co
         merged.update(plain)
         every.write_text(json.dumps(merged, indent=4, sort_keys=True) + "\n", encoding="utf-8")
     return path
-
-
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "item") and callable(value.item):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def model_card(

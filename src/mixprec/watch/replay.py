@@ -29,6 +29,7 @@ from mixprec.diagnostics.hooks import HookRegistry, display_name
 from mixprec.diagnostics.nonfinite import find_first_nonfinite
 from mixprec.models.outputs import extract_loss
 from mixprec.precision.registry import make_precision
+from mixprec.tree import strict_json
 from mixprec.watch.capsule import Capsule, build_model
 from mixprec.watch.fallback import run_in_fp32
 
@@ -105,8 +106,8 @@ class ReplayResult:
         return f"{head}\n{tail}"
 
     def to_dict(self) -> dict[str, Any]:
-        """The finding as plain data (``mixprec replay --json``)."""
-        return asdict(self)
+        """The finding as plain data for strict JSON (``mixprec replay --json``): a non-finite loss as None."""
+        return strict_json(asdict(self))
 
 
 def replay(
