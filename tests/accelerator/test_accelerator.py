@@ -364,6 +364,24 @@ def test_half_model_trains_through_fp32_masters() -> None:
     assert {p.dtype for p in model.parameters()} == {torch.float16}
 
 
+@pytest.mark.parametrize(("precision", "model_dtype"), [("fp16", torch.bfloat16), ("bf16", torch.float16)])
+def test_a_model_in_the_other_16_bit_dtype_that_fails_names_the_parameter_and_the_fix(precision, model_dtype):
+    # it failed in torch's words ("mixed dtype (CPU): expect parameter to have scalar type of Float"), from
+    # inside a layer norm, naming neither the parameter nor the precision
+    class Normed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.norm = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.norm(self.linear(x))
+
+    accelerator = Accelerator(mixed_precision=precision, verbose=False)
+    model = accelerator.prepare(Normed().to(model_dtype))
+    with pytest.raises(RuntimeError, match=r"^Normed's forward failed: parameter 'linear.weight' is .* or use precis"):
+        model(torch.randn(2, 8, dtype=model_dtype))
+
+
 def test_the_resolved_mode_is_reported_once(capsys: pytest.CaptureFixture[str]) -> None:
     accelerator = Accelerator(mixed_precision="16-mixed")
     lines = capsys.readouterr().err.strip().splitlines()

@@ -78,12 +78,18 @@ def _prepared_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The original forward under autocast; floating outputs back in fp32. No host sync."""
     prepared: _Prepared = self.__dict__["_mixprec"]
     precision = prepared.precision
-    with precision.autocast():
-        # Without grad (evaluation) there is nothing to sync: skip DDP, whose forward may broadcast buffers.
-        if prepared.ddp is not None and torch.is_grad_enabled():
-            out = prepared.ddp(*args, **kwargs)
-        else:
-            out = self.__dict__["_mixprec_forward"](*args, **kwargs)
+    try:
+        with precision.autocast():
+            # Without grad (evaluation) there is nothing to sync: skip DDP, whose forward may broadcast buffers.
+            if prepared.ddp is not None and torch.is_grad_enabled():
+                out = prepared.ddp(*args, **kwargs)
+            else:
+                out = self.__dict__["_mixprec_forward"](*args, **kwargs)
+    except RuntimeError as err:  # torch's "mixed dtype" from inside a layer norm: say which parameter, and the fix
+        why = precision.model_refusal(self) if "dtype" in str(err) else None
+        if why is None:
+            raise
+        raise RuntimeError(f"{type(self).__name__}'s forward failed: {why}") from err
     return precision.convert_output(out)
 
 

@@ -184,6 +184,23 @@ class Precision:
         """A run that some modes cannot train (the step in backward: fp16): nothing for a named mode, which the
         caller refuses; "auto" races without its ``unfit`` candidates and says ``why`` in its decision."""
 
+    def model_refusal(self, model: torch.nn.Module) -> str | None:
+        """Why this mode may fail to compute ``model`` (None: it cannot be the cause): a parameter in the other
+        16-bit dtype than its autocast's, which autocast mixes with its own (a layer norm fails on the two). Said
+        when a forward fails in torch's words."""
+        low = self.compute_dtype
+        if self.param_dtype != torch.float32 or low not in (torch.float16, torch.bfloat16):
+            return None  # fp32 computes what it is given; a pure mode casts the model itself
+        other = torch.bfloat16 if low == torch.float16 else torch.float16
+        name = next((n for n, p in model.named_parameters() if p.dtype == other), None)
+        if name is None:
+            return None
+        fix, theirs, ours = ("bf16" if other == torch.bfloat16 else "fp16"), _short(other), _short(low)
+        return (
+            f"parameter {name!r} is {theirs} and precision {self.name!r} computes in {ours}, which autocast cannot "
+            f"mix; cast the model to float32 (model.float()) or to {ours}, or use precision={fix!r}"
+        )
+
     @property
     def in_trial(self) -> bool:
         """Whether the step now running is a race's trial ("auto"), whose gradients are read and put back: nothing
@@ -373,3 +390,7 @@ def _to_fp32(data: Any) -> Any:
         return leaf.float() if isinstance(leaf, torch.Tensor) and leaf.dtype in _LOW_PRECISION else leaf
 
     return tree_map(cast, data)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
