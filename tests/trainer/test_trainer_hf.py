@@ -121,14 +121,18 @@ def test_trainer_and_training_step_signatures_are_hfs():
         assert ours == theirs[: len(ours)], name
 
 
-def test_patched_evaluate_plants_the_metrics_that_choose_the_best_checkpoint(tmp_path):
-    # HF's tests replace Trainer._evaluate (patch.object + evaluate_side_effect_factory) to plant metrics
+@pytest.mark.parametrize("limit", [None, 1])
+def test_patched_evaluate_plants_the_metrics_that_choose_the_best_checkpoint(tmp_path, limit):
+    # HF's tests replace Trainer._evaluate (patch.object + evaluate_side_effect_factory) to plant metrics.
+    # save_total_limit=1: the newest stays beside the best while the run may resume, and goes when it ends (HF's
+    # rule; two folders were left)
     from unittest.mock import patch
 
     from trainer_utils import make_examples, make_model
 
     args = TrainingArguments(
         str(tmp_path),
+        save_total_limit=limit,
         disable_tqdm=True,
         save_plots=False,
         max_steps=4,
@@ -146,6 +150,8 @@ def test_patched_evaluate_plants_the_metrics_that_choose_the_best_checkpoint(tmp
     assert evaluate.call_count == 4
     assert trainer.state.best_metric == 0.9
     assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
+    left = sorted(p.name for p in tmp_path.glob("checkpoint-*"))
+    assert left == (["checkpoint-2"] if limit == 1 else [f"checkpoint-{i}" for i in range(1, 5)])
 
 
 def test_the_logged_learning_rate_is_the_one_each_step_ran_with_as_hfs(tmp_path):

@@ -195,16 +195,17 @@ class NumberedFolders:
             )
         return path
 
-    def prune(self, keep: int | None, protect: str | os.PathLike[str] | None = None) -> list[Path]:
+    def prune(self, keep: int | None, protect: str | os.PathLike[str] | None = None, ended: bool = False) -> list[Path]:
         """The one keep-k policy: delete the oldest complete folders until ``keep`` are left (None keeps all),
         never ``protect`` (it counts among the ``keep``, as HF's best checkpoint does; HF's rule: with
-        ``keep=1`` and a protected folder that is not the newest, both stay). Call only after the newest
-        folder is committed (the manager runs it on its writer thread). Returns what was deleted."""
+        ``keep=1`` and a protected folder that is not the newest, both stay while the run may resume, and the
+        newest goes once it has ``ended``). Call only after the newest folder is committed (the manager runs it
+        on its writer thread). Returns what was deleted."""
         if keep is None:
             return []
         found = self.complete()
         protected = Path(protect).resolve() if protect is not None else None
-        if keep == 1 and protected is not None and found and found[-1].resolve() != protected:
+        if keep == 1 and protected is not None and found and found[-1].resolve() != protected and not ended:
             keep = 2
         deletable = [p for p in found if p.resolve() != protected]
         removed = []

@@ -149,11 +149,15 @@ def save_trainer_checkpoint(run: RunContext, position: DataPosition) -> Path:
     return path
 
 
-def wait_for_checkpoint(run: RunContext) -> None:
+def wait_for_checkpoint(run: RunContext, ended: bool = False) -> None:
     """Collective: an asynchronous checkpoint still being written lands, and the pruning after it is done (its
-    failure raised, a full disk explained as for a synchronous save)."""
+    failure raised, a full disk explained as for a synchronous save). A run that ``ended`` with
+    ``save_total_limit=1`` keeps its best checkpoint alone, as HF's (the newest stayed beside it for a resume)."""
     with _disk_full_explained(run, None):
         run.accelerator.wait_for_checkpoint()
+    best, args = run.state.best_model_checkpoint, run.args
+    if ended and best is not None and args.save_total_limit == 1 and run.accelerator.is_main_process:
+        trainer_folders(args.output_dir).prune(1, protect=best, ended=True)
 
 
 @contextlib.contextmanager

@@ -147,7 +147,7 @@ def fit(run: RunContext, plan: Plan, checkpoint: Any, train_stream: Any, example
             with contextlib.suppress(Exception):
                 acc.wait_for_checkpoint()
         raise
-    ckpt.wait_for_checkpoint(run)  # async_save: the last checkpoint is complete before anything reads it
+    ckpt.wait_for_checkpoint(run, ended=loop.interrupted is None)  # async_save: it lands before it is read
     if loop.interrupted is None and args.load_best_model_at_end:
         weights.load_best_model(acc, model, args, run.state)
     output = finish_run(run, steps_before, loop.compile.summary(plan.max_steps - run.state.global_step))
