@@ -59,3 +59,24 @@ def test_a_strategy_passed_in_is_kept_beside_its_name_and_the_dict_stays_plain(t
     assert json.loads(args.to_json_string())["precision"] == "bf16"
     again = TrainingArguments.from_dict(args.to_dict())
     assert again.precision == "bf16" and again.precision_strategy is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "field", "expected"),
+    [
+        (["--gradient_checkpointing"], "activation_checkpointing", True),  # a bare flag, as HF's
+        (["--activation_checkpointing"], "activation_checkpointing", True),
+        (["--gradient_checkpointing_kwargs", '{"use_reentrant": false}'], "activation_checkpointing_kwargs", {}),
+        (["--fsdp"], "distributed", "fsdp"),
+    ],
+)
+def test_hfs_command_line_spellings_parse_as_in_hfs_parser(argv, field, expected):
+    # argparse refused them: "expected one argument", "invalid dict value"
+    (ours,) = _parser().parse_args_into_dataclasses(["--output_dir", "out", *argv])
+    (theirs,) = transformers.HfArgumentParser(transformers.TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "out", *argv]
+    )
+    value = getattr(ours, field)
+    assert value == ({"use_reentrant": False} if expected == {} else expected)
+    if field != "distributed":
+        assert value == getattr(theirs, field)

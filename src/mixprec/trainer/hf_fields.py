@@ -27,10 +27,12 @@ LOG_LEVELS = ("passive", "debug", "info", "warning", "error", "critical")
 """HF's ``log_level`` names ("passive": the logger's level is left as the application set it)."""
 
 
-def _f(default: Any, kind: str, note: str) -> Any:
+def _f(default: Any, kind: str, note: str, bare: bool = False) -> Any:
+    """A field and its help; ``bare``: a flag given alone on a command line means True (HF's nargs="?", const)."""
+    metadata = {"help": f"{kind}: {note}", **({"nargs": "?", "const": True} if bare else {})}
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": f"{kind}: {note}"})
-    return field(default=default, metadata={"help": f"{kind}: {note}"})
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 _HUB = "only read when pushing to the Hub, which mixprec refuses (push_to_hub)"
@@ -47,13 +49,19 @@ class HFCompatFields:
         None, IMPLEMENTED, "only its state_dict_type (FULL_STATE_DICT / SHARDED_STATE_DICT): fsdp_state_dict_type"
     )
     activation_checkpointing: bool | None = _f(
-        None, IMPLEMENTED, "model.activation_checkpointing_enable()/gradient_checkpointing_enable(), or mixprec's GPT"
+        None,
+        IMPLEMENTED,
+        "model.activation_checkpointing_enable()/gradient_checkpointing_enable(), or mixprec's GPT",
+        bare=True,
     )
-    activation_checkpointing_kwargs: dict[str, Any] | None = _f(
+    # the kwargs fields take a JSON string too, as HF's (a command line: --gradient_checkpointing_kwargs '{...}')
+    activation_checkpointing_kwargs: dict[str, Any] | str | None = _f(
         None, IMPLEMENTED, "passed to the model's *_checkpointing_enable(gradient_checkpointing_kwargs=...)"
     )
-    gradient_checkpointing: bool | None = _f(None, IMPLEMENTED, "HF 5's deprecated alias of activation_checkpointing")
-    gradient_checkpointing_kwargs: dict[str, Any] | None = _f(
+    gradient_checkpointing: bool | None = _f(
+        None, IMPLEMENTED, "HF 5's deprecated alias of activation_checkpointing", bare=True
+    )
+    gradient_checkpointing_kwargs: dict[str, Any] | str | None = _f(
         None, IMPLEMENTED, "HF 5's deprecated alias of activation_checkpointing_kwargs"
     )
     accelerator_config: dict[str, Any] | str | None = _f(
@@ -97,7 +105,10 @@ class HFCompatFields:
     ddp_broadcast_buffers: bool | None = _f(None, IMPLEMENTED, _DDP)
     ddp_static_graph: bool | None = _f(None, IMPLEMENTED, _DDP)
     fsdp: str | None = _f(  # also a list of options or True, as HF's; annotated as HF's for HfArgumentParser
-        None, IMPLEMENTED, "'full_shard' (optionally 'auto_wrap') selects distributed='fsdp'; other options refused"
+        None,
+        IMPLEMENTED,
+        "'full_shard' (optionally 'auto_wrap') selects distributed='fsdp'; other options refused",
+        bare=True,
     )
     restore_callback_states_from_checkpoint: bool = _f(
         False, IMPLEMENTED, "stateful callbacks (ExportableState) are rebuilt from the checkpoint on resume"
@@ -150,7 +161,7 @@ class HFCompatFields:
     )
     bf16_full_eval: bool = _f(False, REFUSED, "evaluation runs under the training precision (autocast, fp32 master)")
     fp16_full_eval: bool = _f(False, REFUSED, "evaluation runs under the training precision (autocast, fp32 master)")
-    lr_scheduler_kwargs: dict[str, Any] | None = _f(None, REFUSED, "the schedules take no extra arguments")
+    lr_scheduler_kwargs: dict[str, Any] | str | None = _f(None, REFUSED, "the schedules take no extra arguments")
     optim_target_modules: None | str | list[str] = _f(None, REFUSED, "GaLore-style optimizers are not built in")
     use_liger_kernel: bool = _f(False, REFUSED, "Liger kernels are not applied")
     liger_kernel_config: dict[str, bool] | None = _f(None, REFUSED, "Liger kernels are not applied")
