@@ -240,6 +240,15 @@ def test_a_corrupt_trainer_state_is_a_clear_error(tmp_path):
         resumed.train(resume_from_checkpoint=str(ckpt))
 
 
+def test_a_resume_onto_smaller_training_data_names_the_change(tmp_path):
+    # it said the checkpoint "was written by an incompatible version", printing two identical positions
+    trainer = Trainer(make_model(), _args(tmp_path / "a", max_steps=3, save_steps=3), train_dataset=make_examples(32))
+    trainer.train()
+    smaller = Trainer(make_model(), _args(tmp_path / "a", max_steps=6), train_dataset=make_examples(8))
+    with pytest.raises(CheckpointError, match=r"saved 3 batches into epoch 0, and an epoch now holds 2: the training"):
+        smaller.train(resume_from_checkpoint=True)
+
+
 def test_resume_true_takes_the_latest_complete_checkpoint(tmp_path):
     out = tmp_path / "out"
     Trainer(make_model(), _args(out, max_steps=3, save_steps=1), train_dataset=make_examples(16)).train()

@@ -210,7 +210,13 @@ def _check_loader_agrees(loader: Any, position: DataPosition, path: Path) -> Non
     if state is None:  # a loader whose order the Accelerator does not own
         return
     mine = (position.epoch, position.batches_consumed)
-    if position.batches_consumed >= len(loader):  # the epoch's last batch was read: the next is epoch + 1
+    if position.batches_consumed > len(loader):  # more than an epoch holds now: not the data it was saved with
+        raise CheckpointError(
+            f"{path}: it was saved {position.batches_consumed} batches into epoch {position.epoch}, and an epoch "
+            f"now holds {len(loader)}: the training data changed since (another dataset, its size or the batch "
+            "size); resume with the data the run was saved with, or start a new run"
+        )
+    if position.batches_consumed == len(loader):  # the epoch's last batch was read: the next is epoch + 1
         mine = (position.epoch + 1, 0)
     if mine != (int(state["epoch"]), int(state["batches"])):
         raise CheckpointError(
