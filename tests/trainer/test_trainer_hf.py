@@ -175,3 +175,57 @@ def test_the_logged_learning_rate_is_the_one_each_step_ran_with_as_hfs(tmp_path)
     hf = logged(transformers.Trainer, transformers.TrainingArguments, tmp_path / "hf")
     ours = logged(Trainer, TrainingArguments, tmp_path / "ours")
     assert hf[0] == 1e-3 and ours == pytest.approx(hf, rel=1e-9)
+
+
+def test_compute_loss_func_gets_the_windows_label_tokens_and_trains_as_hfs(tmp_path):
+    # it was always handed num_items_in_batch=None, so HF's idiom (a summed loss over the window's tokens)
+    # raised a TypeError. Padding (-100) differs between the micro-batches of a window: only the window's count
+    # weighs every token alike
+    import torch.nn.functional as F
+
+    seen = []
+
+    def summed(outputs, labels, num_items_in_batch=None):
+        seen.append(num_items_in_batch)
+        logits = outputs["logits"][..., :-1, :].float()
+        targets = labels[..., 1:]
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100, reduction="sum")
+        return loss / num_items_in_batch
+
+    def padded(n: int):
+        split = lm_split(n, 0)
+        rows = [dict(r) for r in split]
+        for i, row in enumerate(rows):  # every other row: its second half is padding
+            if i % 2:
+                row["labels"] = row["labels"][: SEQ // 2] + [-100] * (SEQ - SEQ // 2)
+        return datasets.Dataset.from_list(rows)
+
+    def trained(trainer_cls, args_cls, folder):
+        args = args_cls(
+            output_dir=str(folder),
+            learning_rate=1e-2,
+            max_steps=3,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            use_cpu=True,
+            train_sampling_strategy="sequential",
+        )
+        model = tiny_gpt2()
+        for module in model.modules():  # no dropout: the two runs draw their random numbers differently
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        trainer = trainer_cls(model=model, args=args, train_dataset=padded(12), compute_loss_func=summed)
+        trainer.train()
+        return [p.detach().clone() for p in trainer.model.parameters()], list(seen)
+
+    ours, counts = trained(Trainer, TrainingArguments, tmp_path / "ours")
+    assert counts and all(c is not None for c in counts)
+    seen.clear()
+    theirs, hf_counts = trained(transformers.Trainer, transformers.TrainingArguments, tmp_path / "hf")
+    assert [int(c) for c in counts] == [int(c) for c in hf_counts]  # the same windows, counted alike
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -47,6 +47,8 @@ class RunContext:
     """The loss of one batch (``Trainer.compute_loss``, an override included)."""
     training_step: Callable[[torch.nn.Module, Any], torch.Tensor]
     """Loss and backward of one micro-batch, returning the detached loss (``Trainer.training_step``)."""
+    count_items: Callable[[list[Any]], Any] | None
+    """How a window's label tokens are counted for ``compute_loss_func`` (loss_items.py); None without one."""
     evaluate: Callable[[], dict[str, float]]
     """Evaluate on the evaluation set and log the metrics (``Trainer.evaluate``)."""
     log: Callable[[dict[str, Any]], None]

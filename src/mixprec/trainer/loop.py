@@ -25,7 +25,7 @@ import torch
 from mixprec.loaders.from_datasets import DataPosition, is_stream
 from mixprec.scaling.record import ConsecutiveSkipsError
 from mixprec.trainer import checkpointing as ckpt  # by module: tests wrap save_trainer_checkpoint
-from mixprec.trainer import weights
+from mixprec.trainer import loss_items, weights
 from mixprec.trainer.batches import count_samples, count_tokens, input_tokens_seen
 from mixprec.trainer.callbacks import export_callback_states, steps_to_first_look
 from mixprec.trainer.compile_gate import CompileGate
@@ -198,14 +198,14 @@ class TrainingLoop:
                 micro = self.position.batches_consumed if epoch == self.position.epoch else 0
                 ctx.control.new_epoch()
                 events.fire("on_epoch_begin")
-                # Resumed from a checkpoint taken at an epoch's last step, before that epoch's end (its
-                # evaluation, its save): nothing is left to read (the loader resumes at the next epoch), but
-                # the epoch's end still has to happen, as it did in the uninterrupted run.
+                # Resumed from a checkpoint taken at an epoch's last step, before that epoch's end (its evaluation,
+                # its save): nothing is left to read (the loader resumes at the next epoch), but the epoch's end
+                # still has to happen, as it did in the uninterrupted run. Items: loss_items.py
                 batches = ctx.train_loader if micro < plan.batches_per_epoch else ()
-                for batch in batches:
+                for batch, items in loss_items.windows(batches, ctx.count_items, acc.gradient_state):
                     ctx.meter.phases.lap("data")  # the loader's next batch (and the device copy it makes)
                     micro += 1
-                    stepped = self._micro_batch(batch)
+                    stepped = self._micro_batch(batch, items)
                     if not stepped:
                         events.fire("on_substep_end")
                         ctx.meter.phases.lap("callbacks_logging")
@@ -240,9 +240,9 @@ class TrainingLoop:
             "signal %s received: saving a checkpoint at step %d and stopping", signum, self.run_ctx.state.global_step
         )
 
-    def _micro_batch(self, batch: Any) -> bool:
-        """Forward, backward and (on the last micro-batch of a step) the optimizer step. Returns whether the
-        optimizer stepped."""
+    def _micro_batch(self, batch: Any, items: Any = None) -> bool:
+        """Forward, backward and (on the last micro-batch of a step) the optimizer step; ``items``: the window's
+        label tokens for compute_loss_func (loss_items.py). Returns whether the optimizer stepped."""
         ctx, acc = self.run_ctx, self.run_ctx.accelerator
         if self._micro_in_step == 0:
             ctx.control.new_step()
@@ -255,12 +255,12 @@ class TrainingLoop:
             self._settle_precision(batch)
             ctx.meter.phases.lap("race")  # a race aside (a run's own first steps count as forward and backward)
         if self._rewind is not None:  # a race step's micro-batch: replayed once the race decides
-            self._rewind.keep(batch, acc.gradient_state.end_of_dataloader)
+            self._rewind.keep(batch, acc.gradient_state.end_of_dataloader, items)
         with acc.accumulate(ctx.model):
             # training_step returns the loss divided by the accumulation steps (HF's); the meter averages the
             # micro-batches' own losses. Its forward ends with a lap inside it (Trainer.training_step): an
             # override that never calls it leaves the micro-batch unsplit
-            loss = ctx.training_step(ctx.model, batch)
+            loss = ctx.training_step(ctx.model, batch, *([] if items is None else [items]))
             clock = ctx.meter.phases
             clock.lap("backward" if clock.last == "forward" else UNSPLIT)
             if ctx.args.gradient_accumulation_steps > 1:

@@ -110,7 +110,7 @@ class RaceRewind:
         }
         self._rng = rng_snapshot()
         self._device = acc.device
-        self.batches: list[tuple[Any, bool]] = []
+        self.batches: list[tuple[Any, bool, Any]] = []
 
     @classmethod
     def take(cls, run: RunContext) -> RaceRewind | None:
@@ -121,10 +121,11 @@ class RaceRewind:
             return None
         return cls(run, precision)
 
-    def keep(self, batch: Any, end_of_dataloader: bool) -> None:
+    def keep(self, batch: Any, end_of_dataloader: bool, items: Any = None) -> None:
         """A race micro-batch, as the loader gave it (its containers copied: a loss that pops a key from the
-        dict it is given still finds it in the replay), and whether it was the loader's last."""
-        self.batches.append((tree_map(lambda leaf: leaf, batch), end_of_dataloader))
+        dict it is given still finds it in the replay), whether it was the loader's last, and its window's
+        label tokens (loss_items.py)."""
+        self.batches.append((tree_map(lambda leaf: leaf, batch), end_of_dataloader, items))
 
     def _restore(self, run: RunContext) -> None:
         run.accelerator.checkpoints.fence()  # an asynchronous save may still be copying the live weights
@@ -177,9 +178,9 @@ class RaceRewind:
         watch = acc.watch.paused() if acc.watch is not None else contextlib.nullcontext()
         try:
             with watch:  # it followed these steps once, as the race ran them
-                for batch, last in self.batches:
+                for batch, last, items in self.batches:
                     state.end_of_dataloader = last  # the same accumulation windows as the race's steps
-                    steps += replay_micro_batch(run, batch)
+                    steps += replay_micro_batch(run, batch, items)
         finally:
             state.end_of_dataloader = end_of_dataloader
         synchronize(self._device)
@@ -188,14 +189,14 @@ class RaceRewind:
         return steps, seconds
 
 
-def replay_micro_batch(run: RunContext, batch: Any) -> bool:
+def replay_micro_batch(run: RunContext, batch: Any, items: Any = None) -> bool:
     """One micro-batch as the loop trains it (loop.py's ``_micro_batch`` and ``_optimizer_step``: forward and
     backward, and on the window's last micro-batch clipping, the optimizer step, the schedule, zero_grad),
     without its events, logging and counters. Returns whether the optimizer stepped. A change to the loop's
     step must land here too: tests/trainer/test_race_rewind.py holds the two to the same weights."""
     acc = run.accelerator
     with acc.accumulate(run.model):
-        run.training_step(run.model, batch)
+        run.training_step(run.model, batch, *([] if items is None else [items]))
         if not acc.sync_gradients:
             return False
         if run.args.max_grad_norm:

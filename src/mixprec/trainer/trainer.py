@@ -27,7 +27,7 @@ from mixprec.accelerator.prepared import is_prepared, release
 from mixprec.loaders.from_datasets import ColumnFilter, is_stream
 from mixprec.loaders.trainer_loaders import TrainerLoaders, check_datasets
 from mixprec.trainer import checkpointing as ckpt
-from mixprec.trainer import evaluation, weights
+from mixprec.trainer import evaluation, loss_items, weights
 from mixprec.trainer.activation_checkpointing import enable_activation_checkpointing
 from mixprec.trainer.args import TrainingArguments
 from mixprec.trainer.batches import loss_and_outputs
@@ -227,13 +227,13 @@ class Trainer:
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
-        """One micro-batch, as HF's: its loss (``compute_loss``), divided by ``gradient_accumulation_steps``,
-        backpropagated through the Accelerator (which scales it for fp16 and, in the Trainer, does not divide
-        again); returns that divided loss, detached. HF's override point: a subclass may add to it
-        (``super().training_step(...)``) or replace it, calling ``self.accelerator.backward(loss)``."""
-        loss = self.compute_loss(model, inputs)
+        """One micro-batch, as HF's (its override point): ``compute_loss``, divided by the accumulation steps
+        unless over the window's ``num_items_in_batch`` (loss_items.py), backpropagated; returned, detached."""
+        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         self.meter.phases.lap("forward")  # the run's time split (issue 36): one perf_counter, no sync
-        if (steps := self.args.gradient_accumulation_steps) > 1:
+        if num_items_in_batch is not None:  # the window's items over every process: DDP averages, so x processes
+            loss = loss * (self.accelerator.num_processes if self.args.average_tokens_across_devices else 1)
+        elif (steps := self.args.gradient_accumulation_steps) > 1:
             loss = loss / steps
         self.accelerator.backward(loss)
         return loss.detach()
@@ -356,6 +356,9 @@ class Trainer:
             loader,
             compute_loss=self.compute_loss,
             training_step=self.training_step,
+            count_items=loss_items.counter(
+                acc.unwrap_model(model), self.compute_loss_func, acc, args.average_tokens_across_devices
+            ),
             evaluate=lambda: self._evaluate(None, None),
             log=self.log,
             resume_command=self.resume_command,
