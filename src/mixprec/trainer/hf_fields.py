@@ -115,13 +115,13 @@ class HFCompatFields:
     )
     batch_eval_metrics: bool = _f(False, IMPLEMENTED, "compute_metrics(..., compute_result=) after every batch")
     do_eval: bool = _f(False, IMPLEMENTED, "as HF: set True when eval_strategy != 'no'; not read by the Trainer")
-
     average_tokens_across_devices: bool = _f(
         True,
         IMPLEMENTED,
         "with compute_loss_func: num_items_in_batch counts every process's label tokens, and the loss is multiplied "
         "by the processes (HF's rule); a model's own loss stays a per-batch mean",
     )
+
     # -- ignored (harmless) ----------------------------------------------------------------------------
     do_train: bool = _f(False, IGNORED, "HF's Trainer does not read it either (it is for user scripts)")
     do_predict: bool = _f(False, IGNORED, "HF's Trainer does not read it either (it is for user scripts)")
