@@ -80,6 +80,8 @@ def test_a_run_clm_style_ending_writes_what_the_script_expects(tmp_path, capsys)
     printed = capsys.readouterr().out
     assert "***** train metrics *****" in printed and "***** eval metrics *****" in printed
     assert "  train_samples" in printed and "= 0:00:00." in printed  # runtime as h:mm:ss.ss
+    # HF's table width: mixprec's sections (the time split, the precision's reason) did not pad every line
+    assert max(len(line) for line in printed.splitlines() if " = " in line and "reason" not in line) < 80
     train = json.loads((out / "train_results.json").read_text())
     assert train["train_samples"] == 32 and "train_runtime" in train
     merged = json.loads((out / "all_results.json").read_text())

@@ -239,8 +239,11 @@ def metrics_table(split: str, metrics: dict[str, Any]) -> str:
     shown = metrics_format(metrics)
     if not shown:
         return f"***** {split} metrics *****"
+    # mixprec's sections (a dict, the precision's reason) are not HF's scalars: they are said in the run's
+    # summary and train_summary.json, and padding every figure to their width made a 300-column table
+    shown = {k: ("(train_summary.json)" if isinstance(v, (dict, list)) else v) for k, v in shown.items()}
     keys = max(len(str(k)) for k in shown)
-    values = max(len(str(v)) for v in shown.values())
+    values = max((len(str(v)) for v in shown.values() if len(str(v)) <= 24), default=0)
     lines = [f"  {k: <{keys}} = {str(shown[k]):>{values}}" for k in sorted(shown)]
     return "\n".join([f"***** {split} metrics *****", *lines])
 
