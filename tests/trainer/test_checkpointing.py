@@ -302,3 +302,29 @@ def test_save_model_writes_safetensors(tmp_path):
     trainer.train()
     path = trainer.save_model(str(tmp_path / "final"))
     assert_bit_identical(load_tensors(path / "model.safetensors"), flat_params(trainer.model))
+
+
+def test_a_first_ctrl_c_saves_and_stops_and_a_second_stops_at_once(tmp_path, capsys):
+    # Ctrl-C ended the run at once with no checkpoint ("mixprec: interrupted", exit 130): an hour's steps since
+    # the last epoch's save were lost
+    from mixprec import TrainerCallback, TrainingInterrupted
+    from mixprec.trainer.signals import GracefulStop
+
+    class CtrlC(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    out = tmp_path / "out"
+    trainer = Trainer(
+        make_model(), _args(out, max_steps=6, save_strategy="no"), train_dataset=make_examples(32), callbacks=[CtrlC()]
+    )
+    with pytest.raises(TrainingInterrupted) as stop:
+        trainer.train()
+    assert stop.value.exit_status == 130 and stop.value.step == 2 and (out / "checkpoint-2").is_dir()
+    assert "Ctrl-C again: at once" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the caller's handler is back
+    with GracefulStop() as stop_flag, pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)  # the first: a request
+        assert stop_flag.requested
+        os.kill(os.getpid(), signal.SIGINT)  # the second: at once

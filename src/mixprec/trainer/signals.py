@@ -1,4 +1,5 @@
-"""SIGTERM (a preempted job): finish the step in flight, save a checkpoint, raise :class:`TrainingInterrupted`.
+"""SIGTERM (a preempted job) or a first Ctrl-C (SIGINT): finish the step in flight, save a checkpoint, raise
+:class:`TrainingInterrupted`. A second Ctrl-C stops at once, as Ctrl-C does elsewhere (KeyboardInterrupt).
 
 The handler only sets a flag; the loop reads it at each step boundary, so a checkpoint is never taken in
 the middle of a step. Under several processes the flag is agreed on with one tiny all-reduce per step (a
@@ -20,6 +21,7 @@ schedulers read as "stopped, not finished"; a script does the same with::
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from types import FrameType
 from typing import Any
@@ -41,9 +43,9 @@ class TrainingInterrupted(Exception):
 
 
 class GracefulStop:
-    """Context manager that turns SIGTERM into a request to stop at the next step boundary."""
+    """Context manager that turns SIGTERM and a first SIGINT into a request to stop at the next step boundary."""
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
         self.signals = signals
         self.requested = False
         self.received: int | None = None
@@ -52,6 +54,13 @@ class GracefulStop:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.requested = True
         self.received = signum
+        if signum == signal.SIGINT:  # the next Ctrl-C is the previous handler's again: it stops at once
+            signal.signal(signum, self._previous.pop(signum, signal.default_int_handler))
+            print(
+                "mixprec: Ctrl-C: saving a checkpoint after this step, then stopping (Ctrl-C again: at once)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def __enter__(self) -> GracefulStop:
         # signal.signal only works in the main thread; elsewhere (a notebook worker thread) we do without.
