@@ -68,6 +68,7 @@ def test_json_alone_on_stdout_table_on_stderr_and_a_chart(tmp_path):
         (["--policy", "bf16:fp32_ops=attn"], "--policy: precision 'bf16:fp32_ops=attn': unknown op kind 'attn'"),
         (["--policy", "measured:fp32"], "measured policies refine bf16 or fp16"),
         (["--fp32-ops", "attention"], "--fp32-ops: bench adds a per-op-kind policy as a row of its own"),  # ignored
+        (["--output", "chart.txt"], "--output chart.txt: a plot is written as .png"),  # matplotlib's, at the end
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):

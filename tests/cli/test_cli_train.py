@@ -251,12 +251,21 @@ def test_step_in_backward_under_the_default_auto_races_without_fp16(tmp_path, co
     assert "fp16 excluded: step_in_backward=True: its loss scaling needs every gradient" in capsys.readouterr().err
 
 
-def test_a_bad_flag_value_is_an_argparse_error(capsys):
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--batch-size", "0"], "argument --batch-size: expected a positive integer, got 0"),
+        # the watch's errors named TrainingArguments(precision_watch=...), once the model had loaded
+        (["--watch", "-3"], "argument --watch: the interval must be >= 1 step"),
+        (["--watch", "fallback:x"], "argument --watch: 'fallback:x' is not a watch setting"),
+    ],
+)
+def test_a_bad_flag_value_is_an_argparse_error(capsys, argv, said):
     with pytest.raises(SystemExit) as exc:
-        main(["train", "--batch-size", "0"])
+        main(["train", *argv])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --batch-size: expected a positive integer, got 0" in err
+    assert said in err
     assert "Traceback" not in err
 
 

@@ -34,6 +34,7 @@ from mixprec.precision.base import Precision
 from mixprec.precision.op_policy import OP_KINDS
 from mixprec.precision.registry import available_precisions, make_precision, policy_name
 from mixprec.trainer.optimizers import OPTIMIZER_NAMES, TORCHAO_OPTIMIZERS, make_optimizer
+from mixprec.watch.settings import WatchConfig
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -58,6 +59,15 @@ DEFAULT_SEQ_LEN = 256
 """--seq-len when not given: this, or the model's block size if smaller."""
 VAL_FRACTION = 0.1
 """Share of the corpus (its tail) held out for validation."""
+
+
+def watch_setting(text: str) -> str:
+    """argparse type: a --watch value the precision watch takes (refused now, in the flag's name)."""
+    try:
+        WatchConfig.parse(int(text) if text.lstrip("-").isdigit() else text, "--watch")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--watch: ")) from None
+    return text
 
 
 def positive_int(text: str) -> int:
@@ -93,12 +103,19 @@ def z_loss_weight(text: str) -> float:
     return value
 
 
-def check_output_file(flag: str, path: str) -> None:
-    """Refuse, before any work, an output file that cannot be written: its folder missing or not writable, or
-    the path itself a folder (a diagnosis or a bench is minutes of work to lose at the end)."""
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".eps", ".ps", ".tif", ".tiff")
+"""What matplotlib writes, by the file's suffix (those ``savefig`` knows without a backend of its own)."""
+
+
+def check_output_file(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> None:
+    """Refuse, before any work, an output file that cannot be written: its folder missing or not writable, the
+    path itself a folder, or a suffix not among ``suffixes`` (a diagnosis or a bench is minutes of work to lose
+    at the end)."""
     import os
 
     target = Path(path)
+    if suffixes and target.suffix.lower() not in suffixes:
+        raise CliError(f"{flag} {path}: a plot is written as {', '.join(suffixes)}; e.g. {flag} {target.stem}.png")
     folder = target.parent if str(target.parent) else Path(".")
     if target.is_dir():
         raise CliError(f"{flag} {path}: that is a folder; name a file in it, e.g. {flag} {target / 'plot.png'}")

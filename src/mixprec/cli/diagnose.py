@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from mixprec.accelerator.accelerator import Accelerator
 from mixprec.cli._common import (
+    PLOT_SUFFIXES,
     add_data_model_args,
     check_output_file,
     load_model_and_data,
@@ -103,7 +104,7 @@ def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device
 def run(args: argparse.Namespace) -> int:
     precision = parse_precision(args.precision, getattr(args, "fp32_ops", None))
     if args.plot is not None and not args.no_plot:
-        check_output_file("--plot", args.plot)  # up front: not after the whole diagnosis
+        check_output_file("--plot", args.plot, PLOT_SUFFIXES)  # up front: not after the whole diagnosis
     model, train, _val, info = load_model_and_data(args, precision=precision)
     device = default_device()
     model.to(device)

@@ -31,6 +31,7 @@ from mixprec.cli._common import (
     parse_precision,
     positive_float,
     positive_int,
+    watch_setting,
     z_loss_weight,
 )
 from mixprec.cli._config_file import add_config_arg, apply_config
@@ -179,6 +180,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--watch",
         metavar="N|fallback[:N]",
+        type=watch_setting,
         default=None,
         help="watch every layer's range during the run: sample every N steps, warn before an overflow, trace "
         "skipped steps to a layer; 'fallback[:N]' also moves a layer that overflows to fp32 (default: off)",
@@ -352,8 +354,7 @@ def _run(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
     try:
         output = trainer.train(resume_from_checkpoint=resume)
     except TrainingInterrupted as stop:
-        # the Trainer saved a checkpoint and printed how to resume; exit as the signal would have (143 for
-        # SIGTERM), which batch schedulers read as a stopped job, not a finished one
+        # saved, and said how to resume; exit as the signal would have (143: SIGTERM), a stopped job to schedulers
         raise SystemExit(stop.exit_status) from None
     summary = dict(output.metrics)
     if resume_from is not None and not summary["train_loss_steps"]:  # past its end: the files keep the run
