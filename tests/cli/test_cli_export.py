@@ -23,6 +23,13 @@ def test_export_writes_the_full_weights_and_refuses_a_damaged_folder(tmp_path: P
 
     assert main(["export", str(tmp_path / "sharded"), str(tmp_path / "model.pt")]) == 2
     assert "name a .safetensors file" in capsys.readouterr().err
+    # it named a temporary file of its own ("nodir/tmplephizit: no such file or directory")
+    assert main(["export", str(tmp_path / "sharded"), str(tmp_path / "nodir" / "x.safetensors")]) == 2
+    assert (
+        "the folder" in (err := capsys.readouterr().err)
+        and "nodir does not exist" in err
+        and "tmp" not in err.split("nodir")[-1]
+    )
     shard = next((tmp_path / "sharded").glob("*.distcp"))
     shard.write_bytes(b"\0" + shard.read_bytes()[1:])
     assert main(["export", str(tmp_path / "sharded"), str(tmp_path / "again.safetensors")]) == 2

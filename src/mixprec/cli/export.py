@@ -29,6 +29,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not str(args.output).endswith(".safetensors"):
         raise CliError(f"OUTPUT {args.output!r}: name a .safetensors file, e.g. {Path(args.folder).name}.safetensors")
+    if not Path(args.output).resolve().parent.is_dir():  # before the gather, and in the user's words
+        raise CliError(f"OUTPUT {args.output}: the folder {Path(args.output).parent} does not exist; create it first")
     written = export_safetensors(args.folder, args.output)
     print(f"mixprec export: {written} ({written.stat().st_size / 2**20:.1f} MiB)")
     return 0
