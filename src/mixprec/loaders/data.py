@@ -120,10 +120,15 @@ class PreparedDataLoader:
             self._loader.generator.manual_seed(epoch_seed(self.batch_sampler.seed, epoch) + 1)
         elif isinstance(self._loader.sampler, DistributedSampler):
             self._loader.sampler.set_epoch(epoch)
+        dataset = self._loader.dataset
+        if callable(getattr(dataset, "set_epoch", None)):  # a stream that reshuffles per pass, as accelerate's
+            dataset.set_epoch(epoch)
         self._gradients.end_of_dataloader = False
         # One batch of look-ahead, so the last batch is known as such when it is handed out: accumulate()
         # then syncs and steps on it even when the epoch is not a multiple of the accumulation steps.
         batches = iter(self._loader)
+        if callable(getattr(dataset, "pass_begun", None)):  # a resume's skip: this pass's (loaders/from_datasets)
+            dataset.pass_begun()
         if self.batch_sampler is None:  # a kept loader: its batches are read, and dropped, to get there
             for _ in range(start):
                 next(batches, None)

@@ -191,17 +191,30 @@ class ShardedStream(IterableDataset):
     def skip_batches(self, n: int) -> None:
         self._skip = int(n)
 
+    def pass_begun(self) -> None:
+        """The loader has begun a pass (its workers, if any, took their copies): the skip asked for is that
+        pass's, no later one's (a worker clears only its own copy's)."""
+        self._skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Passed on to a stream that reshuffles per pass (a ``datasets`` stream's ``shuffle``), as HF's Trainer."""
+        if callable(getattr(self.dataset, "set_epoch", None)):
+            self.dataset.set_epoch(epoch)
+
     def __iter__(self) -> Any:
+        skip, self._skip = self._skip * self.batch_size * self.num_replicas, 0  # when the pass begins
+        return self._examples(skip)
+
+    def _examples(self, skip: int) -> Any:
         group = self.batch_size * self.num_replicas
-        skip, self._skip = self._skip * group, 0
-        if self.num_replicas == 1 and torch.utils.data.get_worker_info() is None:
+        worker = torch.utils.data.get_worker_info()  # DataLoader workers share the groups out too
+        if self.num_replicas == 1 and worker is None:
             # one process: nothing to split, so nothing is dropped (the last batch may be short)
             for i, example in enumerate(self.dataset):
                 if i >= skip:
                     yield example
             return
         start, stop = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
-        worker = torch.utils.data.get_worker_info()  # DataLoader workers share the groups out too
         workers, worker_id = (worker.num_workers, worker.id) if worker is not None else (1, 0)
         block: list[Any] = []
         groups = 0
@@ -213,3 +226,5 @@ class ShardedStream(IterableDataset):
                 if groups % workers == worker_id:
                     yield from block[start:stop]
                 block, groups = [], groups + 1
+        if block and self.num_replicas == 1 and groups % workers == worker_id:
+            yield from block  # one process's short last batch, from the worker whose turn it is

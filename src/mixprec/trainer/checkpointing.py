@@ -203,6 +203,20 @@ def load_trainer_checkpoint(run: RunContext, path: Path) -> DataPosition:
     return position
 
 
+def resume_run(run: RunContext, checkpoint: Path, train_stream: Any = None) -> DataPosition:
+    """The run as ``checkpoint`` left it (:func:`load_trainer_checkpoint`), its callbacks' states restored and the
+    resume recorded. A stream (``train_stream``) cannot seek: its pass, reshuffled as it was, reads past what
+    was trained."""
+    start = load_trainer_checkpoint(run, checkpoint)
+    if train_stream is not None:
+        train_stream.skip_batches(start.batches_consumed)
+        run.train_loader.set_epoch(start.epoch)
+    run.events.restore_callback_states()
+    step = run.state.global_step
+    run.events.record("train_begin", step, resumed_from=step, precision=run.accelerator.mixed_precision)
+    return start
+
+
 def _check_loader_agrees(loader: Any, position: DataPosition, path: Path) -> None:
     """The trainer's data position and the prepared loader's must name the same next batch; if a change in
     either ever made them drift, an exact resume would silently become an inexact one."""

@@ -118,15 +118,8 @@ def fit(run: RunContext, plan: Plan, checkpoint: Any, train_stream: Any, example
     """One prepared run from its start (or ``checkpoint``) to its output: the resume, the loop, the last save
     landed, the best model loaded (``load_best_model_at_end``), the summary. After a stop by signal, raises
     :class:`~mixprec.trainer.signals.TrainingInterrupted` naming the checkpoint it saved."""
-    acc, args, events = run.accelerator, run.args, run.events
-    start = DataPosition()
-    if checkpoint is not None:
-        start = ckpt.load_trainer_checkpoint(run, checkpoint)
-        if train_stream is not None:  # a stream cannot seek: read past what was trained
-            train_stream.skip_batches(start.batches_consumed)
-        events.restore_callback_states()
-        step = run.state.global_step
-        events.record("train_begin", step, resumed_from=step, precision=acc.mixed_precision)
+    acc, args = run.accelerator, run.args
+    start = ckpt.resume_run(run, checkpoint, train_stream) if checkpoint is not None else DataPosition()
     plan.apply_to(run.state, args)
     model = run.model
     model.train()
