@@ -256,6 +256,13 @@ def test_trainer_trains_a_stream_for_max_steps_rereading_it(tmp_path):
     assert "eval_loss" in trainer.evaluate()
 
 
+def test_an_empty_stream_is_refused_at_its_first_pass(tmp_path):
+    # it spun through empty passes for ever (a stream's epochs have no end), deaf to SIGTERM (no step boundary)
+    trainer = Trainer(make_model(), quiet_args(tmp_path, max_steps=3), train_dataset=Numbers(0))
+    with pytest.raises(ValueError, match=r"train_dataset gave no batch in a whole pass \(epoch 0\)"):
+        trainer.train()
+
+
 def _first_column(batches) -> list[list[int]]:
     return [[int(row[0]) for row in batch["input_ids"]] for batch in batches]
 

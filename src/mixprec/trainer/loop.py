@@ -195,6 +195,7 @@ class TrainingLoop:
                 # its save): nothing is left to read (the loader resumes at the next epoch), but the epoch's end
                 # still has to happen, as it did in the uninterrupted run. Items: loss_items.py
                 batches = ctx.train_loader if micro < plan.batches_per_epoch else ()
+                fresh = micro == 0
                 for batch, items in loss_items.windows(batches, ctx.count_items, acc.gradient_state):
                     ctx.meter.phases.lap("data")  # the loader's next batch (and the device copy it makes)
                     micro += 1
@@ -215,6 +216,8 @@ class TrainingLoop:
                         break
                 if self.interrupted is not None:
                     return
+                if fresh and micro == 0:  # every pass would be empty: a stream's epochs have no end to reach
+                    raise ValueError(f"Trainer.train(): train_dataset gave no batch in a whole pass (epoch {epoch})")
                 self._rewind = RaceRewind.drop(self._rewind)  # the next epoch's order draws from the RNG
                 if micro >= plan.batches_per_epoch:  # the epoch ran to its end
                     self.position = DataPosition(epoch + 1, 0)
