@@ -136,3 +136,21 @@ def test_an_unarmed_probe_measures_nothing():
     layer(torch.ones(1, 4)).sum().backward()
     opt.step()
     assert probe.finish() == {}
+
+
+def test_a_group_with_no_learning_rate_is_not_stagnant_and_fp32_weights_get_fp32s_advice():
+    # a frozen group (lr 0) was "not learning: its updates round away in float32", and fp32 weights were told
+    # to get fp32 masters
+    from mixprec.watch.stagnation import StagnationWarning
+
+    layer = nn.Linear(4, 4)
+    opt = torch.optim.SGD([{"params": [layer.weight], "lr": 0.0}, {"params": [layer.bias], "lr": 1e-3}])
+    probe = StagnationProbe(nn.Sequential(layer))
+    probe.watch_optimizer(opt)
+    probe.arm()
+    layer(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    counts = probe.finish()
+    assert {k: v.tolist() for k, v in counts.items()} == {"0": [0.0, 4.0]}  # the bias alone: it moved
+    said = StagnationWarning("wte", 1, 1.0, "float32", fixes="prepare the optimizer with the Accelerator").message()
+    assert "fp32 already" in said and "Accelerator" not in said

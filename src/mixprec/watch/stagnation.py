@@ -34,6 +34,8 @@ FIXES = (
 )
 """The fixes where the run's precision is not known (a probe on its own); a watch asks :func:`stagnation_fixes`."""
 
+FP32_ADVICE = "these weights are fp32 already: the learning rate (or the gradient) is too small for their magnitude"
+
 
 def stagnation_fixes(precision: Precision) -> str:
     """What keeps the updates, from the facts of the run's own precision: never the rounding it already
@@ -77,8 +79,13 @@ class StagnationWarning:
         """The warning's line, as the ``mixprec.watch`` logger prints it."""
         return (
             f"precision watch: layer {self.layer!r} is not learning at step {self.step}: {self.stagnant:.0%} of "
-            f"its updates round away in {self.dtype} (smaller than half an ulp of the weight); {self.fixes}"
+            f"its updates round away in {self.dtype} (smaller than half an ulp of the weight); {self.advice}"
         )
+
+    @property
+    def advice(self) -> str:
+        """The run's fixes, or for weights already in fp32 (no precision rounds them coarser): the step's size."""
+        return FP32_ADVICE if self.dtype == "float32" else self.fixes
 
     def to_dict(self) -> dict[str, Any]:
         """The record written to ``metrics.jsonl`` and the run's summary."""
@@ -94,7 +101,7 @@ def stagnation_message(warnings: list[StagnationWarning], shown: int = 4) -> str
     more = f" and {len(worst) - shown} more" if len(worst) > shown else ""
     return (
         f"precision watch: {len(warnings)} layers are not learning at step {worst[0].step}: most of their updates "
-        f"round away in {worst[0].dtype} ({names}{more}); {worst[0].fixes}"
+        f"round away in {worst[0].dtype} ({names}{more}); {worst[0].advice}"
     )
 
 
@@ -132,8 +139,8 @@ class StagnationProbe:
             return
         self._before = []
         for group in optimizer.param_groups:
-            if _stochastic(group, optimizer):
-                continue
+            if _stochastic(group, optimizer) or not float(group.get("lr", 1.0)):  # lr 0 (a frozen group, a warm-up)
+                continue  # moves nothing by design
             for p in group["params"]:
                 layer = self._owner.get(id(p))
                 if p.grad is None or layer is None:
