@@ -191,3 +191,15 @@ def test_the_log_partition_advice_follows_the_models_z_loss():
     assert "already on (0.0001)" in with_z and "--z-loss 0.001" in with_z and "add a z-loss" not in with_z
     without = warning_for(GPT.from_preset("tiny"))
     assert "add a z-loss of 1e-4" in without and "mixprec train --z-loss 1e-4" in without
+
+
+def test_a_skipped_steps_nan_log_partition_is_its_overflow_not_a_precursor(monkeypatch):
+    # an fp16 forward overflow (a skipped step) read log Z as nan and advised a z-loss, using up the run's one
+    # log-partition warning before any real drift
+    checks = NumericsChecks(GPT.from_preset("tiny"), WatchConfig())
+    monkeypatch.setattr(checks.stagnation, "finish", lambda: {})
+    monkeypatch.setattr(checks.precursors, "finish", lambda: {"log_z": torch.tensor(float("nan"))})
+    entry, _, warnings = checks.finish(2, skipped=True)
+    assert warnings == [] and math.isnan(entry["log_z"]) and "log_partition" not in checks.judge.warned
+    _, _, warnings = checks.finish(3, skipped=False)  # a step that ran and still read nan: said
+    assert [w.signal for w in warnings] == ["log_partition"]

@@ -65,7 +65,8 @@ class NumericsChecks:
         self.stagnant_warned.update(w.layer for w in stagnating)
         if stagnating:
             logger.warning(stagnation_message(stagnating))
-        precursors = self.judge.update(step, host_readings)
+        # a skipped step's readings are its overflow's (log Z nan), which the skip trace explains: no precursor
+        precursors = [] if skipped else self.judge.update(step, host_readings)
         for w in precursors:
             logger.warning(w.message())
         return {"step": step, "stagnant": stagnant, **host_readings}, fields, [*stagnating, *precursors]
