@@ -118,6 +118,20 @@ def test_huge_activation_is_fp16_overflow_and_first_nonfinite() -> None:
     assert under_bf16.recommended_precision == "bf16"
 
 
+class Normed(HugeActivation):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+
+
+def test_a_bf16_model_diagnosed_for_fp16_names_the_parameter_and_the_fix() -> None:
+    # torch's "mixed dtype (CPU): expect parameter to have scalar type of Float" came out of the fp16 search
+    model = Normed().to(torch.bfloat16)
+    batches = [{k: v.to(torch.bfloat16) for k, v in b.items()} for b in _batches(2, 8)]
+    with pytest.raises(ValueError, match=r"^diagnose\(\): parameter 'encoder.0.weight' is bfloat16 and precision"):
+        diagnose(model, batches, precision_target="fp16")
+
+
 class Stateful(nn.Module):
     """BatchNorm (running stats), dropout (RNG), a frozen parameter, mixed train/eval submodules."""
 

@@ -147,7 +147,13 @@ def diagnose(
             name = prec.name  # the label of the verdict and its losses in the report
             if name not in cache:
                 search = taken[: cfg.nonfinite_batches] if cfg.nonfinite_batches else taken
-                cache[name], losses[name] = find_first_nonfinite(model, search, prec, scale)
+                try:
+                    cache[name], losses[name] = find_first_nonfinite(model, search, prec, scale)
+                except RuntimeError as err:  # torch's "mixed dtype" from a layer norm: which parameter, the fix
+                    why = prec.model_refusal(model) if "dtype" in str(err) else None
+                    if why is None:
+                        raise
+                    raise ValueError(f"diagnose(): {why}") from err
             return cache[name]
 
         # The loss scale depends only on the fp32 measurements: chosen once, used by the per-layer scaled
