@@ -100,3 +100,25 @@ def test_a_named_precision_compiles_as_asked_and_reports_compile_and_steps_apart
     # the compile is the summary's own figure, not the steps': forward and backward keep the compiled step's time
     assert summary["time"]["run_seconds"]["compile"] >= figures["compile_s"] * 0.99
     assert summary["time"]["step_ms"]["forward"] > 0 and summary["time"]["step_ms"]["backward"] > 0
+
+
+def test_a_compile_that_fails_at_its_first_step_is_said_and_the_run_trains_on_eagerly(tmp_path, monkeypatch, caplog):
+    # a policy keeping norm in fp32 crashed torch.compile of an HF GPT-2 (dynamo's NameError on its torch
+    # function mode): the run died at its first compiled step
+    from mixprec.trainer import compile_gate
+
+    def broken(model, args):  # torch.compile that fails while tracing, as dynamo's internal errors do
+        def fail(*a, **k):
+            raise torch._dynamo.exc.InternalTorchDynamoError("NameError: name '___guard' is not defined")
+
+        model._compiled_call_impl = fail
+
+    monkeypatch.setattr(compile_gate, "compile_model", broken)
+    with caplog.at_level("WARNING", logger="mixprec.trainer"):
+        trainer, summary = _run(tmp_path, "broken", steps=10, precision="fp32")
+    assert trainer.state.global_step == 10 and not _compiled(trainer)
+    assert summary["compile"]["verdict"] == "failed" and "InternalTorchDynamoError" in summary["compile"]["explain"]
+    assert any("torch.compile failed on this model" in r.message for r in caplog.records)
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    eager, _ = _run(tmp_path, "eager", steps=10, precision="fp32")
+    assert losses == [e["loss"] for e in eager.state.log_history if "loss" in e]  # the step ran once, eagerly

@@ -26,6 +26,7 @@ NOT_KEPT = "not kept"
 SKIPPED = "skipped"
 ASKED = "kept as asked"
 UNFINISHED = "no verdict"
+FAILED = "failed"  # torch.compile raised at the first compiled step: the run went on eagerly
 
 
 def compile_pays(eager_step_s: float, compiled_step_s: float | None, compile_s: float, steps_left: int) -> bool:
@@ -56,6 +57,7 @@ class CompileFigures:
     compile_s: float | None = None
     steps_left: int = 0
     source: str = "measured"  # "measured" on this run, or "cache" / "checkpoint" (an earlier run's figures)
+    failure: str = ""  # FAILED: what torch.compile raised (its first line)
 
     @property
     def slower(self) -> bool:
@@ -100,6 +102,8 @@ class CompileFigures:
 
     def explain(self) -> str:
         """One clause for a decision or a summary: the verdict and the figures it rests on."""
+        if self.verdict == FAILED:
+            return f"compile: failed at the first compiled step ({self.failure}); the run trained on eagerly"
         if self.verdict == UNFINISHED and self.compile_s is None:
             return "compile: not measured: the run ended before its eager steps were timed, so it was never compiled"
         if self.verdict == UNFINISHED:

@@ -32,7 +32,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec.precision.compile_choice import ASKED, KEPT, NOT_KEPT, SKIPPED, UNFINISHED, CompileFigures, compile_pays
+from mixprec.precision.compile_choice import (
+    ASKED,
+    FAILED,
+    KEPT,
+    NOT_KEPT,
+    SKIPPED,
+    UNFINISHED,
+    CompileFigures,
+    compile_pays,
+)
 from mixprec.precision.trial import synchronize
 from mixprec.trainer.phase_clock import compile_seconds
 
@@ -109,6 +118,23 @@ class CompileGate:
                 return
         synchronize(self._acc.device)
         self._t0, self._c0 = time.perf_counter(), compile_seconds()
+
+    def call(self, step: Callable[..., Any], *args: Any) -> Any:
+        """``step(*args)``, a micro-batch. On the first compiled step a failure of torch.compile itself (dynamo,
+        the backend) is said, the model uncompiled and the micro-batch run again eagerly: nothing ran (the
+        failure comes while tracing, before the forward computes), and the run goes on without compiling."""
+        if self._phase != self._COMPILED or self._steps:
+            return step(*args)
+        try:
+            return step(*args)
+        except Exception as err:
+            if not type(err).__module__.startswith("torch._dynamo"):
+                raise
+            said = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+            logger.warning("torch.compile failed on this model (%s: %s); training on eagerly", type(err).__name__, said)
+            uncompile(self._run.model)
+            self._settle(CompileFigures(FAILED, self._eager_s, failure=f"{type(err).__name__}: {said}"))
+            return step(*args)
 
     def step_ended(self, steps_left: int) -> None:
         """The optimizer step is done, ``steps_left`` still to run: count it, and take the verdict it ends."""

@@ -256,7 +256,7 @@ class TrainingLoop:
             # training_step returns the loss divided by the accumulation steps (HF's); the meter averages the
             # micro-batches' own losses. Its forward ends with a lap inside it (Trainer.training_step): an
             # override that never calls it leaves the micro-batch unsplit
-            loss = ctx.training_step(ctx.model, batch, *([] if items is None else [items]))
+            loss = self.compile.call(ctx.training_step, ctx.model, batch, *([] if items is None else [items]))
             clock = ctx.meter.phases
             clock.lap("backward" if clock.last == "forward" else UNSPLIT)
             if ctx.args.gradient_accumulation_steps > 1:
