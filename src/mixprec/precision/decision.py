@@ -122,12 +122,12 @@ class AutoDecision:
         cost = f"; the race took {self.cost_seconds:.1f}s" if self.source == "measured" else ""
         if self.in_run_steps and self.source == "measured":
             cost = (
-                f"; the race ran as the first {self.in_run_steps} training steps, {self.cost_seconds:.2f}s slower "
+                f"; the race ran as {self.in_run_steps} of the run's training steps, {self.cost_seconds:.2f}s slower "
                 "than the chosen mode's steps"
             )
             if self.replayed_steps:
                 cost = (
-                    f"; the race ran as the first {self.in_run_steps} training steps, then the run went back to "
+                    f"; the race ran as {self.in_run_steps} of the run's training steps, then the run went back to "
                     f"before them and took them again in {self.chosen} ({self.replayed_steps} steps, "
                     f"{self.replay_seconds:.2f}s): {self.cost_seconds:.2f}s in all over the chosen mode's"
                 )
