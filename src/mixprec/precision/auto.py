@@ -386,7 +386,7 @@ class AutoPrecision(Precision):
                 return self.resolved
 
             if in_run:
-                measured = "the run's first training steps (forward, backward and optimizer step, each in one mode)"
+                measured = "the run's own training steps (forward, backward and optimizer step, each in one mode)"
                 steps = decide_steps(names, in_run=True, measured=measured, **race)
                 race_steps = InRunRace(steps, clock, self.device, alone=alone)
                 params = lambda: (p for _, p in self._param_names)  # noqa: E731
