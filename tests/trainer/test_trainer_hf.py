@@ -229,3 +229,29 @@ def test_compute_loss_func_gets_the_windows_label_tokens_and_trains_as_hfs(tmp_p
     assert [int(c) for c in counts] == [int(c) for c in hf_counts]  # the same windows, counted alike
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_every_log_entry_carries_epoch_and_tokens_seen_as_hfs(tmp_path):
+    # the evaluation on start had no epoch (mixprec's state.epoch was None before the first step), and only
+    # the training-loss entries carried num_input_tokens_seen
+    def history(trainer_cls, args_cls, folder):
+        args = args_cls(
+            output_dir=str(folder),
+            max_steps=4,
+            per_device_train_batch_size=4,
+            logging_steps=2,
+            eval_strategy="steps",
+            eval_steps=2,
+            eval_on_start=True,
+            include_num_input_tokens_seen=True,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            use_cpu=True,
+        )
+        trainer = trainer_cls(model=tiny_gpt2(), args=args, train_dataset=lm_split(16, 0), eval_dataset=lm_split(8, 1))
+        trainer.train()
+        return [(e["step"], e.get("epoch"), e.get("num_input_tokens_seen")) for e in trainer.state.log_history]
+
+    ours = history(Trainer, TrainingArguments, tmp_path / "ours")
+    assert ours == history(transformers.Trainer, transformers.TrainingArguments, tmp_path / "hf")

@@ -131,6 +131,8 @@ class RunEvents:
         """Append ``logs`` (with epoch and step) to ``state.log_history`` and send it to the loggers."""
         if self.state.epoch is not None:
             logs = {**logs, "epoch": self.state.epoch}
+        if self.args.include_num_input_tokens_seen != "no":  # in every entry, as HF's (evaluations included)
+            logs = {**logs, "num_input_tokens_seen": self.state.num_input_tokens_seen}
         self.state.log_history.append({**logs, "step": self.state.global_step})
         if self.metrics is not None:
             self.metrics.write({"step": self.state.global_step, "epoch": self.state.epoch, **logs})

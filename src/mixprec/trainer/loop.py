@@ -101,6 +101,7 @@ class Plan:
         state.num_train_epochs = self.num_epochs
         state.train_batch_size = args.per_device_train_batch_size
         state.compute_steps(args, self.max_steps)
+        state.epoch = 0.0 if state.epoch is None else state.epoch  # HF's: an evaluation on start logs epoch 0
 
 
 def overflowed_formats(report: Any) -> dict[str, str]:
@@ -419,8 +420,6 @@ class TrainingLoop:
         if self._grad_norm is not None:
             logs["grad_norm"] = float(self._grad_norm)
         logs["learning_rate"] = ctx.meter.learning_rate
-        if ctx.args.include_num_input_tokens_seen != "no":
-            logs["num_input_tokens_seen"] = ctx.state.num_input_tokens_seen
         scaler = ctx.accelerator.scaler
         if scaler.is_enabled():
             logs["loss_scale"] = scaler.get_scale()
