@@ -154,26 +154,26 @@ def test_patched_evaluate_plants_the_metrics_that_choose_the_best_checkpoint(tmp
     assert left == (["checkpoint-2"] if limit == 1 else [f"checkpoint-{i}" for i in range(1, 5)])
 
 
+BOTH = [(Trainer, TrainingArguments), (transformers.Trainer, transformers.TrainingArguments)]
+"""mixprec's Trainer and HF's, for the tests that run one script under each and compare what they did."""
+
+
+def side_by_side(folder, run, **fields) -> list:
+    """``run(trainer_cls, args)`` under mixprec's Trainer and HF's (one thread's CPU, no saves, no reports), each
+    in its own subfolder of ``folder``; what each returned, mixprec's first."""
+    quiet = {"save_strategy": "no", "report_to": "none", "disable_tqdm": True, "use_cpu": True}
+    return [run(t, a(output_dir=str(folder / t.__module__), **{**quiet, **fields})) for t, a in BOTH]
+
+
 def test_the_logged_learning_rate_is_the_one_each_step_ran_with_as_hfs(tmp_path):
     # mixprec logged the schedule's next rate (0.000875 at step 1 of a linear decay from 1e-3 over 8 steps)
-    def logged(trainer_cls, args_cls, folder):
-        args = args_cls(
-            output_dir=str(folder),
-            learning_rate=1e-3,
-            max_steps=8,
-            per_device_train_batch_size=4,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            use_cpu=True,
-        )
+    def logged(trainer_cls, args):
         trainer = trainer_cls(model=tiny_gpt2(), args=args, train_dataset=lm_split(32, 0))
         trainer.train()
         return [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
 
-    hf = logged(transformers.Trainer, transformers.TrainingArguments, tmp_path / "hf")
-    ours = logged(Trainer, TrainingArguments, tmp_path / "ours")
+    fields = {"learning_rate": 1e-3, "max_steps": 8, "per_device_train_batch_size": 4, "logging_steps": 1}
+    ours, hf = side_by_side(tmp_path, logged, **fields)
     assert hf[0] == 1e-3 and ours == pytest.approx(hf, rel=1e-9)
 
 
@@ -200,32 +200,22 @@ def test_compute_loss_func_gets_the_windows_label_tokens_and_trains_as_hfs(tmp_p
                 row["labels"] = row["labels"][: SEQ // 2] + [-100] * (SEQ - SEQ // 2)
         return datasets.Dataset.from_list(rows)
 
-    def trained(trainer_cls, args_cls, folder):
-        args = args_cls(
-            output_dir=str(folder),
-            learning_rate=1e-2,
-            max_steps=3,
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=2,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            use_cpu=True,
-            train_sampling_strategy="sequential",
-        )
+    def trained(trainer_cls, args):
         model = tiny_gpt2()
         for module in model.modules():  # no dropout: the two runs draw their random numbers differently
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
         trainer = trainer_cls(model=model, args=args, train_dataset=padded(12), compute_loss_func=summed)
         trainer.train()
-        return [p.detach().clone() for p in trainer.model.parameters()], list(seen)
+        counted = list(seen)
+        seen.clear()
+        return [p.detach().clone() for p in trainer.model.parameters()], counted
 
-    ours, counts = trained(Trainer, TrainingArguments, tmp_path / "ours")
+    fields = {"learning_rate": 1e-2, "max_steps": 3, "per_device_train_batch_size": 2, "logging_steps": 1}
+    (ours, counts), (theirs, hf_counts) = side_by_side(
+        tmp_path, trained, gradient_accumulation_steps=2, train_sampling_strategy="sequential", **fields
+    )
     assert counts and all(c is not None for c in counts)
-    seen.clear()
-    theirs, hf_counts = trained(transformers.Trainer, transformers.TrainingArguments, tmp_path / "hf")
     assert [int(c) for c in counts] == [int(c) for c in hf_counts]  # the same windows, counted alike
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -234,24 +224,13 @@ def test_compute_loss_func_gets_the_windows_label_tokens_and_trains_as_hfs(tmp_p
 def test_every_log_entry_carries_epoch_and_tokens_seen_as_hfs(tmp_path):
     # the evaluation on start had no epoch (mixprec's state.epoch was None before the first step), and only
     # the training-loss entries carried num_input_tokens_seen
-    def history(trainer_cls, args_cls, folder):
-        args = args_cls(
-            output_dir=str(folder),
-            max_steps=4,
-            per_device_train_batch_size=4,
-            logging_steps=2,
-            eval_strategy="steps",
-            eval_steps=2,
-            eval_on_start=True,
-            include_num_input_tokens_seen=True,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            use_cpu=True,
-        )
+    def history(trainer_cls, args):
         trainer = trainer_cls(model=tiny_gpt2(), args=args, train_dataset=lm_split(16, 0), eval_dataset=lm_split(8, 1))
         trainer.train()
         return [(e["step"], e.get("epoch"), e.get("num_input_tokens_seen")) for e in trainer.state.log_history]
 
-    ours = history(Trainer, TrainingArguments, tmp_path / "ours")
-    assert ours == history(transformers.Trainer, transformers.TrainingArguments, tmp_path / "hf")
+    fields = {"max_steps": 4, "per_device_train_batch_size": 4, "logging_steps": 2, "eval_steps": 2}
+    ours, hf = side_by_side(
+        tmp_path, history, eval_strategy="steps", eval_on_start=True, include_num_input_tokens_seen=True, **fields
+    )
+    assert ours == hf
