@@ -211,6 +211,7 @@ def test_pad_across_processes_makes_ragged_sequences_gatherable(ranks: list[dict
     for rank in ranks:
         assert rank["padded"]["after"] == [[1, 1, 1, -100]] * 2 + [[2, 2, 2, 2]] * 2
         assert rank["padded"]["first"] == [[-100, 1, 1, 1]] * 2 + [[2, 2, 2, 2]] * 2
+        assert rank["padded"]["last"] == rank["padded"]["after"]
     assert ranks[0]["padded"]["nested"] == [[2, 4], [1, 1, 1]] and ranks[1]["padded"]["nested"] == [[2, 4], [2] * 4]
 
 

@@ -378,6 +378,8 @@ def padded_across(acc: Accelerator) -> dict:
         "after": acc.gather(acc.pad_across_processes(t, dim=1, pad_index=-100)).tolist(),
         "first": acc.gather(acc.pad_across_processes(t, dim=1, pad_index=-100, pad_first=True)).tolist(),
         "nested": [list(nested["a"].shape), nested["b"][0].tolist()],  # a 1-D tensor has no dim 1: as it is
+        # dim=-1 counts from the end (a shorter rank's tensor came back 4-D)
+        "last": acc.gather(acc.pad_across_processes(t, dim=-1, pad_index=-100)).tolist(),
     }
 
 

@@ -65,6 +65,13 @@ def test_every_process_trains_to_identical_parameters(run):
     assert ranks[0]["params"] == ranks[1]["params"]
 
 
+def test_the_logged_loss_is_the_runs_over_every_process_as_hfs(run):
+    # each process logged its own micro-batches' mean: rank 0's log was half the batch, and the ranks disagreed
+    _, ranks = run
+    assert len(ranks[0]["losses"]) == 6 and ranks[0]["losses"] == ranks[1]["losses"]
+    assert ranks[0]["train_loss"] == ranks[1]["train_loss"]
+
+
 def test_only_the_main_process_logs_and_saves(run):
     out, ranks = run
     assert [r["writes_logs"] for r in ranks] == [True, False]

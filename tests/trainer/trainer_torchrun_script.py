@@ -77,6 +77,8 @@ def main() -> None:
         "params": {k: v.tolist() for k, v in trainer.model.state_dict().items()},
         "writes_logs": trainer.events.metrics is not None,
         "evals": [e for e in trainer.state.log_history if "eval_loss" in e],
+        "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+        "train_loss": result.training_loss,
         "ragged": {
             "predictions_shape": list(predicted.predictions.shape),
             "labels": predicted.label_ids.tolist(),

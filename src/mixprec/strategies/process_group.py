@@ -141,17 +141,18 @@ class ProcessGroupStrategy(DistributedStrategy):
             return data
 
         def pad(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.dim() <= dim:
+            if not -tensor.dim() <= dim < tensor.dim():
                 return tensor
-            length = tensor.shape[dim]
+            axis = dim % tensor.dim()  # a negative dim counts from the end, as accelerate's
+            length = tensor.shape[axis]
             size = torch.tensor([length], dtype=torch.int64, device=self.device)
             longest = int(self.all_reduce(size, "max").item())
             if longest == length:
                 return tensor
-            shape = [*tensor.shape[:dim], longest, *tensor.shape[dim + 1 :]]
+            shape = [*tensor.shape[:axis], longest, *tensor.shape[axis + 1 :]]
             padded = tensor.new_full(shape, pad_index)
             start = longest - length if pad_first else 0
-            padded.narrow(dim, start, length).copy_(tensor)
+            padded.narrow(axis, start, length).copy_(tensor)
             return padded
 
         return pytree.tree_map(lambda x: pad(x) if isinstance(x, torch.Tensor) else x, data)

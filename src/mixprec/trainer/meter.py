@@ -18,7 +18,13 @@ from mixprec.trainer.phase_clock import PhaseClock
 class StepMeter:
     """Loss since the last log, throughput since the last look, and totals for the summary."""
 
-    def __init__(self, loss_scale: Callable[[], float], nan_inf_filter: bool = True) -> None:
+    def __init__(
+        self,
+        loss_scale: Callable[[], float],
+        nan_inf_filter: bool = True,
+        across: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.across = across  # sums a tensor over the processes (several): the logged means are the run's, HF's
         self.learning_rate = 0.0  # the rate the last step ran with (the loop sets it): logged and shown, as HF's
         self._loss_scale = loss_scale
         # HF's logging_nan_inf_filter: the non-finite loss of a skipped step is left out of the logged means
@@ -57,14 +63,19 @@ class StepMeter:
         self.samples += samples
         self.tokens += tokens
 
-    def _window(self) -> tuple[float, int] | None:
-        """(sum, count) of the window's losses, the non-finite ones left out under the filter. One sync."""
+    def _window(self, everywhere: bool = False) -> tuple[float, int, int] | None:
+        """(sum, count, added) of the window's losses, the non-finite ones left out of the count under the
+        filter; ``everywhere``: summed over the processes (a collective). One sync."""
         if self._window_sum is None:
             return None
-        if self._window_finite is None:
-            return float(self._window_sum.item()), self._window_count
-        total, finite = torch.stack([self._window_sum, self._window_finite.float()]).tolist()
-        return total, int(finite)
+        total = self._window_sum.float()
+        added = torch.full_like(total, self._window_count)
+        finite = self._window_finite.float() if self._window_finite is not None else added
+        window = torch.stack([total, finite, added])
+        if everywhere and self.across is not None:
+            window = self.across(window)
+        total, count, added = window.tolist()
+        return total, int(count), int(added)
 
     def _mean(self, total: float, count: int) -> float:
         if count:
@@ -76,17 +87,17 @@ class StepMeter:
 
     def window_mean(self) -> float | None:
         """Mean loss since the last :meth:`take_window` (one host sync), or None if nothing was added."""
-        window = self._window()
-        return None if window is None else self._mean(*window)
+        window = self._window()  # this process's: the bar is the main process's alone, no collective
+        return None if window is None else self._mean(*window[:2])
 
     def take_window(self) -> tuple[float, int] | None:
         """The window's mean loss and how many of its losses the filter left out (one host sync), folded into
         the totals; the window starts again. None if nothing was added."""
-        window, added = self._window(), self._window_count
+        window = self._window(everywhere=True)  # every process logs, so every process takes it
         self._window_sum, self._window_finite, self._window_count = None, None, 0
         if window is None:
             return None
-        total, count = window
+        total, count, added = window
         self.total_loss += total
         self.total_count += count
         self.filtered += added - count

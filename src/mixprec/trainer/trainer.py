@@ -113,8 +113,8 @@ class Trainer:
         # Prepared first, before any eval loader: save_state records data positions in preparation order.
         self._loaders = TrainerLoaders(self.accelerator, args, self.data_collator)
         self._train_loader = self._loaders.train(train_dataset) if train_dataset is not None else None
-
-        self.meter = StepMeter(self._current_scale, args.logging_nan_inf_filter)
+        across = (lambda t: self.accelerator.reduce(t, "sum")) if self.accelerator.num_processes > 1 else None
+        self.meter = StepMeter(self._current_scale, args.logging_nan_inf_filter, across)
         # callbacks, log_history, metrics.jsonl and the progress bar; owns state and control
         self.events = RunEvents(args, self.accelerator, reporters, list(callbacks or []))
         self._endings = ScriptEndings(args, self.events, self.accelerator)
