@@ -36,7 +36,12 @@ def in_run(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _train(
-    precision: str, folder: Path, model: torch.nn.Module | None = None, resume: str | None = None, **kwargs: Any
+    precision: str,
+    folder: Path,
+    model: torch.nn.Module | None = None,
+    resume: str | None = None,
+    compute_loss_func: Any = None,
+    **kwargs: Any,
 ) -> Trainer:
     settings = {"save_strategy": "no", "max_steps": STEPS, "per_device_train_batch_size": 4, **kwargs}
     args = TrainingArguments(
@@ -48,7 +53,8 @@ def _train(
         learning_rate=1e-2,
         **settings,
     )
-    trainer = Trainer(model if model is not None else make_model(), args, train_dataset=make_examples(64))
+    model = model if model is not None else make_model()
+    trainer = Trainer(model, args, train_dataset=make_examples(64), compute_loss_func=compute_loss_func)
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
@@ -73,9 +79,18 @@ def _assert_same_run(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert torch.equal(got["rng"], want["rng"])
 
 
-def test_an_in_run_race_ends_bit_identical_to_the_chosen_mode_asked_by_name(in_run, tmp_path):
+def _run_lines(caplog) -> list[str]:
+    """The run's line once decided (the announcement, logger "mixprec"), as often as it was said."""
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("mixprec: bf16 on cpu")]
+
+
+def test_an_in_run_race_ends_bit_identical_to_the_chosen_mode_asked_by_name(in_run, tmp_path, caplog):
     in_run(SleepyFp32, Bf16MixedPrecision)  # fp32's step burns 30 ms: bf16 wins, after steps in both modes
-    raced = _train("auto", tmp_path / "auto", gradient_accumulation_steps=2)
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        raced = _train("auto", tmp_path / "auto", gradient_accumulation_steps=2)
+    # the run's line is said once, after the replay, with the race's whole cost (it said the race's alone first)
+    (line,) = _run_lines(caplog)
+    assert "took them again in bf16" in line
     decision = raced.accelerator.auto_decision
     assert decision.chosen == "bf16" and 0 < decision.in_run_steps < STEPS
     named = _train(decision.chosen, tmp_path / "named", gradient_accumulation_steps=2)
@@ -90,6 +105,25 @@ def test_an_in_run_race_ends_bit_identical_to_the_chosen_mode_asked_by_name(in_r
         decision.op_timing_seconds + decision.cost_seconds, abs=1e-3
     )
     assert decision.cost_seconds >= decision.replay_seconds
+
+
+def test_a_race_replayed_with_compute_loss_func_hands_each_step_its_windows_items_again(in_run, tmp_path):
+    # the replay keeps each micro-batch's window count (loss_items.py): a replay without it divided by None
+    counts: list[int] = []
+
+    def summed(outputs, labels, num_items_in_batch=None):
+        counts.append(int(num_items_in_batch))
+        logits = outputs.logits.float().reshape(-1, outputs.logits.shape[-1])
+        return torch.nn.functional.cross_entropy(logits, labels.reshape(-1), reduction="sum") / num_items_in_batch
+
+    in_run(SleepyFp32, Bf16MixedPrecision)
+    raced = _train("auto", tmp_path / "auto", compute_loss_func=summed, gradient_accumulation_steps=2)
+    decision = raced.accelerator.auto_decision
+    assert decision.replayed_steps == decision.in_run_steps > 0
+    assert len(counts) == 2 * (STEPS + decision.in_run_steps)  # every micro-batch, the replayed ones again
+    counts.clear()
+    named = _train(decision.chosen, tmp_path / "named", compute_loss_func=summed, gradient_accumulation_steps=2)
+    _assert_same_run(_end_state(raced), _end_state(named))
 
 
 class Fp16Overflow(DropLM):
@@ -149,12 +183,13 @@ def test_a_race_longer_than_its_share_of_a_short_run_keeps_its_steps_and_says_wh
     of more than REPLAY_SHARE of the run keeps its steps as they ran; one within it is replayed."""
     monkeypatch.delenv("MIXPREC_AUTO_REPLAY")  # the suite replays every race (conftest.py): a user's default here
     in_run(SleepyFp32, Bf16MixedPrecision)
-    with caplog.at_level(logging.INFO, logger="mixprec.trainer"):
+    with caplog.at_level(logging.INFO, logger="mixprec"):
         short = _train("auto", tmp_path / "short")
     decision = short.accelerator.auto_decision
     assert decision.chosen == "bf16" and decision.in_run_steps > race_rewind.REPLAY_SHARE * STEPS
     assert decision.replayed_steps == 0 and "took them again" not in decision.explain()
     assert f"the race's {decision.in_run_steps} steps stay as they ran" in caplog.text
+    assert len(_run_lines(caplog)) == 1  # nothing replayed: the line as the race left it, said once
     named = _end_state(_train("bf16", tmp_path / "named"))
     kept = flat_params(short.model)  # the race's fp32 steps are in it
     assert any(not torch.equal(kept[k], named["weights"][k]) for k in kept)

@@ -123,11 +123,22 @@ class Precision:
         self._scaler = None
         self._run_context = run
 
+    announcement_held = False
+    """While True, :meth:`announce` says nothing: the Trainer holds "auto"'s line while it replays the race, so the
+    line says the race's whole cost once (:meth:`release_announcement`)."""
+
     def announce(self) -> None:
         """Say what this run is, once, through the ``mixprec`` logger (precision/announcement.py): the
         configured run's owner calls it when the run is set up; "auto" calls it again once it has decided."""
-        if self._run_context is not None:
+        if self._run_context is not None and not self.announcement_held:
             announce(self.describe(), self.pending, self._run_context)
+
+    def release_announcement(self) -> None:
+        """Stop holding the run's line, and say it if it was decided while held."""
+        if self.announcement_held:
+            self.announcement_held = False
+            if not self.pending:
+                self.announce()
 
     @property
     def scaler(self) -> GradScaler:

@@ -95,6 +95,7 @@ class RaceRewind:
     def __init__(self, run: RunContext, auto: AutoPrecision) -> None:
         acc = run.accelerator
         self._auto = auto
+        auto.announcement_held = True  # its line, once decided, says the replay's cost too (release_announcement)
         # a frozen parameter (LoRA's base weights) is no step's to change: only the trainable ones are copied
         trainable = [p for p in run.model.parameters() if p.requires_grad]
         self._tensors = [_Kept(t) for t in _unique([*trainable, *run.model.buffers()])]
@@ -148,6 +149,7 @@ class RaceRewind:
         """A race still running when its epoch or its run ends: its steps stay as they ran (said once)."""
         if rewind is not None:
             logger.warning("auto: the epoch or the run ended before the race decided: its steps stay as they ran")
+            rewind._auto.release_announcement()
 
     def pays(self, run_steps: int, accumulation: int) -> bool:
         """Whether replaying the race's steps fits in ``REPLAY_SHARE`` of a run of ``run_steps`` optimizer steps
@@ -155,6 +157,7 @@ class RaceRewind:
         steps = len(self.batches) / max(1, accumulation)
         if os.environ.get("MIXPREC_AUTO_REPLAY", "") == "all" or steps <= REPLAY_SHARE * run_steps:
             return True
+        self._auto.release_announcement()  # decided, and nothing to replay: its line as it stands
         logger.info(
             "auto: the race's %d steps stay as they ran: replaying them would cost %.0f%% of this %d-step run "
             "(more than %.0f%%; MIXPREC_AUTO_REPLAY=all replays anyway)",
@@ -186,6 +189,7 @@ class RaceRewind:
         synchronize(self._device)
         seconds = time.perf_counter() - start
         self._auto.note_replay(steps, seconds)
+        self._auto.release_announcement()
         return steps, seconds
 
 
