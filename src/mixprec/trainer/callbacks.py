@@ -24,25 +24,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("mixprec.trainer")
 
-EVENTS = (
-    "on_init_end",
-    "on_train_begin",
-    "on_train_end",
-    "on_epoch_begin",
-    "on_epoch_end",
-    "on_step_begin",
-    "on_substep_end",
-    "on_pre_optimizer_step",
-    "on_optimizer_step",
-    "on_step_end",
-    "on_evaluate",
-    "on_predict",
-    "on_save",
-    "on_log",
-    "on_prediction_step",
-    "on_push_begin",
-)
-
 
 class ExportableState:
     """A callback whose state is saved in checkpoints (``trainer_state.json``, "stateful_callbacks") and, with
@@ -161,6 +142,10 @@ class TrainerCallback:
     def on_push_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """Before a push to the Hugging Face Hub (HF's event; mixprec's Trainer never pushes, so only code that
         calls ``callback_handler.on_push_begin`` fires it)."""
+
+
+EVENTS = tuple(name for name in vars(TrainerCallback) if name.startswith("on_"))
+"""Every event's name, in the order TrainerCallback declares them."""
 
 
 class CallbackHandler:

@@ -110,47 +110,33 @@ def prediction_step(
     ignore_keys: Sequence[str] = (),
 ) -> tuple[torch.Tensor | None, Any, Any]:
     """One evaluation batch, HF's ``prediction_step``: ``(loss, logits, labels)``, each None when absent;
-    with ``loss_only`` the logits and labels are None."""
-    loss, logits = eval_step(compute_loss, model, batch, label_names, need_loss=loss_only, ignore_keys=ignore_keys)
-    if loss_only:
-        return loss, None, None
-    return loss, logits, _labels_of(batch, label_names)
-
-
-def eval_step(
-    compute_loss: ComputeLoss,
-    model: torch.nn.Module,
-    batch: Any,
-    label_names: Sequence[str],
-    need_loss: bool,
-    ignore_keys: Sequence[str] = (),
-) -> tuple[torch.Tensor | None, Any]:
-    """One evaluation batch: ``(loss or None, logits or None)``.
+    with ``loss_only`` the logits and labels are None.
 
     A batch with labels (and any tuple batch, whose labels cannot be told apart) goes through
     ``compute_loss(model, batch, return_outputs=True)``, the function training uses. A dict batch without
     labels, when no loss is needed (``predict`` on unlabelled data), is only called: there is no loss to take.
     """
     labelled = not isinstance(batch, Mapping) or any(k in batch for k in label_names)
-    if not labelled and not need_loss:
+    if not labelled and not loss_only:
         outputs = call_model(model, batch)
-        return _optional_loss(outputs, required=False), logits_of(outputs, ignore_keys)
+        return _loss_if_any(outputs), logits_of(outputs, ignore_keys), None  # no labels to return either
     try:
         result = compute_loss(model, batch, return_outputs=True)
     except ValueError:
-        if need_loss:
+        if loss_only:
             raise
         # predict() with a model that returns no loss even given labels: its outputs are what is wanted
         # (a second forward, on this rare path only).
-        outputs = call_model(model, batch)
-        return None, logits_of(outputs, ignore_keys)
+        return None, logits_of(call_model(model, batch), ignore_keys), _labels_of(batch, label_names)
     if isinstance(result, tuple) and len(result) == 2:
         loss, outputs = result
     else:  # an override that ignores return_outputs and returns the loss alone
         loss, outputs = result, None
+    if loss_only:
+        return loss, None, None
     if isinstance(outputs, torch.Tensor):  # an override's model output: a bare tensor is its logits
-        return loss, outputs if outputs is not loss else None
-    return loss, logits_of(outputs, ignore_keys)
+        return loss, outputs if outputs is not loss else None, _labels_of(batch, label_names)
+    return loss, logits_of(outputs, ignore_keys), _labels_of(batch, label_names)
 
 
 def check_compute_metrics(compute_metrics: Any, batch_eval_metrics: bool) -> None:
@@ -234,9 +220,8 @@ def evaluation_loop(
         computed = compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids))
     else:
         computed = None
-    if computed is not None:
-        for key, value in (computed or {}).items():
-            metrics[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = _plain(value)
+    for key, value in (computed or {}).items():
+        metrics[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = _plain(value)
     runtime = time.perf_counter() - start
     metrics[f"{prefix}_runtime"] = round(runtime, 4)
     samples = dataset_size if dataset_size is not None else counted  # a stream: what this process read
@@ -258,12 +243,10 @@ def _with_last(items: Any) -> Any:
 _END = object()
 
 
-def _optional_loss(outputs: Any, required: bool) -> torch.Tensor | None:
+def _loss_if_any(outputs: Any) -> torch.Tensor | None:
     try:
         return extract_loss(outputs)
     except ValueError:
-        if required:
-            raise
         return None  # prediction without labels: there is no loss to report, only outputs
 
 

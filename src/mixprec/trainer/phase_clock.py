@@ -18,8 +18,7 @@ with a hand-written loop (benchmarks/bench_overhead.py).
 Compile time is torch.compile's own (dynamo, AOT and inductor, forward and the lazily compiled backward), read
 from dynamo's counters at each lap and taken out of the phase it was spent in: the first training steps'
 forward+backward, and the first evaluation's (a model in eval mode under no_grad compiles again: 5.3 s of the
-tiny GPT's 26.3 s on this CPU, which the summary once took out of the training steps, leaving them 0 ms). So
-the step figures are the compiled step's, and an evaluation's its own.
+tiny GPT's 26.3 s on this CPU). So the step figures are the compiled step's, and an evaluation's its own.
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ class PhaseClock:
         self._compile_at_start = self._compile_mark = compile_seconds()
         self._setup = 0.0  # compile time dynamo's counters do not see (add_compile)
         self.last = ""
-        """The phase of the latest lap ("" after :meth:`start` or :meth:`skip`)."""
+        """The phase of the latest lap ("" after :meth:`start`)."""
         self._within = ""  # every lap's phase, inside within()
         self.mark = time.perf_counter()
 
@@ -96,10 +95,6 @@ class PhaseClock:
         finally:
             self._within = ""
         self.lap(phase)
-
-    def skip(self) -> None:
-        """Count the time since the last lap as no phase's (it lands in "other")."""
-        self.mark, self.last = time.perf_counter(), ""
 
     def breakdown(self, runtime: float, steps: int, race_seconds: float) -> dict[str, Any]:
         """The run's split in seconds and the step's in ms per step (``steps`` optimizer steps in ``runtime``

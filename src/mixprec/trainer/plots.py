@@ -39,7 +39,6 @@ def plot_run(metrics_path: str | Path, output_dir: str | Path) -> list[Path]:
     run folder has both). Returns the files."""
     entries = read_metrics(metrics_path)
     out = Path(output_dir)
-    written = []
     plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -47,16 +46,7 @@ def plot_run(metrics_path: str | Path, output_dir: str | Path) -> list[Path]:
         steps, values = _series(entries, key)
         if steps:
             ax.plot(steps, values, marker="o" if len(steps) < 30 else None, label=label)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    ax.set_title("loss")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / LOSS_FIGURE, dpi=100)
-    plt.close(fig)
-    written.append(out / LOSS_FIGURE)
+    _save(plt, fig, ax, "loss", "loss", out / LOSS_FIGURE)
 
     changes = [(int(e["step"]), float(e["scale"])) for e in entries if e.get("event") == "loss_scale"]
     skipped = [e for e in entries if e.get("event") == "skipped_step"]
@@ -81,13 +71,18 @@ def plot_run(metrics_path: str | Path, output_dir: str | Path) -> list[Path]:
             label=f"skipped step ({len(skipped)})",
         )
     ax.set_yscale("log", base=2)
+    _save(plt, fig, ax, "loss scale", title, out / SCALE_FIGURE)
+    return [out / LOSS_FIGURE, out / SCALE_FIGURE]
+
+
+def _save(plt: Any, fig: Any, ax: Any, ylabel: str, title: str, path: Path) -> None:
+    """Label one panel (against the optimizer step, with a legend when it has labelled lines) and write it."""
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss scale")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     fig.tight_layout()
-    fig.savefig(out / SCALE_FIGURE, dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    written.append(out / SCALE_FIGURE)
-    return written
