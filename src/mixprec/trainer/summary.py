@@ -51,55 +51,47 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     return int(rss if sys.platform == "darwin" else rss * 1024), "process peak RSS"
 
 
-def build_summary(
-    *,
-    precision: dict[str, Any],
-    auto: dict[str, Any] | None = None,
-    global_step: int,
-    steps_this_run: int,
-    skipped_steps: int,
-    final_scale: float | None,
-    runtime: float,
-    samples: int,
-    tokens: int,
-    train_loss: float,
-    epoch: float | None,
-    best_metric: float | None,
-    best_model_checkpoint: str | None,
-    metric_name: str | None,
-    device: torch.device,
-    comm: str = "",
-    losses_left_out: int = 0,
-) -> dict[str, Any]:
+def build_summary(run: RunContext, steps_before: int) -> dict[str, Any]:
     """HF's train_* metrics, then mixprec's. Rates are over this process's work in this run (a resumed run
-    counts from the resume)."""
-    runtime = max(runtime, 1e-9)
-    peak, peak_kind = peak_memory_bytes(device)
+    counts from the resume); samples and tokens are summed over processes (one collective)."""
+    acc, state, meter = run.accelerator, run.state, run.meter
+    # on the device, which the collective's backend needs (nccl reduces CUDA tensors only)
+    counts = torch.tensor([meter.samples, meter.tokens], dtype=torch.float64, device=acc.device)
+    samples, tokens = (int(n) for n in acc.reduce(counts).tolist())
+    precision, decision = acc.precision.describe(), acc.auto_decision
+    steps_this_run = state.global_step - steps_before
+    runtime = max(meter.elapsed(), 1e-9)
+    train_loss = meter.mean_loss()  # reads the open window: the filter's count below includes it
+    peak, peak_kind = peak_memory_bytes(acc.device)
     summary: dict[str, Any] = {
         "train_runtime": round(runtime, 4),
         "train_samples_per_second": round(samples / runtime, 3),
         "train_steps_per_second": round(steps_this_run / runtime, 3),
         "train_loss": train_loss,
         "train_loss_steps": steps_this_run,  # train_loss is the mean over these steps (this run's)
-        "train_loss_left_out": losses_left_out,  # ... but for these non-finite micro-batch losses (HF's filter)
-        "epoch": epoch,
-        "global_step": global_step,
-        "skipped_steps": skipped_steps,
-        "final_loss_scale": final_scale,
+        "train_loss_left_out": meter.filtered,  # ... but for these non-finite micro-batch losses (HF's filter)
+        "epoch": state.epoch,
+        "global_step": state.global_step,
+        "skipped_steps": acc.scaler.record.skipped_steps,
+        "final_loss_scale": acc.scaler.get_scale() if acc.scaler.is_enabled() else None,
         "precision": precision.get("precision"),
         "precision_reason": precision.get("reason"),
         "precision_loss_scaling": precision.get("loss_scaling"),
-        "comm": comm,  # how gradients travel between processes ("" for one process in fp32)
-        "auto_precision": auto,
+        # how gradients travel between processes ("" for one process in fp32)
+        "comm": acc.config.comm_dtype.describe(acc.num_processes),
+        "auto_precision": decision.to_dict() if decision is not None else None,
         "peak_memory_bytes": peak,
         "peak_memory_kind": peak_kind,
     }
     if tokens:
         summary["train_tokens_per_second"] = round(tokens / runtime, 1)
-    if best_metric is not None:
-        summary["best_metric"] = best_metric
-        summary["best_metric_name"] = metric_name
-        summary["best_model_checkpoint"] = best_model_checkpoint
+    if state.best_metric is not None:
+        summary["best_metric"] = state.best_metric
+        summary["best_metric_name"] = run.args.evaluation.metric_key()
+        summary["best_model_checkpoint"] = state.best_model_checkpoint
+    # this run's race: the op timing, the trials and their replay, or a re-check
+    race = decision.seconds_this_run if decision is not None else 0.0
+    summary["time"] = meter.phases.breakdown(summary["train_runtime"], steps_this_run, race)
     return summary
 
 
@@ -142,37 +134,13 @@ def write_summary(summary: dict[str, Any], output_dir: str | Path) -> Path:
 
 
 def finish_run(run: RunContext, steps_before: int, compiled: dict[str, Any] | None = None) -> TrainOutput:
-    """Close the bar, summarise (samples and tokens summed over processes: one collective), write the
-    summary and the plots (main process), fire ``on_train_end`` (whose callbacks may add a section to the
-    summary, as the precision watch's does: then the file is written again, with it). ``compiled``: what
-    compiling measured and did (compile_gate.py), when the run compiles."""
-    acc, args, state, events, meter = run.accelerator, run.args, run.state, run.events, run.meter
+    """Close the bar, summarise (:func:`build_summary`), write the summary and the plots (main process), fire
+    ``on_train_end`` (whose callbacks may add a section to the summary, as the precision watch's does: then the
+    file is written again, with it). ``compiled``: what compiling measured and did (compile_gate.py), when the
+    run compiles."""
+    acc, args, state, events = run.accelerator, run.args, run.state, run.events
     events.close_progress()  # before the summary and plots, which take a moment
-    # on the device, which the collective's backend needs (nccl reduces CUDA tensors only)
-    counts = torch.tensor([meter.samples, meter.tokens], dtype=torch.float64, device=acc.device)
-    samples, tokens = acc.reduce(counts).tolist()
-    summary = build_summary(
-        precision=acc.precision.describe(),
-        auto=acc.auto_decision.to_dict() if acc.auto_decision is not None else None,
-        global_step=state.global_step,
-        steps_this_run=state.global_step - steps_before,
-        skipped_steps=acc.scaler.record.skipped_steps,
-        final_scale=acc.scaler.get_scale() if acc.scaler.is_enabled() else None,
-        runtime=meter.elapsed(),
-        samples=int(samples),
-        tokens=int(tokens),
-        train_loss=meter.mean_loss(),
-        losses_left_out=meter.filtered,
-        epoch=state.epoch,
-        best_metric=state.best_metric,
-        best_model_checkpoint=state.best_model_checkpoint,
-        metric_name=args.evaluation.metric_key() if state.best_metric is not None else None,
-        device=acc.device,
-        comm=acc.config.comm_dtype.describe(acc.num_processes),
-    )
-    decision = acc.auto_decision  # this run's race: the op timing, the trials and their replay, or a re-check
-    race = decision.seconds_this_run if decision is not None else 0.0
-    summary["time"] = meter.phases.breakdown(summary["train_runtime"], summary["train_loss_steps"], race)
+    summary = build_summary(run, steps_before)
     if compiled is not None:
         summary["compile"] = compiled
     memory: dict[str, int] = {}
@@ -180,15 +148,8 @@ def finish_run(run: RunContext, steps_before: int, compiled: dict[str, Any] | No
         run.memory.stop("train", memory)
         summary.update(memory)
     # HF's last log entry, which scripts read from log_history[-1]
-    run.log(
-        {
-            **{
-                k: summary[k]
-                for k in ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss")
-            },
-            **memory,
-        }
-    )
+    last = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss")
+    run.log({**{k: summary[k] for k in last}, **memory})
     trained = summary["train_loss_steps"] > 0 or not steps_before  # a resume past the end trains nothing
     if acc.is_main_process and trained:
         write_summary(summary, args.output_dir)
