@@ -163,6 +163,7 @@ class CallbackHandler:
         self.eval_dataloader: Any = None
 
     def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        """Add a callback (an instance, or a class to instantiate) to the ones the Trainer calls."""
         cb = callback() if isinstance(callback, type) else callback
         if any(type(c) is type(cb) for c in self.callbacks):  # as HF: allowed, but usually a mistake
             # Formatted here, naming the class as HF does ({type(cb)}): HF's tests read the message from a
@@ -186,6 +187,7 @@ class CallbackHandler:
         return None
 
     def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        """Remove a callback (an instance, or the first of a class)."""
         self.pop_callback(callback)
 
     def __getattr__(self, name: str) -> Any:

@@ -13,22 +13,18 @@ callback a user could remove.
 Nothing here knows the run's end-of-run reporting (:mod:`mixprec.trainer.summary`): that module takes the
 :class:`~mixprec.trainer.context.RunContext` holding these events and calls down into them, never the reverse.
 
-**The console** (:class:`ProgressCallback`, :class:`PrinterCallback`): the progress bar shows steps, loss, learning
-rate, loss scale and samples or tokens per second, or, with ``disable_tqdm``, each log entry is printed as HF's
-PrinterCallback does. The loss shown is the mean since the previous refresh. Reading it is a host sync, so the
-bar refreshes its numbers at most once a second (one sync per second, whatever the step rate), and never on
-the other steps. When stderr is not a terminal (a log file, a pipe, a batch job), a redrawn bar is a run of
-carriage returns on one line that any other message gets glued to (issue 29: ``...0/300 [00:00<?,
-?step/s]mixprec: bf16 on cpu ...``); there the progress is a plain line every tenth of the run instead
+**The console** (:class:`ProgressCallback`, :class:`PrinterCallback`): a progress bar (steps, loss, learning rate,
+loss scale, samples or tokens per second) or, with ``disable_tqdm``, each log entry printed as HF's PrinterCallback
+does. The loss shown is the mean since the previous refresh; reading it is a host sync, so the bar refreshes its
+numbers at most once a second. When stderr is not a terminal, a redrawn bar is a run of carriage returns on one
+line that any other message gets glued to (issue 29), so there the progress is a plain line every tenth of the run
 (:class:`LineProgress`).
 
-**The precision watch** (:class:`WatchCallback`): the watch itself (:mod:`mixprec.watch`) is built by the
-Accelerator from ``TrainingArguments(precision_watch=...)`` and follows the steps on its own; this callback
-only tells it when an optimizer step is over (so a skipped step is attributed while its gradients are still
-there) and carries what it found to the run's logs: each sample as one log entry of ``watch/<layer>/<field>``
-scalars (metrics.jsonl, and TensorBoard when ``report_to`` has it), warnings, skip attributions and fallbacks
-as metrics.jsonl events, and at the end a "precision_watch" section in the run's summary (which the summary
-writes into train_summary.json) and ``precision_headroom.png`` in output_dir.
+**The precision watch** (:class:`WatchCallback`): the watch (:mod:`mixprec.watch`, built by the Accelerator from
+``precision_watch``) follows the steps on its own; this callback tells it when an optimizer step is over (so a
+skipped step is attributed while its gradients are still there) and carries what it found to the run's logs:
+samples as ``watch/<layer>/<field>`` log entries, warnings, skip attributions and fallbacks as metrics.jsonl
+events, and at the end a "precision_watch" section of the summary and ``precision_headroom.png``.
 """
 
 from __future__ import annotations
@@ -109,18 +105,6 @@ class RunEvents:
         the control from ``state.stateful_callbacks`` (HF's ``Trainer._load_callback_state``)."""
         if self.args.restore_callback_states_from_checkpoint:
             self.control = restore_callback_states(self.handler, self.control, self.state.stateful_callbacks)
-
-    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
-        """Add a callback (an instance, or a class to instantiate) to the ones the Trainer calls."""
-        self.handler.add_callback(callback)
-
-    def pop_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
-        """Remove a callback (an instance, or the first of a class) and return it (None if absent)."""
-        return self.handler.pop_callback(callback)
-
-    def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
-        """Remove a callback (an instance, or the first of a class)."""
-        self.handler.remove_callback(callback)
 
     def fire(self, name: str, **kwargs: Any) -> TrainerControl:
         """Run callback event ``name``; returns the (possibly replaced) control."""
@@ -213,11 +197,12 @@ class ProgressCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if not sys.stderr.isatty():
             self.bar = LineProgress(state.max_steps, state.global_step)
-            self._last_refresh = time.perf_counter()
-            return
-        from tqdm.auto import tqdm
+        else:
+            from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(
+                total=state.max_steps, initial=state.global_step, desc="train", unit="step", dynamic_ncols=True
+            )
         self._last_refresh = time.perf_counter()
 
     def on_step_end(self, args, state, control, meter=None, **kwargs):

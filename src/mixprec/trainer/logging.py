@@ -108,14 +108,21 @@ def _split_tag(key: str) -> str:
     return f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
 
 
-class MLflowLogger(TrainerCallback):
+class _Reporter(TrainerCallback):
+    """A ``report_to`` logger: its tracker (made when training begins, or given) is finished when it ends."""
+
+    tracker: Any = None
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.tracker is not None:
+            self.tracker.finish()
+
+
+class MLflowLogger(_Reporter):
     """Parameters (the TrainingArguments) and numeric logs to MLflow, as HF's MLflowCallback: the tracking
     URI and experiment come from MLflow's own environment variables (MLFLOW_TRACKING_URI,
     MLFLOW_EXPERIMENT_NAME); the run is named ``args.run_name`` and ended at the end of training if this
     logger started it (an active run the script opened is used and left open)."""
-
-    def __init__(self) -> None:
-        self.tracker: MLflowTracker | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.tracker = MLflowTracker(os.environ.get("MLFLOW_EXPERIMENT_NAME"), run_name=args.run_name)
@@ -125,18 +132,11 @@ class MLflowLogger(TrainerCallback):
         if self.tracker is not None:
             self.tracker.log({k.replace("/", "_"): v for k, v in _numeric(logs).items()}, step=state.global_step)
 
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.tracker is not None:
-            self.tracker.finish()
 
-
-class WandbLogger(TrainerCallback):
+class WandbLogger(_Reporter):
     """Numeric logs to Weights & Biases (``train/loss``, ``eval/loss``, ... as HF's WandbCallback), with the
     TrainingArguments as the run config. WANDB_MODE=offline writes the run under ./wandb without a network;
     WANDB_PROJECT names the project (default "huggingface", HF's)."""
-
-    def __init__(self) -> None:
-        self.tracker: WandbTracker | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         project = os.environ.get("WANDB_PROJECT", "huggingface")
@@ -147,10 +147,6 @@ class WandbLogger(TrainerCallback):
         metrics = {_split_tag(k): v for k, v in _numeric(logs).items()}
         if metrics and self.tracker is not None:
             self.tracker.log({**metrics, "train/global_step": state.global_step})
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.tracker is not None:
-            self.tracker.finish()
 
 
 def make_reporters(report_to: list[str], logging_dir: str | Path) -> list[TrainerCallback]:
@@ -171,7 +167,7 @@ def make_reporters(report_to: list[str], logging_dir: str | Path) -> list[Traine
     return [factories[name]() for name in report_to]
 
 
-class TensorBoardLogger(TrainerCallback):
+class TensorBoardLogger(_Reporter):
     """Numeric log values as TensorBoard scalars under ``logging_dir`` (tags "train/loss", "eval/loss", ...)."""
 
     def __init__(self, logging_dir: str | Path) -> None:
@@ -179,6 +175,3 @@ class TensorBoardLogger(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         self.tracker.log({_split_tag(k): v for k, v in _numeric(logs).items()}, step=state.global_step)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.tracker.finish()

@@ -147,9 +147,9 @@ class Trainer:
         """The object that calls each callback's events in order (HF's name)."""
         return self.events.handler
 
-    add_callback = delegate("events", RunEvents.add_callback)
-    pop_callback = delegate("events", RunEvents.pop_callback)
-    remove_callback = delegate("events", RunEvents.remove_callback)
+    add_callback = delegate("events.handler", CallbackHandler.add_callback)
+    pop_callback = delegate("events.handler", CallbackHandler.pop_callback)
+    remove_callback = delegate("events.handler", CallbackHandler.remove_callback)
 
     def _load_callback_state(self) -> None:
         """With ``restore_callback_states_from_checkpoint``, rebuild the stateful callbacks and the control from
