@@ -5,16 +5,13 @@ A script moves over from ``transformers`` by changing its import: the fields tha
 0.999), eps 1e-8, logging and saving every 500 steps, seed 42). ``evaluation_strategy``, which HF Transformers 5 rejects
 with a TypeError, is accepted as an alias of ``eval_strategy``.
 
-Every other field of HF's ``TrainingArguments`` is accepted too (:mod:`mixprec.trainer.hf_fields`): each one is
-implemented, or ignored where ignoring it is harmless (documented per field), or refused with a message naming it when
-set to anything but its default. HF's properties (``train_batch_size``, ``eval_batch_size``, ``device``, ``n_gpu``,
-``world_size``, ``process_index``, ...) are :class:`~mixprec.trainer.process_helpers.ProcessHelpers`' and what HF's
-fields mean is :class:`~mixprec.trainer.hf_field_rules.HFFieldRules`': parts the class body delegates each name to.
+Every other field of HF's ``TrainingArguments`` is accepted too (:mod:`mixprec.trainer.hf_fields`: implemented,
+ignored where harmless, or refused by name). HF's properties (``train_batch_size``, ``device``, ``world_size``, ...)
+are :class:`~mixprec.trainer.process_helpers.ProcessHelpers`' and what HF's fields mean is
+:class:`~mixprec.trainer.hf_field_rules.HFFieldRules`': parts the class body delegates each name to.
 
-Each field is declared once, here, with its docstring. The Trainer reads grouped views of them
-(``args.precision_config``, ``args.optimization``, ``args.schedule``, ``args.evaluation``, ``args.checkpointing``,
-``args.logging``; :mod:`mixprec.trainer.configs`): frozen copies that name their fields and check them. They are built
-on access, so a script that edits ``args.num_train_epochs = 5`` after construction is still validated and still seen.
+The Trainer reads grouped views of the fields (``args.optimization``, ``args.schedule``...;
+:mod:`mixprec.trainer.configs`), built on access, so an edit after construction is still validated and seen.
 """
 
 from __future__ import annotations
@@ -362,11 +359,10 @@ class TrainingArguments(HFCompatFields):
                 fail("save_strategy", "best", "needs eval_strategy='steps' or 'epoch' to find the best model")
             if self.metric_for_best_model is None:
                 fail("metric_for_best_model", None, "must be set when save_strategy='best' (e.g. 'loss')")
-        if ev.load_best_model_at_end:
+        # save_strategy="best" (checked above) saves every new best: there is always a checkpoint to return to
+        if ev.load_best_model_at_end and ck.save_strategy != "best":
             if ev.eval_strategy == "no":
                 fail("load_best_model_at_end", True, "needs eval_strategy='steps' or 'epoch' to know the best")
-            if ck.save_strategy == "best":
-                pass  # every new best is saved: there is always a checkpoint to return to
             elif ck.save_strategy != ev.eval_strategy:
                 fail(
                     "save_strategy",

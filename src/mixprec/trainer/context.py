@@ -2,9 +2,8 @@
 
 The Trainer builds a :class:`RunContext` once the model, optimizer and scheduler are prepared, and passes it
 down; the helpers take it (or only the pieces they use), never the Trainer, so control flows one way:
-Trainer -> loop -> checkpointing/summary. The three functions in it that come from the Trainer,
-``training_step``, ``compute_loss``, ``evaluate`` and ``log``, are HF's override points: a subclass's override
-runs, as in HF.
+Trainer -> loop -> checkpointing/summary. Its functions from the Trainer (``training_step``, ``compute_loss``,
+``evaluate``, ``log``) are HF's override points: a subclass's override runs, as in HF.
 """
 
 from __future__ import annotations

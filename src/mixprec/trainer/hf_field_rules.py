@@ -45,45 +45,44 @@ class HFFieldRules:
 
     def apply_implied(self) -> None:
         """HF's derived settings, so scripts that rely on them behave the same."""
-        if self.args.eval_strategy != "no":
-            self.args.do_eval = True
+        args = self.args
+        if args.eval_strategy != "no":
+            args.do_eval = True
         # load_best_model_at_end compares checkpoints by a metric: HF picks the eval loss, minimised, and
         # EarlyStoppingCallback needs both filled in.
-        if self.args.load_best_model_at_end and self.args.metric_for_best_model is None:
-            self.args.metric_for_best_model = "loss"
-        if self.args.greater_is_better is None and self.args.metric_for_best_model is not None:
-            self.args.greater_is_better = not self.args.metric_for_best_model.endswith("loss")
-        if self.args.torch_compile_backend is not None or self.args.torch_compile_mode is not None:
-            self.args.torch_compile = True
-        if self.args.torch_compile and self.args.torch_compile_backend is None:
-            self.args.torch_compile_backend = "inductor"  # torch.compile's default, named as HF does
-        if self.args.use_cpu:
-            self.args.dataloader_pin_memory = False  # as HF: nothing to pin for on the CPU
-        if self.args.dataloader_prefetch_factor is not None and self.args.dataloader_num_workers == 0:
-            prefetch = self.args.dataloader_prefetch_factor
-            fail("dataloader_prefetch_factor", prefetch, "needs dataloader_num_workers > 0")
+        if args.load_best_model_at_end and args.metric_for_best_model is None:
+            args.metric_for_best_model = "loss"
+        if args.greater_is_better is None and args.metric_for_best_model is not None:
+            args.greater_is_better = not args.metric_for_best_model.endswith("loss")
+        if args.torch_compile_backend is not None or args.torch_compile_mode is not None:
+            args.torch_compile = True
+        if args.torch_compile and args.torch_compile_backend is None:
+            args.torch_compile_backend = "inductor"  # torch.compile's default, named as HF does
+        if args.use_cpu:
+            args.dataloader_pin_memory = False  # as HF: nothing to pin for on the CPU
+        if args.dataloader_prefetch_factor is not None and args.dataloader_num_workers == 0:
+            fail("dataloader_prefetch_factor", args.dataloader_prefetch_factor, "needs dataloader_num_workers > 0")
         if self.fsdp_requested():
-            if self.args.distributed not in (None, "fsdp"):
-                why = f"conflicts with distributed={self.args.distributed!r}; set one of them"
-                fail("fsdp", self.args.fsdp, why)
-            self.args.distributed = "fsdp"
+            if args.distributed not in (None, "fsdp"):
+                fail("fsdp", args.fsdp, f"conflicts with distributed={args.distributed!r}; set one of them")
+            args.distributed = "fsdp"
         self.dataloader_configuration()  # HF's accelerator_config: checked here, used by the Accelerator
         from_config = self.fsdp_config_state_dict_type()  # HF's fsdp_config={"state_dict_type": ...}
         if from_config is not None:
-            wanted = parse_state_dict_type(from_config, self.args.distributed, "TrainingArguments(fsdp_config=...)")
-            if self.args.fsdp_state_dict_type not in ("full", wanted):
+            wanted = parse_state_dict_type(from_config, args.distributed, "TrainingArguments(fsdp_config=...)")
+            if args.fsdp_state_dict_type not in ("full", wanted):
                 fail(
                     "fsdp_config",
-                    self.args.fsdp_config,
-                    f"conflicts with fsdp_state_dict_type={self.args.fsdp_state_dict_type!r}",
+                    args.fsdp_config,
+                    f"conflicts with fsdp_state_dict_type={args.fsdp_state_dict_type!r}",
                 )
-            self.args.fsdp_state_dict_type = wanted
-        self.args.fsdp_state_dict_type = parse_state_dict_type(
-            self.args.fsdp_state_dict_type, self.args.distributed, "TrainingArguments"
+            args.fsdp_state_dict_type = wanted
+        args.fsdp_state_dict_type = parse_state_dict_type(
+            args.fsdp_state_dict_type, args.distributed, "TrainingArguments"
         )
-        if self.args.tf32 is not None:  # process-wide, as HF sets it (only CUDA matmuls read it)
-            torch.backends.cuda.matmul.allow_tf32 = bool(self.args.tf32)
-            torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
+        if args.tf32 is not None:  # process-wide, as HF sets it (only CUDA matmuls read it)
+            torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
+            torch.backends.cudnn.allow_tf32 = bool(args.tf32)
 
     def check_hf_fields(self) -> None:
         """Refuse a non-default value of a ``refused`` field; apply HF's aliases and implied settings."""
