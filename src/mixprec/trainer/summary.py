@@ -172,56 +172,9 @@ def finish_run(run: RunContext, steps_before: int, compiled: dict[str, Any] | No
 ALL_RESULTS = "all_results.json"
 
 
-def metrics_format(metrics: dict[str, Any]) -> dict[str, Any]:
-    """HF's readable forms: ``*_runtime`` as h:mm:ss.ss, ``*_mem_*`` in MB, ``total_flos`` in GF, other
-    floats to 4 decimals."""
-    shown: dict[str, Any] = {}
-    for key, value in metrics.items():
-        if "_mem_" in key and isinstance(value, (int, float)):
-            shown[key] = f"{int(value) >> 20}MB"
-        elif key.endswith("_runtime") and isinstance(value, (int, float)):
-            shown[key] = _duration(float(value))
-        elif key == "total_flos" and isinstance(value, (int, float)):
-            shown[key] = f"{int(value) >> 30}GF"
-        elif isinstance(value, float):
-            shown[key] = round(value, 4)
-        else:
-            shown[key] = value
-    return shown
-
-
 def _duration(seconds: float) -> str:
     whole = datetime.timedelta(seconds=int(seconds))
     return f"{whole}.{int(round((seconds % 1) * 100)) % 100:02d}"
-
-
-def metrics_table(split: str, metrics: dict[str, Any]) -> str:
-    """``***** <split> metrics *****`` and one aligned ``key = value`` line per metric (HF's log_metrics)."""
-    shown = metrics_format(metrics)
-    if not shown:
-        return f"***** {split} metrics *****"
-    # mixprec's sections (a dict, the precision's reason) are not HF's scalars: they are said in the run's
-    # summary and train_summary.json, and padding every figure to their width made a 300-column table
-    shown = {k: ("(train_summary.json)" if isinstance(v, (dict, list)) else v) for k, v in shown.items()}
-    keys = max(len(str(k)) for k in shown)
-    values = max((len(str(v)) for v in shown.values() if len(str(v)) <= 24), default=0)
-    lines = [f"  {k: <{keys}} = {str(shown[k]):>{values}}" for k in sorted(shown)]
-    return "\n".join([f"***** {split} metrics *****", *lines])
-
-
-def save_metrics(output_dir: str | Path, split: str, metrics: dict[str, Any], combined: bool = True) -> Path:
-    """Write ``<split>_results.json`` (and merge into ``all_results.json`` when ``combined``)."""
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{split}_results.json"
-    plain = strict_json(dict(metrics))
-    path.write_text(json.dumps(plain, indent=4, sort_keys=True) + "\n", encoding="utf-8")
-    if combined:
-        every = out / ALL_RESULTS
-        merged = json.loads(every.read_text(encoding="utf-8")) if every.exists() else {}
-        merged.update(plain)
-        every.write_text(json.dumps(merged, indent=4, sort_keys=True) + "\n", encoding="utf-8")
-    return path
 
 
 def model_card(
@@ -265,34 +218,6 @@ def model_card(
     return "\n".join(lines)
 
 
-def write_model_card(args: Any, accelerator: Any, log_history: list[dict[str, Any]], **card: Any) -> Path:
-    """output_dir/README.md from :func:`model_card`, with the run's hyperparameters (``Trainer.create_model_card``:
-    ``card`` holds HF's arguments that :func:`model_card` takes; ``model_name`` defaults to output_dir's name)."""
-    hyperparameters = {
-        "learning_rate": args.learning_rate,
-        "train_batch_size": args.per_device_train_batch_size,
-        "eval_batch_size": args.per_device_eval_batch_size,
-        "seed": args.seed,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "total_train_batch_size": args.per_device_train_batch_size
-        * args.gradient_accumulation_steps
-        * accelerator.num_processes,
-        "optimizer": args.optim,
-        "lr_scheduler_type": args.lr_scheduler_type,
-        "training_steps" if args.max_steps > 0 else "num_epochs": args.max_steps
-        if args.max_steps > 0
-        else args.num_train_epochs,
-    }
-    card["model_name"] = card.get("model_name") or Path(args.output_dir).name
-    text = model_card(
-        precision=accelerator.mixed_precision, hyperparameters=hyperparameters, log_history=log_history, **card
-    )
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "README.md").write_text(text, encoding="utf-8")
-    return out / "README.md"
-
-
 def _list(value: Any) -> list[Any]:
     if value is None:
         return []
@@ -327,18 +252,50 @@ class ScriptEndings:
         return self.accelerator.is_local_main_process
 
     def metrics_format(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """HF's readable forms of ``metrics`` (runtimes as h:mm:ss, memory in MB, floats to 4 decimals)."""
-        return metrics_format(metrics)
+        """HF's readable forms of ``metrics``: ``*_runtime`` as h:mm:ss.ss, ``*_mem_*`` in MB, ``total_flos`` in
+        GF, other floats to 4 decimals."""
+        shown: dict[str, Any] = {}
+        for key, value in metrics.items():
+            if "_mem_" in key and isinstance(value, (int, float)):
+                shown[key] = f"{int(value) >> 20}MB"
+            elif key.endswith("_runtime") and isinstance(value, (int, float)):
+                shown[key] = _duration(float(value))
+            elif key == "total_flos" and isinstance(value, (int, float)):
+                shown[key] = f"{int(value) >> 30}GF"
+            elif isinstance(value, float):
+                shown[key] = round(value, 4)
+            else:
+                shown[key] = value
+        return shown
 
     def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
-        """Print ``metrics`` as HF's aligned ``***** <split> metrics *****`` table (main process)."""
-        if self.is_world_process_zero():
-            print(metrics_table(split, metrics), flush=True)
+        """Print ``metrics`` as HF's ``***** <split> metrics *****`` table, one aligned ``key = value`` line per
+        metric (main process)."""
+        if not self.is_world_process_zero():
+            return
+        shown = self.metrics_format(metrics)
+        # mixprec's sections (a dict, the precision's reason) are not HF's scalars: they are said in the run's
+        # summary and train_summary.json, and padding every figure to their width made a 300-column table
+        shown = {k: ("(train_summary.json)" if isinstance(v, (dict, list)) else v) for k, v in shown.items()}
+        keys = max((len(str(k)) for k in shown), default=0)
+        values = max((len(str(v)) for v in shown.values() if len(str(v)) <= 24), default=0)
+        lines = [f"  {k: <{keys}} = {str(shown[k]):>{values}}" for k in sorted(shown)]
+        print("\n".join([f"***** {split} metrics *****", *lines]), flush=True)
 
     def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
-        """Write ``<split>_results.json`` (and merge into ``all_results.json``) in output_dir (main process)."""
-        if self.is_world_process_zero():
-            save_metrics(self.args.output_dir, split, metrics, combined)
+        """Write ``<split>_results.json`` (and merge into ``all_results.json`` when ``combined``) in output_dir
+        (main process)."""
+        if not self.is_world_process_zero():
+            return
+        out = Path(self.args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        plain = strict_json(dict(metrics))
+        (out / f"{split}_results.json").write_text(json.dumps(plain, indent=4, sort_keys=True) + "\n", encoding="utf-8")
+        if combined:
+            every = out / ALL_RESULTS
+            merged = json.loads(every.read_text(encoding="utf-8")) if every.exists() else {}
+            merged.update(plain)
+            every.write_text(json.dumps(merged, indent=4, sort_keys=True) + "\n", encoding="utf-8")
 
     def save_state(self) -> None:
         """Write the trainer state as output_dir/trainer_state.json (main process), as HF."""
@@ -358,15 +315,32 @@ class ScriptEndings:
         dataset: Any = None,
         dataset_args: Any = None,
     ) -> None:
-        """Write output_dir/README.md: what was trained, in which precision, with which hyperparameters, and
-        the evaluation results of this run (main process; HF's arguments)."""
+        """Write output_dir/README.md (:func:`model_card`): what was trained, in which precision, with which
+        hyperparameters, and the evaluation results of this run (main process; HF's arguments)."""
         if not self.is_world_process_zero():
             return
-        write_model_card(
-            self.args,
-            self.accelerator,
-            self.state.log_history,
-            model_name=model_name,
+        args = self.args
+        hyperparameters = {
+            "learning_rate": args.learning_rate,
+            "train_batch_size": args.per_device_train_batch_size,
+            "eval_batch_size": args.per_device_eval_batch_size,
+            "seed": args.seed,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "total_train_batch_size": args.per_device_train_batch_size
+            * args.gradient_accumulation_steps
+            * self.accelerator.num_processes,
+            "optimizer": args.optim,
+            "lr_scheduler_type": args.lr_scheduler_type,
+        }
+        if args.max_steps > 0:
+            hyperparameters["training_steps"] = args.max_steps
+        else:
+            hyperparameters["num_epochs"] = args.num_train_epochs
+        text = model_card(
+            model_name=model_name or Path(args.output_dir).name,
+            precision=self.accelerator.mixed_precision,
+            hyperparameters=hyperparameters,
+            log_history=self.state.log_history,
             language=language,
             license=license,
             tags=tags,
@@ -374,3 +348,6 @@ class ScriptEndings:
             tasks=tasks,
             dataset=dataset if dataset is not None else dataset_tags,
         )
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "README.md").write_text(text, encoding="utf-8")
