@@ -42,12 +42,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("mixprec.trainer")
 
 
-def read_trainer_files(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The trainer's state and extra of a checkpoint (JSON only: nothing here can run code)."""
-    path = Path(path)
-    return load_json(path / f"{TRAINER_STATE}.json"), load_json(path / f"{TRAINER_EXTRA}.json")
-
-
 def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
     """The run's newest complete checkpoint (for messages that say where to resume from)."""
     return trainer_folders(output_dir).latest()
@@ -187,7 +181,7 @@ def load_trainer_checkpoint(run: RunContext, path: Path) -> DataPosition:
     Nothing is unpickled: a tampered file raises (UnsafeCheckpointError) before training starts. The
     trainer's own files are read and parsed first, so a damaged one fails before the Accelerator loads
     anything."""
-    saved, extra = read_trainer_files(path)
+    saved, extra = load_json(path / f"{TRAINER_STATE}.json"), load_json(path / f"{TRAINER_EXTRA}.json")
     _warn_changed_args(run.args, saved)
     loaded = TrainerState(**{k: v for k, v in saved.items() if k in TrainerState.__dataclass_fields__})
     position = DataPosition.from_dict(extra["data_position"])

@@ -172,15 +172,16 @@ class CompileGate:
                 verdict = KEPT if pays else NOT_KEPT
             self._finish(verdict, compiled, compile_s, steps_left)
 
-    def result(self, steps_left: int) -> CompileFigures | None:
-        """The verdict for the run's summary, at its end (``steps_left``: 0, or what a stop left): the one
-        taken, or what was measured before the run ended; None when the run does not compile."""
+    def summary(self, steps_left: int = 0) -> dict[str, Any] | None:
+        """The verdict as the run's summary keeps it, at its end (``steps_left``: 0, or what a stop left): the
+        one taken, or what was measured before the run ended; None when the run does not compile."""
         if self.figures is None and self._phase != self._DONE:
             compiling = self._phase == self._COMPILED
             compile_s = compile_seconds() - self._compile_start if compiling else None
             compiled = statistics.median(self._samples) if compiling and self._samples else None
             self._finish(ASKED if compiling and not self.gated else UNFINISHED, compiled, compile_s, steps_left)
-        return self.figures
+        figures = self.figures
+        return None if figures is None else {**figures.to_dict(), "explain": figures.explain()}
 
     # -- the verdicts --------------------------------------------------------------------------------
 
@@ -211,8 +212,3 @@ class CompileGate:
         run = self._run
         run.events.record("compile", run.state.global_step, **figures.to_dict())
         logger.info("%s", figures.explain())
-
-    def summary(self, steps_left: int = 0) -> dict[str, Any] | None:
-        """The figures as the run's summary keeps them (None when the run does not compile)."""
-        figures = self.result(steps_left)
-        return None if figures is None else {**figures.to_dict(), "explain": figures.explain()}

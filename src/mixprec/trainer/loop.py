@@ -54,31 +54,26 @@ class Plan:
     num_epochs: int
 
     @classmethod
-    def make(cls, batches_per_epoch: int, args: TrainingArguments) -> Plan:
+    def for_dataset(cls, dataset: Any, loader: Any, args: TrainingArguments) -> Plan:
+        """The run's length. A stream has no length: max_steps is required (as in HF), and an exhausted stream
+        is read again from its start, as the next epoch, until max_steps."""
+        if is_stream(dataset):
+            if args.max_steps <= 0:
+                raise ValueError(
+                    "TrainingArguments(max_steps=-1): train_dataset is a stream with no length, so the number of "
+                    "steps cannot come from num_train_epochs; set max_steps > 0"
+                )
+            return cls(args.max_steps * args.gradient_accumulation_steps, args.max_steps, args.max_steps, sys.maxsize)
         # The Accelerator steps on the last batch of an epoch even when it does not complete an
         # accumulation window, so an epoch has ceil(batches / accumulation) optimizer steps.
-        steps_per_epoch = math.ceil(batches_per_epoch / args.gradient_accumulation_steps)
+        steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
         if args.max_steps > 0:
             max_steps = args.max_steps
             num_epochs = math.ceil(max_steps / steps_per_epoch)
         else:
             max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
             num_epochs = math.ceil(args.num_train_epochs)
-        return cls(batches_per_epoch, steps_per_epoch, max_steps, num_epochs)
-
-    @classmethod
-    def for_dataset(cls, dataset: Any, loader: Any, args: TrainingArguments) -> Plan:
-        """The run's length. A stream has no length: max_steps is required (as in HF), and an exhausted stream
-        is read again from its start, as the next epoch, until max_steps."""
-        if not is_stream(dataset):
-            return cls.make(len(loader), args)
-        if args.max_steps <= 0:
-            raise ValueError(
-                "TrainingArguments(max_steps=-1): train_dataset is a stream with no length, so the number of "
-                "steps cannot come from num_train_epochs; set max_steps > 0"
-            )
-        steps = args.max_steps
-        return cls(steps * args.gradient_accumulation_steps, steps, steps, sys.maxsize)
+        return cls(len(loader), steps_per_epoch, max_steps, num_epochs)
 
     def banner(self, args: TrainingArguments, num_examples: int | None, trainable_params: int) -> str:
         """HF's "***** Running training *****" block, which scripts and tests look for in transformers' log."""
