@@ -54,8 +54,7 @@ class ProcessHelpers:
     @classmethod
     def of(cls, args: Any) -> ProcessHelpers:
         """The helpers of ``args`` (a TrainingArguments), from its fields as they are now."""
-        names = [f.name for f in fields(cls)]
-        return cls(*(getattr(args, name) for name in names))
+        return cls(*(getattr(args, f.name) for f in fields(cls)))
 
     @property
     def device(self) -> torch.device:

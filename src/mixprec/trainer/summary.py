@@ -4,13 +4,10 @@ The summary says what ran, how fast, and what the loss scaler did. The same numb
 dict of ``TrainOutput`` (HF's ``train_runtime``, ``train_samples_per_second``, ... plus mixprec's),
 ``train_summary.json`` in output_dir, and a few printed lines on the main process.
 
-HF's end-of-script reporting keeps HF's names and formats: ``log_metrics`` (a table on stdout),
-``save_metrics`` (``<split>_results.json`` and ``all_results.json``) and ``create_model_card`` (``README.md`` in
-output_dir). :class:`ScriptEndings`, a part the Trainer owns and delegates those methods to, calls these on the
-main process.
-
-The figures drawn from metrics.jsonl live apart, in :mod:`mixprec.trainer.plots` (matplotlib, loaded only when a
-run plots).
+HF's end-of-script methods keep HF's names and formats (:class:`ScriptEndings`, which the Trainer delegates
+them to): ``log_metrics`` (a table on stdout), ``save_metrics`` (``<split>_results.json`` and ``all_results.json``)
+and ``create_model_card`` (``README.md`` in output_dir). The figures drawn from metrics.jsonl are
+:mod:`mixprec.trainer.plots`' (matplotlib, loaded only when a run plots).
 """
 
 from __future__ import annotations

@@ -115,7 +115,6 @@ class Trainer:
         self._train_loader = self._loaders.train(train_dataset) if train_dataset is not None else None
         across = (lambda t: self.accelerator.reduce(t, "sum")) if self.accelerator.num_processes > 1 else None
         self.meter = StepMeter(self._current_scale, args.logging_nan_inf_filter, across)
-        # callbacks, log_history, metrics.jsonl and the progress bar; owns state and control
         self.events = RunEvents(args, self.accelerator, reporters, list(callbacks or []))
         self._endings = ScriptEndings(args, self.events, self.accelerator)
         self.callback_handler.model = self.model
@@ -368,9 +367,7 @@ class Trainer:
         examples = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None  # a stream has none
         return fit(run, plan, checkpoint, self._loaders.train_stream, examples)
 
-    def log(self, logs: dict[str, Any]) -> None:
-        """Append ``logs`` (with epoch and step) to ``state.log_history`` and send it to the loggers."""
-        self.events.log(logs)
+    log = delegate("events", RunEvents.log)
 
     # -- evaluation and prediction -------------------------------------------------------------------
 
