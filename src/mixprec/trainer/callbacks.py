@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from mixprec.trainer.hf_loggers import hf_logger
@@ -85,8 +85,7 @@ class TrainerControl(ExportableState):
 
     def state(self) -> dict[str, Any]:
         """The switches, for a checkpoint (HF's ``ExportableState``)."""
-        switches = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
-        return {"args": {name: getattr(self, name) for name in switches}, "attributes": {}}
+        return {"args": {f.name: getattr(self, f.name) for f in fields(self)}, "attributes": {}}
 
 
 class TrainerCallback:

@@ -14,11 +14,10 @@ import math
 from dataclasses import FrozenInstanceError
 from typing import Any, ClassVar
 
-from mixprec.trainer.optimizers import OPTIMIZER_NAMES, parse_optim_args
+from mixprec.trainer.optimizers import OPTIMIZER_NAMES, SCHEDULER_NAMES, parse_optim_args
 
 STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = (*STRATEGIES, "best")
-SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "nanogpt_cosine")
 REPORTERS = ("tensorboard", "mlflow", "wandb")  # JSONL is always written; these are the extras
 DISTRIBUTED = (None, "ddp", "fsdp")
 
@@ -164,7 +163,7 @@ class ScheduleConfig(ArgsView):
             fail("max_steps", self.max_steps, "must be > 0, or -1 to train for num_train_epochs")
         if self.max_steps == -1 and not self.num_train_epochs > 0:
             fail("num_train_epochs", self.num_train_epochs, "must be > 0 (or set max_steps > 0)")
-        check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
+        check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULER_NAMES)
         ws = self.warmup_steps
         if isinstance(ws, bool) or not isinstance(ws, (int, float)) or ws < 0 or (ws >= 1 and ws != int(ws)):
             fail("warmup_steps", ws, "must be an integer >= 0, or a float in (0, 1) for a ratio of the total steps")

@@ -194,14 +194,10 @@ class HFFieldRules:
             fail("accelerator_config", config, str(err))
 
     def ddp_kwargs(self) -> dict[str, Any]:
-        """The ``ddp_*`` fields that were set, as DistributedDataParallel's keyword arguments."""
-        names = {
-            "ddp_find_unused_parameters": "find_unused_parameters",
-            "ddp_bucket_cap_mb": "bucket_cap_mb",
-            "ddp_broadcast_buffers": "broadcast_buffers",
-            "ddp_static_graph": "static_graph",
-        }
-        return {kw: getattr(self.args, name) for name, kw in names.items() if getattr(self.args, name) is not None}
+        """The ``ddp_*`` fields that were set, as DistributedDataParallel's keyword arguments (the names less
+        their prefix)."""
+        names = ("ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph")
+        return {n.removeprefix("ddp_"): getattr(self.args, n) for n in names if getattr(self.args, n) is not None}
 
     def loader_kwargs(self) -> dict[str, Any]:
         """DataLoader keyword arguments from the ``dataloader_*`` fields (worker-only ones only with workers,

@@ -233,10 +233,11 @@ def _constant_with_warmup(step: int, warmup: int, total: int) -> float:
 _SCHEDULES = {
     "linear": _linear,
     "cosine": _cosine,
-    "nanogpt_cosine": _nanogpt_cosine,
     "constant": _constant,
     "constant_with_warmup": _constant_with_warmup,
+    "nanogpt_cosine": _nanogpt_cosine,
 }
+SCHEDULER_NAMES: tuple[str, ...] = tuple(_SCHEDULES)
 
 
 def build_scheduler(

@@ -24,13 +24,7 @@ import torch
 from mixprec.strategies.launch_env import LaunchEnv, select_device
 from mixprec.strategies.process_state import PartialState
 
-LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-    "critical": logging.CRITICAL,
-}
+LEVELS = {name: getattr(logging, name.upper()) for name in ("debug", "info", "warning", "error", "critical")}
 
 
 class ParallelMode(enum.Enum):
