@@ -107,7 +107,7 @@ class RunEvents:
             self.control = restore_callback_states(self.handler, self.control, self.state.stateful_callbacks)
 
     def fire(self, name: str, **kwargs: Any) -> TrainerControl:
-        """Run callback event ``name``; returns the (possibly replaced) control."""
+        """Run callback event ``name``; returns the control, which a callback may have replaced."""
         self.control = self.handler.call_event(name, self.args, self.state, self.control, **kwargs)
         return self.control
 

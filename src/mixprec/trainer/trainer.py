@@ -150,18 +150,9 @@ class Trainer:
     pop_callback = delegate("events.handler", CallbackHandler.pop_callback)
     remove_callback = delegate("events.handler", CallbackHandler.remove_callback)
 
-    def _load_callback_state(self) -> None:
-        """With ``restore_callback_states_from_checkpoint``, rebuild the stateful callbacks and the control from
-        ``state.stateful_callbacks`` (a resume does it after loading the checkpoint's state; HF's name)."""
-        self.events.restore_callback_states()
-
-    def event(self, name: str, **kwargs: Any) -> TrainerControl:
-        """Run callback event ``name``; a callback may replace ``self.control``."""
-        return self.events.fire(name, **kwargs)
-
-    def record_event(self, name: str, step: int, **fields: Any) -> None:
-        """A metrics.jsonl record outside log_history (skipped steps, loss-scale changes); main process only."""
-        self.events.record(name, step, **fields)
+    _load_callback_state = delegate("events", RunEvents.restore_callback_states)  # HF's name
+    event = delegate("events", RunEvents.fire)
+    record_event = delegate("events", RunEvents.record)
 
     @property
     def skipped_steps(self) -> int:
