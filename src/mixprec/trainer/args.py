@@ -239,11 +239,8 @@ class TrainingArguments(HFCompatFields):
         check_positive_int("per_device_train_batch_size", self.per_device_train_batch_size)
         check_positive_int("dataloader_num_workers", self.dataloader_num_workers, allow_zero=True)
         check_choice("distributed", self.distributed, DISTRIBUTED)
-        if (
-            isinstance(self.ddp_timeout, bool)
-            or not isinstance(self.ddp_timeout, (int, float))
-            or self.ddp_timeout <= 0
-        ):
+        timeout = self.ddp_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             fail("ddp_timeout", self.ddp_timeout, "must be a number of seconds > 0")
         make_comm(self.comm_dtype, f"TrainingArguments(comm_dtype={self.comm_dtype!r})")  # raises naming the field
         WatchConfig.parse(self.precision_watch, f"TrainingArguments(precision_watch={self.precision_watch!r})")
