@@ -312,8 +312,8 @@ class ScriptEndings:
         dataset: Any = None,
         dataset_args: Any = None,
     ) -> None:
-        """Write output_dir/README.md (:func:`model_card`): what was trained, in which precision, with which
-        hyperparameters, and the evaluation results of this run (main process; HF's arguments)."""
+        """Write output_dir/README.md: what was trained, in which precision, with which hyperparameters, and
+        the evaluation results of this run (main process; HF's arguments)."""
         if not self.is_world_process_zero():
             return
         args = self.args
