@@ -9,7 +9,7 @@ One concept per module, layered on the Accelerator (which owns precision, scalin
 - ``callbacks``: TrainerCallback, TrainerControl, the default flow; ``state``: TrainerState, EvalPrediction;
 - ``checkpointing``: checkpoint-N folders (atomic, pickle-free, pruned safely); ``signals``: SIGTERM;
 - ``weights``: save_model's folder and the best model loaded at the end; ``seeding``: set_seed;
-- ``data``: datasets to DataLoaders; ``optimizers``: optimizer creation (HF's optim names) and schedules;
+- ``batches``: a batch into the model; ``optimizers``: optimizer creation (HF's optim names) and schedules;
 - ``diagnosis``: diagnose_at_start; ``meter``, ``logging``, ``plots``, ``summary`` (end-of-run reporting):
   what the user sees.
 

@@ -66,8 +66,7 @@ class RunEvents:
         callbacks: list[TrainerCallback | type[TrainerCallback]],
     ) -> None:
         self.args = args
-        self.state = self._fresh_state(accelerator)
-        self.control = TrainerControl()
+        self.new_run(accelerator)
         self.handler = CallbackHandler([DefaultFlowCallback])
         self.metrics: JsonlLogger | None = None
         """metrics.jsonl's writer; on the main process only (None elsewhere)."""
@@ -88,16 +87,10 @@ class RunEvents:
         for cb in callbacks:
             self.handler.add_callback(cb)
 
-    @staticmethod
-    def _fresh_state(accelerator: Accelerator) -> TrainerState:
-        return TrainerState(
-            is_local_process_zero=accelerator.is_local_main_process,
-            is_world_process_zero=accelerator.is_main_process,
-        )
-
     def new_run(self, accelerator: Accelerator) -> None:
-        """A later ``train()`` (HF): a fresh state and control."""
-        self.state = self._fresh_state(accelerator)
+        """A fresh state and control: the Trainer's first, and a later ``train()``'s (HF)."""
+        is_local, is_main = accelerator.is_local_main_process, accelerator.is_main_process
+        self.state = TrainerState(is_local_process_zero=is_local, is_world_process_zero=is_main)
         self.control = TrainerControl()
 
     def restore_callback_states(self) -> None:
