@@ -4,7 +4,7 @@ cache (auto_cache.py) keep it."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from mixprec.precision.compile_choice import CompileFigures
@@ -149,11 +149,11 @@ class AutoDecision:
 
     def with_source(self, source: str) -> AutoDecision:
         """A copy whose ``source`` says where the decision came from ("measured", "cache", "main process"...)."""
-        return AutoDecision(**{**asdict(self), "source": source})
+        return replace(self, source=source)
 
     def reused_here(self, checked: str, seconds: float) -> AutoDecision:
         """This cached decision as the run's: re-checked (``checked`` says how) in ``seconds``, all it cost here."""
-        return AutoDecision(**{**asdict(self), "checked": checked, "cost_seconds": seconds, "op_timing_seconds": 0.0})
+        return replace(self, checked=checked, cost_seconds=seconds, op_timing_seconds=0.0)
 
     @property
     def seconds_this_run(self) -> float:
@@ -164,8 +164,7 @@ class AutoDecision:
     def with_replay(self, steps: int, seconds: float) -> AutoDecision:
         """This decision after the Trainer replayed the race's ``steps`` in the chosen mode, in ``seconds``
         (counted in the race's cost)."""
-        replay = {"replayed_steps": steps, "replay_seconds": seconds, "cost_seconds": self.cost_seconds + seconds}
-        return AutoDecision(**{**asdict(self), **replay})
+        return replace(self, replayed_steps=steps, replay_seconds=seconds, cost_seconds=self.cost_seconds + seconds)
 
 
 def excluded_by_format(candidates: Iterable[Precision], unsafe: Mapping[str, str]) -> dict[str, str]:
