@@ -40,9 +40,8 @@ class PolicyMixedPrecision(AutocastMixedPrecision):
 
     def __init__(self, fp32_ops: Iterable[str], device: torch.device | str | None = None, reason: str = "") -> None:
         self.policy = OpPolicy(self.base_name, check_op_kinds(fp32_ops))
-        super().__init__(device, reason)
         self.name = self.policy.spec  # type: ignore[misc]  # the instance's name: the class's is its base
-        self.reason = reason or f"{self.name} was asked for"
+        super().__init__(device, reason)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return policy_autocast(self.policy, self.device.type, self.compute_dtype)
