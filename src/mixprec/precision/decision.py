@@ -121,16 +121,15 @@ class AutoDecision:
         when = f", {self.measured_at}" if self.measured_at else ""
         cost = f"; the race took {self.cost_seconds:.1f}s" if self.source == "measured" else ""
         if self.in_run_steps and self.source == "measured":
-            cost = (
-                f"; the race ran as {self.in_run_steps} of the run's training steps, {self.cost_seconds:.2f}s slower "
-                "than the chosen mode's steps"
-            )
+            cost = f"; the race ran as {self.in_run_steps} of the run's training steps, "
             if self.replayed_steps:
-                cost = (
-                    f"; the race ran as {self.in_run_steps} of the run's training steps, then the run went back to "
-                    f"before them and took them again in {self.chosen} ({self.replayed_steps} steps, "
-                    f"{self.replay_seconds:.2f}s): {self.cost_seconds:.2f}s in all over the chosen mode's"
+                cost += (
+                    f"then the run went back to before them and took them again in {self.chosen} "
+                    f"({self.replayed_steps} steps, {self.replay_seconds:.2f}s): {self.cost_seconds:.2f}s in all over "
+                    "the chosen mode's"
                 )
+            else:
+                cost += f"{self.cost_seconds:.2f}s slower than the chosen mode's steps"
         return (
             f"auto on {self.device} {how} the candidates on {self.measured} ({threads}, {self.clock}, "
             f"{self.rounds} paired rounds{when}; medians: {'; '.join(parts) or 'nothing timed'}) and chose "
