@@ -312,7 +312,6 @@ class AutoPrecision(Precision):
         hit = same([cached.chosen] if cached is not None and cached.chosen in names else [])
         by_name = {p.name: p for p in self.candidates}
         scales = {p.name: (p.scaler.get_scale() if p.needs_loss_scaling else 1.0) for p in self.candidates}
-        op_report = ""
 
         with no_trace(models, self.device) as state:
 

@@ -23,9 +23,7 @@ from mixprec.precision.op_policy import (
     policy_autocast,
 )
 
-# activation checkpointing's recompute runs without the policy's torch function mode (torch 2.13), so its fp32
-# kinds recompute in low precision and torch's metadata check fails in backward
-_RECOMPUTE = (
+_RECOMPUTE = (  # why: PolicyMixedPrecision.backward
     "the recompute in backward does not run the policy's fp32 regions; turn activation (gradient) "
     "checkpointing off or use precision={base!r}"
 )
