@@ -124,9 +124,6 @@ class OpTimingReport:
     elapsed_s: float
     margin: float = MARGIN
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     def base_dominated(self) -> str:
         """Why the base mode need not race against its own policy, or "" where it must. The policy is the base
         with the kinds :func:`fp32_kinds` names moved to fp32; when those kinds cost the base ``DOMINATED`` of its
