@@ -149,10 +149,9 @@ def race_steps(
     index), the excluded modes with why, and the dropped ones (mode -> timed rounds it ran).
 
     ``candidates`` are in order of numerical safety (safest first). ``rounds`` caps the paired rounds;
-    ``run_steps`` (the run's length in steps, if known) caps the race's cost at ``BUDGET_SHARE`` of it: every
-    trial's time aside from training, only the time over the fastest mode's when the trials are the run's own
-    steps (``in_run``). ``agree`` (several processes) returns the main process's list for all. Once every
-    other mode racing wins against the safest one, the safest stops running (its samples stand).
+    ``run_steps`` (the run's length in steps, if known) caps the race's cost (:meth:`Spent.cost`, ``in_run``:
+    the trials are the run's own steps) at ``BUDGET_SHARE`` of it. ``agree`` (several processes) returns the
+    main process's list for all.
     """
     same: Agree = agree or (lambda names: names)
     spent = spent if spent is not None else Spent()
@@ -367,13 +366,12 @@ def decide_steps(
     chosen = choose_paired([c for c in candidates if c not in out], samples, dropped)
     if agree is not None:
         chosen = agree([chosen])[0]
-    reference = next(iter(samples), None)
+    reference = next(iter(samples), None)  # the safest mode timed
     intervals = {}
-    for name, ts in samples.items():
-        if reference is not None and name != reference:
-            low, _, high = speedup_interval(ts, samples[reference])
-            if 0 < low and high < math.inf:
-                intervals[name] = [round(low, 4), round(high, 4)]
+    for name in list(samples)[1:]:
+        low, _, high = speedup_interval(samples[name], samples[reference])
+        if 0 < low and high < math.inf:
+            intervals[name] = [round(low, 4), round(high, 4)]
     cost = spent.cost(medians.get(chosen, 0.0), True, medians) if in_run else time.perf_counter() - start
     return AutoDecision(
         chosen=chosen,
