@@ -53,9 +53,7 @@ def too_short_to_race(
     trained for 10. The safest candidate, unraced, saying so; None for a longer or unknown run, one candidate,
     or a run whose caller chose how to race (``asked``, ``MIXPREC_AUTO_RACE``)."""
     shortest = shortest_in_run(len(candidates))
-    if steps_left is None or steps_left >= shortest or len(candidates) < 2:
-        return None
-    if race_chosen(asked):
+    if steps_left is None or steps_left >= shortest or len(candidates) < 2 or race_chosen(asked):
         return None
     safest = candidates[0]
     said = (
