@@ -73,7 +73,7 @@ def resolve_precision(name: str = AUTO, device: torch.device | str | None = None
     """
     key = canonical_name(name)
     dev = _device(device)
-    if ":" in key:  # canonical: its base a mode's name
+    if ":" in key:  # canonical_name has checked the policy's base
         return make_policy(key, dev)
     if key == AUTO:
         Precision.check_supported(dev)  # the device must exist before "auto" reasons about it
