@@ -16,6 +16,7 @@ run may reuse a cached one (:mod:`~mixprec.precision.auto_cache`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ from mixprec.precision.master_weights import master_names
 from mixprec.precision.op_timing import measure_op_kinds, op_timing_budget, op_timing_skipped, policy_candidate
 from mixprec.precision.policy import recorded_policy
 from mixprec.precision.probe import emulated_candidates
-from mixprec.precision.race import ROUNDS, Agree, Clock, Unfinished, decide, decide_steps, recheck, reuse
+from mixprec.precision.race import MAX_ROUNDS, Agree, Clock, Unfinished, decide, decide_steps, recheck, reuse
 from mixprec.precision.race_step import SCALE_BACKOFF, Optimizers, RaceSteps
 from mixprec.precision.trial import no_trace, race_clock, run_trial
 
@@ -268,7 +269,7 @@ class AutoPrecision(Precision):
         batch: Any = None,
         excluded: Mapping[str, str] | None = None,
         unsafe_formats: Mapping[str, str] | None = None,
-        rounds: int = ROUNDS,
+        rounds: int = MAX_ROUNDS,
         clock: Clock | None = None,
         use_cache: bool = True,
         run_steps: int | None = None,
@@ -311,7 +312,6 @@ class AutoPrecision(Precision):
         hit = same([cached.chosen] if cached is not None and cached.chosen in names else [])
         by_name = {p.name: p for p in self.candidates}
         scales = {p.name: (p.scaler.get_scale() if p.needs_loss_scaling else 1.0) for p in self.candidates}
-        op_report = ""
 
         with no_trace(models, self.device) as state:
 
@@ -373,11 +373,9 @@ class AutoPrecision(Precision):
 
             def finish(decision: AutoDecision) -> Precision:
                 if stale:
-                    decision = AutoDecision(**{**decision.to_dict(), "checked": stale})
+                    decision = dataclasses.replace(decision, checked=stale)
                 if op_report:
-                    decision = AutoDecision(
-                        **{**decision.to_dict(), "op_timing": op_report, "op_timing_seconds": op_seconds}
-                    )
+                    decision = dataclasses.replace(decision, op_timing=op_report, op_timing_seconds=op_seconds)
                 if not self._is_main:
                     decision = decision.with_source("main process")
                 if use_cache and decision.source == "measured":
@@ -415,7 +413,7 @@ class AutoPrecision(Precision):
     def note_compile(self, figures: CompileFigures) -> None:
         """This run's compile verdict (trainer/compile_gate.py) joins the decision, its reason and the cache."""
         if self.decision is not None and self._chosen is not None:
-            self.decision = AutoDecision(**{**self.decision.to_dict(), "compile": figures.to_dict()})
+            self.decision = dataclasses.replace(self.decision, compile=figures.to_dict())
             self._chosen.reason = self.decision.explain()
             if self.cache_key and self._is_main and figures.source == "measured" and figures.compile_s is not None:
                 auto_cache.store_compile(self.cache_key, self._chosen.name, figures.to_dict())  # the next run's

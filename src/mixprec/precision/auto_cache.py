@@ -13,6 +13,7 @@ names/shapes/dtypes and the batch's shapes/dtypes. A change in any of them measu
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -127,7 +128,7 @@ def store_compile(key: str, mode: str, figures: dict[str, Any]) -> None:
 def with_cached_compile(key: str, decision: AutoDecision) -> AutoDecision:
     """``decision`` with what compiling its chosen mode measured on an earlier run (if one did), as "cache"."""
     prior = lookup_compile(key, decision.chosen)
-    return AutoDecision(**{**decision.to_dict(), "compile": {**prior, "source": "cache"}}) if prior else decision
+    return dataclasses.replace(decision, compile={**prior, "source": "cache"}) if prior else decision
 
 
 def _write(key: str, value: dict[str, Any]) -> None:

@@ -317,8 +317,9 @@ class Precision:
         return contextlib.nullcontext()
 
     def convert_output(self, data: Any) -> Any:
-        """Cast low-precision floating tensors in a model's outputs back to fp32 (no host sync)."""
-        return _to_fp32(data)
+        """Cast fp16/bf16 tensors in a model's outputs back to fp32, keeping container types (dicts, HF ModelOutput,
+        namedtuples, other Mappings and dataclasses: mixprec.tree). No host sync."""
+        return tree_map(_to_fp32, data)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, through the scaler (which multiplies by the scale for fp16). No host sync."""
@@ -393,14 +394,8 @@ def default_device() -> torch.device:
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _to_fp32(data: Any) -> Any:
-    """Cast fp16/bf16 tensors to fp32, keeping container types (dicts, HF ModelOutput, namedtuples, other
-    Mappings and dataclasses: mixprec.tree). Integer tensors and fp32 tensors pass through."""
-
-    def cast(leaf: Any) -> Any:
-        return leaf.float() if isinstance(leaf, torch.Tensor) and leaf.dtype in _LOW_PRECISION else leaf
-
-    return tree_map(cast, data)
+def _to_fp32(leaf: Any) -> Any:
+    return leaf.float() if isinstance(leaf, torch.Tensor) and leaf.dtype in _LOW_PRECISION else leaf
 
 
 def _short(dtype: torch.dtype) -> str:

@@ -4,7 +4,7 @@ cache (auto_cache.py) keep it."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from mixprec.precision.compile_choice import CompileFigures
@@ -121,16 +121,15 @@ class AutoDecision:
         when = f", {self.measured_at}" if self.measured_at else ""
         cost = f"; the race took {self.cost_seconds:.1f}s" if self.source == "measured" else ""
         if self.in_run_steps and self.source == "measured":
-            cost = (
-                f"; the race ran as {self.in_run_steps} of the run's training steps, {self.cost_seconds:.2f}s slower "
-                "than the chosen mode's steps"
-            )
+            cost = f"; the race ran as {self.in_run_steps} of the run's training steps, "
             if self.replayed_steps:
-                cost = (
-                    f"; the race ran as {self.in_run_steps} of the run's training steps, then the run went back to "
-                    f"before them and took them again in {self.chosen} ({self.replayed_steps} steps, "
-                    f"{self.replay_seconds:.2f}s): {self.cost_seconds:.2f}s in all over the chosen mode's"
+                cost += (
+                    f"then the run went back to before them and took them again in {self.chosen} "
+                    f"({self.replayed_steps} steps, {self.replay_seconds:.2f}s): {self.cost_seconds:.2f}s in all over "
+                    "the chosen mode's"
                 )
+            else:
+                cost += f"{self.cost_seconds:.2f}s slower than the chosen mode's steps"
         return (
             f"auto on {self.device} {how} the candidates on {self.measured} ({threads}, {self.clock}, "
             f"{self.rounds} paired rounds{when}; medians: {'; '.join(parts) or 'nothing timed'}) and chose "
@@ -149,11 +148,11 @@ class AutoDecision:
 
     def with_source(self, source: str) -> AutoDecision:
         """A copy whose ``source`` says where the decision came from ("measured", "cache", "main process"...)."""
-        return AutoDecision(**{**asdict(self), "source": source})
+        return replace(self, source=source)
 
     def reused_here(self, checked: str, seconds: float) -> AutoDecision:
         """This cached decision as the run's: re-checked (``checked`` says how) in ``seconds``, all it cost here."""
-        return AutoDecision(**{**asdict(self), "checked": checked, "cost_seconds": seconds, "op_timing_seconds": 0.0})
+        return replace(self, checked=checked, cost_seconds=seconds, op_timing_seconds=0.0)
 
     @property
     def seconds_this_run(self) -> float:
@@ -164,8 +163,7 @@ class AutoDecision:
     def with_replay(self, steps: int, seconds: float) -> AutoDecision:
         """This decision after the Trainer replayed the race's ``steps`` in the chosen mode, in ``seconds``
         (counted in the race's cost)."""
-        replay = {"replayed_steps": steps, "replay_seconds": seconds, "cost_seconds": self.cost_seconds + seconds}
-        return AutoDecision(**{**asdict(self), **replay})
+        return replace(self, replayed_steps=steps, replay_seconds=seconds, cost_seconds=self.cost_seconds + seconds)
 
 
 def excluded_by_format(candidates: Iterable[Precision], unsafe: Mapping[str, str]) -> dict[str, str]:

@@ -50,7 +50,6 @@ class Fp8Precision(Bf16MixedPrecision):
     name = "fp8"
     recipe: ClassVar[str] = "tensorwise"
     hf_flags = (False, False)  # HF's bf16 flag means bf16 autocast alone; its fp8 is another setting
-    # fp8 trades accuracy for speed beyond autocast's: a user's decision, never auto's.
     auto_candidate = False
     safety_rank = 3
 

@@ -6,17 +6,12 @@ trial is a real step of one candidate (forward, backward and optimizer update, i
 keep fp32 weights and differ only in autocast, so any of them may take any step), and the race costs only
 those steps' time over the chosen mode's. The protocol is the same generator (race.py's ``decide_steps``):
 ``begin`` tells which mode the step starting now runs in and starts the clock; ``end`` stops it when the
-optimizer step is done, and sends the outcome. The price: the first steps mix the candidates. The Trainer,
-which holds the batches, then replays them in the chosen mode from a snapshot taken when the race began
-(mixprec.trainer.race_rewind), so its run ends bit-identical to one that named that mode; a hand-written loop
-keeps the mixed steps (``MIXPREC_AUTO_RACE=aside`` races aside instead, leaving training untouched).
-Each step is a transaction (race_step.py): one whose gradients are non-finite is a skipped batch of the chosen
-mode, its step record's included; one whose mode raises is undone and the mode leaves the race.
+optimizer step is done, and sends the outcome. The price, first steps that mix the candidates, is paid back
+by the Trainer's replay (auto.py); each step is a transaction (race_step.py).
 
 A step cannot be stopped half-way, so a warm-up step over the race's time limit counts as stopped with no
-progress: a mode that many times slower than the safest is dropped after ``MAX_STALLS + 1`` such steps (in
-one process: under several, each process's clock would judge differently, and the trials that follow must
-be the same for all, as aside, where their trials are never stopped either).
+progress: a mode that many times slower than the safest is dropped after ``MAX_STALLS + 1`` such steps (in one
+process: under several, each process's clock would judge differently, and the trials must be the same for all).
 """
 
 from __future__ import annotations
@@ -58,9 +53,7 @@ def too_short_to_race(
     trained for 10. The safest candidate, unraced, saying so; None for a longer or unknown run, one candidate,
     or a run whose caller chose how to race (``asked``, ``MIXPREC_AUTO_RACE``)."""
     shortest = shortest_in_run(len(candidates))
-    if steps_left is None or steps_left >= shortest or len(candidates) < 2:
-        return None
-    if race_chosen(asked):
+    if steps_left is None or steps_left >= shortest or len(candidates) < 2 or race_chosen(asked):
         return None
     safest = candidates[0]
     said = (

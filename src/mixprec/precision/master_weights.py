@@ -142,14 +142,12 @@ class MasterWeightsOptimizer(WrappedOptimizer):
 
     def gather_grads(self) -> None:
         """Copy each model parameter's gradient to its master as fp32 (once per step; the scaler then
-        unscales and checks the fp32 copy). A master whose parameter changed since the last refresh is re-read
-        first. No host sync."""
+        unscales and checks the fp32 copy). A master whose parameter was written since the last refresh
+        (``Tensor._version`` counts in-place writes: a ``load_state_dict``) is re-read first. No host sync."""
         if self._gathered:
             return
         with torch.no_grad():
             for i, (p, master) in enumerate(self.pairs):
-                # Tensor._version counts in-place writes: a load_state_dict (or any write) since our refresh
-                # means the model holds newer weights than the master.
                 if p._version != self._versions[i]:
                     master.copy_(p)
                 master.grad = None if p.grad is None else p.grad.to(torch.float32)

@@ -31,6 +31,7 @@ from mixprec.precision.base import Precision
 from mixprec.precision.op_policy import OP_KINDS, OpPolicy, kind_of
 from mixprec.precision.policy import POLICY_BASES, make_policy, recomputes_activations
 from mixprec.precision.race import BUDGET_SHARE
+from mixprec.precision.trial import synchronize
 
 # fp32 must be 5% faster than the low-precision kernel to be forced: a kind within the noise stays as autocast
 # runs it (torch's own choice), so a policy changes autocast only where the measurement shows a win (on the
@@ -123,9 +124,6 @@ class OpTimingReport:
     elapsed_s: float
     margin: float = MARGIN
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     def base_dominated(self) -> str:
         """Why the base mode need not race against its own policy, or "" where it must. The policy is the base
         with the kinds :func:`fp32_kinds` names moved to fp32; when those kinds cost the base ``DOMINATED`` of its
@@ -201,10 +199,10 @@ def measure_op_kinds(
     recorder = _Recorder()
     # with grad, so each argument's requires_grad says what the replays' backward differentiates (a norm's
     # running statistics must not); the recorded graph is dropped at once
-    _sync(dev)
+    synchronize(dev)
     with torch.autocast(dev.type, dtype=low), recorder:
         forward()
-    _sync(dev)
+    synchronize(dev)
     calls = list(recorder.calls.values())
     samples: dict[int, dict[str, list[float]]] = {i: {"low": [], "fp32": []} for i in range(len(calls))}
     deadline = start + (budget_s(clock() - start) if callable(budget_s) else budget_s)
@@ -266,16 +264,11 @@ def _timed(
     for leaf in pytree.tree_leaves(inputs):  # each replay's backward writes its gradients afresh, as the first
         if isinstance(leaf, torch.Tensor):
             leaf.grad = None
-    _sync(device)
+    synchronize(device)
     t0 = clock()
     _replay(call, inputs, variant, device, low)
-    _sync(device)
+    synchronize(device)
     return clock() - t0
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def policy_candidate(report: OpTimingReport, device: torch.device | str) -> Precision | None:

@@ -14,10 +14,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 MARGIN = 0.05  # a lower precision must be at least 5% faster than every safer one
-# A gap this clear needs fewer: from EARLY_ROUNDS pairs, a 95% t-interval of the log time ratios may already
-# decide (a burst widens it, so noise delays a verdict rather than making one). What it saves matters most in a
-# race run as the training steps, where every round costs the gap itself (issue 23: GPT-2 124M on a CPU, fp32's
-# steps 1.5 s slower than bf16's).
+# the t-interval's first pairs: it matters most in a race run as the training steps, where every round costs the
+# gap itself (issue 23: GPT-2 124M on a CPU, fp32's steps 1.5 s slower than bf16's)
 EARLY_ROUNDS = 3
 _T95 = {2: 4.303, 3: 3.182, 4: 2.776}  # Student's t, two-sided 95% (the sign test's level), by degrees of freedom
 WINS, NOT_FASTER, UNDECIDED = "wins", "not faster", "undecided"
@@ -37,10 +35,8 @@ def _sign_rank(n: int) -> int:
 
 def speedup_interval(mode: Sequence[float], safer: Sequence[float]) -> tuple[float, float, float]:
     """``safer``'s time over ``mode``'s from paired samples (round i of each): the median ratio and a 95%
-    interval of it (low, median, high); above 1 means ``mode`` is faster. The interval is the sign test's
-    (order statistics of the ratios), not a mean's: a neighbour's burst is an outlier that only ever adds
-    time, not Gaussian noise, and a few of them must not move the verdict. With 3-5 pairs, a 95% t-interval of
-    the log ratios (bursts widen it); (0, median, inf) below 3."""
+    interval of it (low, median, high), the sign test's or the t-interval of the module docstring; above 1 means
+    ``mode`` is faster. (0, median, inf) below ``EARLY_ROUNDS`` pairs."""
     n = min(len(mode), len(safer))
     ratios = sorted(s / m for m, s in zip(mode[:n], safer[:n]) if m > 0 and s > 0)
     if not ratios:

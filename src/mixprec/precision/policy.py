@@ -23,9 +23,7 @@ from mixprec.precision.op_policy import (
     policy_autocast,
 )
 
-# activation checkpointing's recompute runs without the policy's torch function mode (torch 2.13), so its fp32
-# kinds recompute in low precision and torch's metadata check fails in backward
-_RECOMPUTE = (
+_RECOMPUTE = (  # why: PolicyMixedPrecision.backward
     "the recompute in backward does not run the policy's fp32 regions; turn activation (gradient) "
     "checkpointing off or use precision={base!r}"
 )
@@ -40,9 +38,8 @@ class PolicyMixedPrecision(AutocastMixedPrecision):
 
     def __init__(self, fp32_ops: Iterable[str], device: torch.device | str | None = None, reason: str = "") -> None:
         self.policy = OpPolicy(self.base_name, check_op_kinds(fp32_ops))
-        super().__init__(device, reason)
         self.name = self.policy.spec  # type: ignore[misc]  # the instance's name: the class's is its base
-        self.reason = reason or f"{self.name} was asked for"
+        super().__init__(device, reason)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return policy_autocast(self.policy, self.device.type, self.compute_dtype)

@@ -10,12 +10,11 @@ slower. So the probe times what a language-model step does: one transformer bloc
 forward and backward, with the casts autocast adds. It costs about half a second and is cached for the
 process.
 
-It runs on one thread. What a dtype changes is the per-core kernel (native AMX/AVX512-BF16 or emulated);
-threads scale every dtype alike on a quiet machine, but on a busy one short multi-threaded fp32 ops lose far
-more to descheduled OpenMP threads than long emulated fp16/bf16 ones, and the ratio becomes noise (on the
-2-core dev box at load average 7, a 2-thread probe measured bf16 1.4x *faster* than fp32; bf16 steps of the
-real model were 1.6x slower, and 5x slower at one thread). A low-precision mode must win by the median step
-time and by the best (minimum) one: noise only ever adds time.
+It runs on one thread: what a dtype changes is the per-core kernel (native AMX/AVX512-BF16 or emulated), and
+on a busy machine short multi-threaded fp32 ops lose far more to descheduled OpenMP threads than long emulated
+fp16/bf16 ones (at load average 7, a 2-thread probe measured bf16 1.4x *faster* than fp32; the real model's
+bf16 steps were 1.6x slower). A low-precision mode must win by the median step time and by the best (minimum)
+one: noise only ever adds time.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import contextlib
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -120,17 +119,21 @@ def _step(model: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor, dtype:
     loss.backward()
 
 
-def measure_cpu() -> ProbeResult:
-    """Time fp32, bf16 and fp16 probe steps in interleaved rounds and choose the fastest (uncached)."""
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one thread (see the module docstring: per-core speed, immune to neighbours' load)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see the module docstring: per-core speed, immune to neighbours' load
+    torch.set_num_threads(1)
     try:
-        return _measure(time.perf_counter())
+        yield
     finally:
         torch.set_num_threads(threads)
 
 
-def _measure(start: float) -> ProbeResult:
+@_one_thread()
+def measure_cpu() -> ProbeResult:
+    """Time fp32, bf16 and fp16 probe steps in interleaved rounds and choose the fastest (uncached)."""
+    start = time.perf_counter()
     model = _probe_model()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(_BATCH, _SEQ, _WIDTH, generator=g)
@@ -181,21 +184,17 @@ def gemm_ratio(dtype: torch.dtype) -> float:
         return _gemm_cache[dtype] / _gemm_cache[torch.float32]
 
 
+@_one_thread()
 def _gemm_seconds(dtype: torch.dtype, reps: int = 2) -> float:
     m, k, n = _GEMM
     g = torch.Generator().manual_seed(0)
     a, b, out = (torch.randn(*shape, generator=g).to(dtype) for shape in ((m, k), (k, n), (m, n)))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # per-core speed, as the one-block probe (see the module docstring)
-    try:
-        times = []
-        for _ in range(reps + 1):  # the first pays for packing and allocation
-            t0 = time.perf_counter()
-            a @ b, a.t() @ out, out @ b.t()
-            times.append(time.perf_counter() - t0)
-        return min(times[1:])
-    finally:
-        torch.set_num_threads(threads)
+    times = []
+    for _ in range(reps + 1):  # the first pays for packing and allocation
+        t0 = time.perf_counter()
+        a @ b, a.t() @ out, out @ b.t()
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
 
 
 def emulated_candidates(candidates: Sequence[Precision]) -> dict[str, str]:

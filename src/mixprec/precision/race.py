@@ -4,30 +4,25 @@ A stand-in workload cannot know which mode wins for *this* model, batch and devi
 win, on the next bf16 runs 5x slower than fp32, on a third 4x faster), so the race runs the real thing:
 ``run(name, deadline)`` is one forward and backward of the user's model on the user's batch under mode
 ``name``, with the threads training will use. Its verdict must not depend on the moment it ran (issue 29:
-three fresh races on one quiet machine gave bf16, bf16, fp32; beside a busy neighbour 5 bf16 and 3 fp32,
-while bf16's step was 1.68x faster), so the protocol is (STYLE.md habit 13, as ``mixprec bench``):
+three fresh races on one quiet machine gave bf16, bf16, fp32), so the protocol is (STYLE.md habit 13, as
+``mixprec bench``):
 
-1. **warm-up until settled** (issue 28: a GPU's first bf16 calls pay cuBLAS handles and kernel selection,
-   and counting that against bf16 made auto train in fp32 at a quarter of bf16's speed): every candidate
-   runs untimed trials until two consecutive ones differ by less than ``SETTLED`` (at most ``MAX_WARMUP``).
-   Bounded without being fooled by one-time setup: a candidate's trial is stopped at ``ABORT_RATIO`` times
-   the safest mode's settled trial, and the candidate is dropped only when ``MAX_STALLS`` stopped trials in
-   a row got no further (``Unfinished.progress``) than the furthest before: a mode paying one-time setup
-   (per layer, per kernel shape) gets further every trial or two, an emulated fp16 15x slower than fp32
-   stops at the same place every time, and is dropped after three trials of 1.5x the safest one's;
+1. **warm-up until settled** (issue 28: counting a GPU's first bf16 calls, cuBLAS handles and kernel
+   selection, against bf16 made auto train in fp32 at a quarter of bf16's speed): every candidate runs
+   untimed trials until two consecutive ones differ by less than ``SETTLED`` (at most ``MAX_WARMUP``). A
+   candidate's trial is stopped at ``ABORT_RATIO`` times the safest mode's settled trial, and the candidate is
+   dropped only when ``MAX_STALLS`` stopped trials in a row got no further (``Unfinished.progress``) than the
+   furthest before: a mode paying one-time setup gets further every trial or two, an emulated fp16 15x slower
+   than fp32 stops at the same place every time;
 2. **paired rounds**: each round runs every candidate once, back to back in a rotated order, and the
    comparison is the ratio of two modes' times *in the same round* (a neighbour's burst slows both halves
-   of a pair, not one mode's whole median). The clock is the race thread's CPU time on a CPU (it stops while
-   the thread waits for a core, so a neighbour's work is not counted against whichever mode was running)
-   and the wall clock after a device sync on a GPU (its work does not show in host CPU time);
-3. **confidence**: after ``MIN_ROUNDS`` rounds and after each further one, each less safe mode's paired
-   time ratio against each safer mode gets a 95% interval for its median (the sign test's: a neighbour's
-   bursts are outliers that only add time, not Gaussian noise); from ``EARLY_ROUNDS`` to 5 rounds a 95%
-   t-interval of the log ratios, which only a clear and steady gap clears (a burst widens it). Entirely
-   below ``1 - MARGIN``: it *wins*; entirely above: it is *not faster* (a tie goes to the safer mode; a
-   mode not faster than a safer one stops running, and the safest stops once every other mode beats it).
-   Rounds continue while a pair is undecided, up to ``MAX_ROUNDS`` or the budget (``BUDGET_SHARE`` of the
-   run, when the run's length is known, and only from ``MIN_ROUNDS``); a pair still undecided then is a tie;
+   of a pair, not one mode's whole median), on the clock of :func:`~mixprec.precision.trial.race_clock`;
+3. **confidence**: from ``EARLY_ROUNDS`` rounds, each less safe mode's paired time ratio against each safer
+   mode gets a 95% interval (paired.py). Entirely below ``1 - MARGIN``: it *wins*; entirely above: it is *not
+   faster* (a tie goes to the safer mode; a mode not faster than a safer one stops running, and the safest
+   stops once every other mode beats it). Rounds continue while a pair is undecided, up to ``MAX_ROUNDS`` or
+   the budget (``BUDGET_SHARE`` of the run, when the run's length is known, and only from ``MIN_ROUNDS``); a
+   pair still undecided then is a tie;
 4. a lower-precision mode is chosen only if it wins against every safer mode still racing; a candidate
    whose trial is non-finite while the safest one's is finite is excluded, with the reason.
 
@@ -42,7 +37,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -66,7 +61,6 @@ MAX_STALLS = 2  # stopped trials in a row that got no further: the candidate is 
 PROGRESS_STEP = 0.1  # a stopped trial is still setting up if it got 10% further (one checkpoint at least)
 MIN_ROUNDS = 6  # paired rounds before a tie is called: the sign test's 95% interval needs 6 pairs
 MAX_ROUNDS = 20
-ROUNDS = MAX_ROUNDS
 BUDGET_SHARE = 0.03  # the timed rounds stop once the race has cost this share of the run (issue 28: <= 3%)
 
 
@@ -155,10 +149,9 @@ def race_steps(
     index), the excluded modes with why, and the dropped ones (mode -> timed rounds it ran).
 
     ``candidates`` are in order of numerical safety (safest first). ``rounds`` caps the paired rounds;
-    ``run_steps`` (the run's length in steps, if known) caps the race's cost at ``BUDGET_SHARE`` of it: every
-    trial's time aside from training, only the time over the fastest mode's when the trials are the run's own
-    steps (``in_run``). ``agree`` (several processes) returns the main process's list for all. Once every
-    other mode racing wins against the safest one, the safest stops running (its samples stand).
+    ``run_steps`` (the run's length in steps, if known) caps the race's cost (:meth:`Spent.cost`, ``in_run``:
+    the trials are the run's own steps) at ``BUDGET_SHARE`` of it. ``agree`` (several processes) returns the
+    main process's list for all.
     """
     same: Agree = agree or (lambda names: names)
     spent = spent if spent is not None else Spent()
@@ -255,23 +248,6 @@ def _afford(
     return keep
 
 
-def race(
-    candidates: Sequence[str],
-    run: Run,
-    *,
-    rounds: int = MAX_ROUNDS,
-    clock: Clock = time.perf_counter,
-    agree: Agree | None = None,
-    excluded: dict[str, str] | None = None,
-    run_steps: int | None = None,
-) -> tuple[dict[str, list[float]], dict[str, str], dict[str, int]]:
-    """:func:`race_steps` run aside from training: ``run(name, deadline)`` performs one trial and returns
-    whether it was finite, or :class:`Unfinished` if it stopped at ``deadline`` (a ``clock()`` value); it
-    must leave the device idle when it returns (the clock is read around it)."""
-    steps = race_steps(candidates, rounds=rounds, agree=agree, excluded=excluded, run_steps=run_steps)
-    return drive(steps, run, clock)
-
-
 def warm_up_steps(
     name: str, limit: float | None, same: Agree, spent: Spent | None = None, once: bool = False
 ) -> Generator[Trial, Outcome, tuple[bool, float] | Failed | None]:
@@ -355,7 +331,7 @@ def reuse(
     Returns it, costing this run only its re-check, or None and why the cache did not hold."""
     source = "cache" if cached is not None and cached.chosen == chosen else "main process"
     base = cached if cached is not None else AutoDecision(chosen, {}, device=device)
-    reused = AutoDecision(**{**base.to_dict(), "chosen": chosen, "source": source, "checked": ""})
+    reused = replace(base, chosen=chosen, source=source, checked="")
     if source != "cache" or check is None:
         return reused.reused_here("not re-checked (several processes take the main one's)", 0.0), ""
     holds, note, seconds = check(reused)
@@ -369,7 +345,7 @@ def decide_steps(
     *,
     device: str,
     threads: int,
-    rounds: int = ROUNDS,
+    rounds: int = MAX_ROUNDS,
     clock_name: str = "wall clock",
     agree: Agree | None = None,
     excluded: dict[str, str] | None = None,
@@ -390,13 +366,12 @@ def decide_steps(
     chosen = choose_paired([c for c in candidates if c not in out], samples, dropped)
     if agree is not None:
         chosen = agree([chosen])[0]
-    reference = next(iter(samples), None)
+    reference = next(iter(samples), None)  # the safest mode timed
     intervals = {}
-    for name, ts in samples.items():
-        if reference is not None and name != reference:
-            low, _, high = speedup_interval(ts, samples[reference])
-            if 0 < low and high < math.inf:
-                intervals[name] = [round(low, 4), round(high, 4)]
+    for name in list(samples)[1:]:
+        low, _, high = speedup_interval(samples[name], samples[reference])
+        if 0 < low and high < math.inf:
+            intervals[name] = [round(low, 4), round(high, 4)]
     cost = spent.cost(medians.get(chosen, 0.0), True, medians) if in_run else time.perf_counter() - start
     return AutoDecision(
         chosen=chosen,
@@ -425,5 +400,7 @@ def decide(
     **kwargs: Any,
 ) -> AutoDecision:
     """Race ``candidates`` (safest first) aside from training, each trial ``run(name, deadline)`` timed on
-    ``clock`` (see :func:`race`); the keyword arguments are :func:`decide_steps`'."""
+    ``clock``: it returns whether the trial was finite, or :class:`Unfinished` if it stopped at ``deadline`` (a
+    ``clock()`` value), and leaves the device idle (the clock is read around it). The keyword arguments are
+    :func:`decide_steps`'."""
     return drive(decide_steps(candidates, **kwargs), run, clock)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,10 +31,7 @@ if TYPE_CHECKING:
     from mixprec.precision.base import Precision
 
 SCALE_BACKOFF = 2.0**-8  # an fp16 trial that overflows retries at 1/256 of the scale, down to 1
-# fp16's first trial starts at the largest power-of-two scale that keeps the largest gradient the earlier
-# trials saw this far below fp16's max (as mixprec.diagnostics' recommendation, whose default headroom is 8):
-# a scale started too high (2^16) costs the run a batch per overflow (issue 34)
-SCALE_HEADROOM = 8.0
+SCALE_HEADROOM = 8.0  # fp16's first scale keeps the gradients this far below its max (mixprec.diagnostics' default)
 
 
 def measured_scale(max_grad: float, start: float) -> float:
@@ -120,9 +117,8 @@ class Optimizers:
     def add(self, optimizer: torch.optim.Optimizer) -> None:
         self._refs.append(weakref.ref(optimizer))
 
-    def __iter__(self) -> Any:
-        live = [opt for opt in (ref() for ref in self._refs) if opt is not None]
-        return iter(live)
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        return (opt for ref in self._refs if (opt := ref()) is not None)
 
 
 def carry_record(record: ScaleRecord, before: dict[str, Any], steps: Sequence[RaceStep], chosen: Precision) -> None:

@@ -73,8 +73,8 @@ def resolve_precision(name: str = AUTO, device: torch.device | str | None = None
     """
     key = canonical_name(name)
     dev = _device(device)
-    if ":" in key:
-        return _make_policy(key, dev)
+    if ":" in key:  # canonical_name has checked the policy's base
+        return make_policy(key, dev)
     if key == AUTO:
         Precision.check_supported(dev)  # the device must exist before "auto" reasons about it
         key, reason = _guess_auto(dev)
@@ -85,12 +85,9 @@ def resolve_precision(name: str = AUTO, device: torch.device | str | None = None
 def make_precision(name: str = AUTO, device: torch.device | str | None = None, *, processes: int = 1) -> Precision:
     """The strategy for ``name`` where a training step exists: "auto" becomes an
     :class:`~mixprec.precision.auto.AutoPrecision` that races :func:`auto_candidates` on the first step."""
-    key = canonical_name(name)
+    if canonical_name(name) != AUTO:
+        return resolve_precision(name, device)
     dev = _device(device)
-    if ":" in key:
-        return _make_policy(key, dev)
-    if key != AUTO:
-        return _STRATEGIES[key](dev)
     Precision.check_supported(dev)
     return AutoPrecision(auto_candidates(dev), processes=processes)
 
@@ -194,9 +191,8 @@ def policy_name(name: str, fp32_ops: str | list[str] | tuple[str, ...] | None, *
     """The precision name for ``name`` with ``fp32_ops`` kept in fp32 (the ``fp32_ops=`` argument of the
     Accelerator, TrainingArguments and ``mixprec train``): ``("bf16", ["attention"])`` ->
     "bf16:fp32_ops=attention" (a policy ``name`` keeps its own kinds too); ``name`` unchanged when ``fp32_ops`` is
-    empty. Raises a ValueError naming
-    ``fp32_ops`` for an unknown kind, a mode without autocast, or beside a strategy already ``made`` (named
-    ``name``: its kinds belong in its name)."""
+    empty. Raises a ValueError naming ``fp32_ops`` for an unknown kind, a mode without autocast, or beside a
+    strategy already ``made`` (named ``name``: its kinds belong in its name)."""
     kinds = check_op_kinds(fp32_ops or ())
     if not kinds:
         return name
@@ -226,10 +222,6 @@ def _parse_policy(key: str) -> OpPolicy:
             f"{' or '.join(repr(b + ':') for b in POLICY_BASES)}"
         )
     return OpPolicy(base, policy.fp32_ops)
-
-
-def _make_policy(key: str, device: torch.device) -> Precision:
-    return make_policy(_parse_policy(key).spec, device)
 
 
 def _device(device: torch.device | str | None) -> torch.device:

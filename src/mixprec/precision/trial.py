@@ -28,13 +28,8 @@ class TrialState:
     """Gradients, buffers and RNG states of ``models`` at construction, restorable any number of times."""
 
     def __init__(self, models: Sequence[torch.nn.Module], device: torch.device) -> None:
-        seen: set[int] = set()
-        self.params = []
-        for model in models:
-            for p in model.parameters():
-                if id(p) not in seen and p.requires_grad:
-                    seen.add(id(p))
-                    self.params.append(p)
+        unique = {id(p): p for model in models for p in model.parameters() if p.requires_grad}  # shared: once
+        self.params = list(unique.values())
         self.grads = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
         self.buffers = [(b, b.detach().clone()) for model in models for b in model.buffers()]
         self.device = device
