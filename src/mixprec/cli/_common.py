@@ -18,6 +18,7 @@ naming the flag), which the dispatcher prints as one line.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -70,37 +71,31 @@ def watch_setting(text: str) -> str:
     return text
 
 
+def _number(text: str, cast: type, expected: str, fits: Callable[[Any], bool]) -> Any:
+    """The argparse types below: ``cast(text)`` when ``fits`` it, else "expected <expected>, got ..." (an
+    integer shown as parsed, a number as typed)."""
+    try:
+        value = cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not fits(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value if cast is int else text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer > 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    return _number(text, int, "a positive integer", lambda value: value > 0)
 
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
+    return _number(text, float, "a positive number", lambda value: 0 < value < float("inf"))
 
 
 def z_loss_weight(text: str) -> float:
     """argparse type for --z-loss: a number in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1) such as 1e-4, got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1) such as 1e-4, got {text}")
-    return value
+    return _number(text, float, "a number in [0, 1) such as 1e-4", lambda value: 0.0 <= value < 1.0)
 
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".eps", ".ps", ".tif", ".tiff")
@@ -190,13 +185,7 @@ def _seq_len(text: str) -> int:
 
 def nonnegative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _number(text, int, "an integer >= 0", lambda value: value >= 0)
 
 
 MAX_SEED = 2**64 - 1
