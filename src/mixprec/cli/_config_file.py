@@ -216,12 +216,8 @@ def apply_config_file(
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return (
-            repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
-        )
+    if isinstance(value, (int, float)):
+        return repr(value)  # a float's repr is TOML's spelling too: 0.001, 1e-05, inf, -inf, nan
     # a JSON string is a valid TOML basic string (same escapes)
     return json.dumps(str(value), ensure_ascii=False)
 
