@@ -175,15 +175,8 @@ def format_table(rows: Sequence[tuple[str, str]], title: str) -> str:
 def printable(text: str) -> str:
     """``text`` safe to print on a terminal: control characters other than newline and tab (which could move
     the cursor or ring the bell) become U+FFFD, as do the U+FFFD an invalid byte sequence decoded to."""
-    out = []
-    for ch in text:
-        if ch in "\n\t":
-            out.append(ch)
-        elif unicodedata.category(ch) in ("Cc", "Cs", "Co", "Cn") or ch == "\r":
-            out.append("\ufffd")
-        else:
-            out.append(ch)
-    return "".join(out)
+    unprintable = ("Cc", "Cs", "Co", "Cn")  # control (\r included), surrogate, private use, unassigned
+    return "".join("\ufffd" if unicodedata.category(ch) in unprintable and ch not in "\n\t" else ch for ch in text)
 
 
 def _loss_scaled(summary: dict[str, Any]) -> bool:
