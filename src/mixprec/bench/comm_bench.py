@@ -19,6 +19,7 @@ the hooks); it wraps the model in DDP itself rather than through the Accelerator
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -79,10 +80,7 @@ def bytes_all_reduced(step: Callable[[], object]) -> int:
         if not event.name.endswith(":all_reduce"):  # gloo:all_reduce, nccl:all_reduce (the backend's own)
             continue
         for shape, dtype in zip(event.input_shapes, event.input_dtypes):
-            numel = 1
-            for size in shape:
-                numel *= size
-            total += numel * _ITEMSIZE.get(dtype, 4)
+            total += math.prod(shape) * _ITEMSIZE.get(dtype, 4)
     return total
 
 
