@@ -37,23 +37,6 @@ from mixprec.precision.registry import available_precisions, make_precision, pol
 from mixprec.trainer.optimizers import OPTIMIZER_NAMES, TORCHAO_OPTIMIZERS, make_optimizer
 from mixprec.watch.settings import WatchConfig
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "DEFAULT_SEQ_LEN",
-    "VAL_FRACTION",
-    "DataModelInfo",
-    "add_data_model_args",
-    "build_model",
-    "check_optimizer_fits",
-    "check_output_file",
-    "parse_precision",
-    "load_model_and_data",
-    "nonnegative_int",
-    "positive_float",
-    "positive_int",
-    "seed_int",
-]
-
 DEFAULT_MODEL = "small"
 """The built-in preset every subcommand uses without --model."""
 DEFAULT_SEQ_LEN = 256

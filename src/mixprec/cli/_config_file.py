@@ -21,16 +21,6 @@ from typing import Any
 
 from mixprec.cli.main import CliError
 
-__all__ = [
-    "add_config_arg",
-    "apply_config",
-    "apply_config_file",
-    "dump_toml",
-    "explicit_flags",
-    "load_config_file",
-    "track_explicit",
-]
-
 _EXPLICIT = "_explicit_flags"
 _PARSER = "_config_parser"
 # dests that are never config keys: the file cannot name itself, and the dispatcher's own fields

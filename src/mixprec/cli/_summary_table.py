@@ -17,8 +17,6 @@ from mixprec.precision.registry import needs_loss_scaling
 from mixprec.trainer.phase_clock import breakdown_rows
 from mixprec.trainer.summary import mean_over
 
-__all__ = ["auto_rows", "format_duration", "format_table", "last_value", "perplexity", "printable", "summary_rows"]
-
 
 def perplexity(loss: float | None) -> float | None:
     """``exp(loss)``: the number of equally likely bytes the model is choosing between (inf past 700 nats)."""
