@@ -315,7 +315,6 @@ def _run(args: argparse.Namespace) -> int:
 
 COMMAND = Subcommand(
     name="bench",
-    help="time fp32, fp16, bf16 and auto on the same model: step time, tokens/s, memory, loss, MFU",
     description="Benchmark the same model and data under several precisions, interleaved, in one process.",
     epilog=EPILOG,
     add_arguments=_add_arguments,

@@ -137,7 +137,6 @@ def run(args: argparse.Namespace) -> int:
 
 COMMAND = Subcommand(
     name="diagnose",
-    help="see fp16/bf16 underflow and overflow per layer, and the loss scale to start from",
     description="Diagnose what fp16 and bf16 would do to a model's activations and gradients.",
     epilog=EPILOG,
     add_arguments=_add_arguments,

@@ -23,7 +23,7 @@ from mixprec import __version__
 from mixprec.cli import torchrun  # torch-free at import: torch's launcher loads when it runs
 
 # subcommand -> module; imported only when that subcommand runs (the modules import torch, which takes
-# seconds), so `mixprec --help` stays fast
+# seconds), so `mixprec --help` stays fast; and the one line each is listed with, registered or not
 SUBCOMMANDS: dict[str, str] = {
     "train": "mixprec.cli.train",
     "diagnose": "mixprec.cli.diagnose",
@@ -82,7 +82,7 @@ def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentPars
     subparsers = parser.add_subparsers(dest="command", metavar="<command>")
     for name, module in SUBCOMMANDS.items():
         if commands is None or name in commands:
-            importlib.import_module(module).COMMAND.register(subparsers)
+            importlib.import_module(module).COMMAND.register(subparsers, SUMMARIES[name])
         else:
             subparsers.add_parser(name, help=SUMMARIES[name], add_help=False)
     subparsers.add_parser(TORCHRUN, help=TORCHRUN_SUMMARY, add_help=False)  # main() hands it its arguments

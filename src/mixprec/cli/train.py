@@ -424,7 +424,6 @@ def _report(
 
 COMMAND = Subcommand(
     name="train",
-    help="train a model (default: the built-in GPT on the embedded corpus)",
     description="Train a model with mixprec's Trainer and report what the precision did.",
     epilog=EPILOG,
     add_arguments=_add_arguments,
