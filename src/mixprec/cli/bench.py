@@ -215,14 +215,8 @@ def _run_comm(args: argparse.Namespace) -> int:
         )
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in _workload_args(args).items() if v is not None]
-        flags += [
-            f"--precisions={precisions[0]}",
-            f"--comm-dtypes={','.join(names)}",
-            f"--steps={args.steps}",
-            f"--rounds={args.rounds}",
-            f"--warmup={args.warmup}",
-            f"--lr={args.lr}",
-        ]
+        flags += [f"--precisions={precisions[0]}", f"--comm-dtypes={','.join(names)}"]
+        flags += [f"--{name}={getattr(args, name)}" for name in ("steps", "rounds", "warmup", "lr")]
         flags += [f"--threads={args.threads}"] if args.threads is not None else []
         launch = ["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "mixprec.cli.main", "bench"]
         return torchrun.main([*launch, *flags])
