@@ -198,6 +198,11 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(previous)  # a caller of main() (a notebook, a test) keeps its own setting
 
 
+def _log(msg: str) -> None:
+    """A progress line, on stderr (stdout holds the table or the JSON document)."""
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
 def _run_comm(args: argparse.Namespace) -> int:
     """--nproc-per-node: launch the processes (from the command line), or be one of them (under the launcher)."""
     comms = [c.strip() for c in args.comm_dtypes.split(",") if c.strip()]
@@ -234,11 +239,7 @@ def _comm_worker(args: argparse.Namespace, precision_name: str, comms: list[str]
     try:
         values = _workload_args(args)
         workload = _build_workload(values, min(_MAX_BATCHES, args.warmup + args.rounds * args.steps + 2))
-
-        def log(msg: str) -> None:
-            if env_rank == 0:
-                print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
+        log = _log if env_rank == 0 else (lambda _msg: None)
         log(f"workload: {workload.description}; precision {precision.name}")
         rows = run_comm_bench(
             workload, precision, comms, steps=args.steps, rounds=args.rounds, warmup=args.warmup, lr=args.lr, log=log
@@ -252,9 +253,6 @@ def _comm_worker(args: argparse.Namespace, precision_name: str, comms: list[str]
 
 
 def _run(args: argparse.Namespace) -> int:
-    def log(msg: str) -> None:
-        print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
     if args.output:
         check_output_file("--output", args.output, PLOT_SUFFIXES)  # up front: not after the whole bench
     precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
@@ -279,15 +277,15 @@ def _run(args: argparse.Namespace) -> int:
     values = _workload_args(args)
     num_batches = min(_MAX_BATCHES, config.warmup + config.rounds * config.steps)
     workload = _build_workload(values, num_batches)
-    log(f"workload: {workload.description}")
+    _log(f"workload: {workload.description}")
     notes: list[str] = []
     if measured_base is not None:
         report = _measure_policy(workload, measured_base)
-        log(report.explain())
+        _log(report.explain())
         notes.append(f"--policy measured -> {report.policy} (per-op-kind timing: {report.elapsed_s:.2f} s)")
         if canonical_name(report.policy) not in {canonical_name(p) for p in config.precisions}:
             config.precisions = (*config.precisions, report.policy)
-    result = run_bench(workload, config, log=log)
+    result = run_bench(workload, config, log=_log)
     result.notes.extend(notes)
     if result.device == "cpu" and hasattr(os, "getloadavg"):
         load, cores = os.getloadavg()[0], os.cpu_count() or 1
@@ -298,7 +296,7 @@ def _run(args: argparse.Namespace) -> int:
             )
     table = format_table(result)
     if args.output:
-        log(f"chart written to {write_chart(result, args.output)}")
+        _log(f"chart written to {write_chart(result, args.output)}")
     if args.json:
         print(table, file=sys.stderr)
         print(to_json(result))
