@@ -94,7 +94,7 @@ def check_output_file(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> N
     target = Path(path)
     if suffixes and target.suffix.lower() not in suffixes:
         raise CliError(f"{flag} {path}: a plot is written as {', '.join(suffixes)}; e.g. {flag} {target.stem}.png")
-    folder = target.parent if str(target.parent) else Path(".")
+    folder = target.parent  # "." for a bare file name
     if target.is_dir():
         raise CliError(f"{flag} {path}: that is a folder; name a file in it, e.g. {flag} {target / 'plot.png'}")
     if not folder.is_dir():
