@@ -85,15 +85,15 @@ PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".eps", ".ps"
 """What matplotlib writes, by the file's suffix (those ``savefig`` knows without a backend of its own)."""
 
 
-def check_output_file(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> None:
-    """Refuse, before any work, an output file that cannot be written: its folder missing or not writable, the
-    path itself a folder, or a suffix not among ``suffixes`` (a diagnosis or a bench is minutes of work to lose
-    at the end)."""
+def check_plot_file(flag: str, path: str) -> None:
+    """Refuse, before any work, a plot file that cannot be written: its folder missing or not writable, the
+    path itself a folder, or a suffix not among ``PLOT_SUFFIXES`` (a diagnosis or a bench is minutes of work to
+    lose at the end)."""
     import os
 
     target = Path(path)
-    if suffixes and target.suffix.lower() not in suffixes:
-        raise CliError(f"{flag} {path}: a plot is written as {', '.join(suffixes)}; e.g. {flag} {target.stem}.png")
+    if target.suffix.lower() not in PLOT_SUFFIXES:
+        raise CliError(f"{flag} {path}: a plot is written as {', '.join(PLOT_SUFFIXES)}; e.g. {flag} {target.stem}.png")
     folder = target.parent  # "." for a bare file name
     if target.is_dir():
         raise CliError(f"{flag} {path}: that is a folder; name a file in it, e.g. {flag} {target / 'plot.png'}")

@@ -14,9 +14,8 @@ from mixprec.bench.comm_bench import format_comm_table, run_comm_bench
 from mixprec.bench.runner import loss_of
 from mixprec.cli import torchrun
 from mixprec.cli._common import (
-    PLOT_SUFFIXES,
     add_data_model_args,
-    check_output_file,
+    check_plot_file,
     load_model_and_data,
     nonnegative_int,
     positive_int,
@@ -254,7 +253,7 @@ def _comm_worker(args: argparse.Namespace, precision_name: str, comms: list[str]
 
 def _run(args: argparse.Namespace) -> int:
     if args.output:
-        check_output_file("--output", args.output, PLOT_SUFFIXES)  # up front: not after the whole bench
+        check_plot_file("--output", args.output)  # up front: not after the whole bench
     precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
     measured_base = _measured_base(args.policy)
     if args.policy is not None and measured_base is None:
