@@ -31,11 +31,7 @@ def _recording(base: type[argparse.Action]) -> type[argparse.Action]:
     class Recording(base):  # type: ignore[misc, valid-type]
         def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
             super().__call__(parser, namespace, values, option_string)
-            explicit = getattr(namespace, _EXPLICIT, None)
-            if explicit is None:
-                explicit = set()
-                setattr(namespace, _EXPLICIT, explicit)
-            explicit.add(self.dest)
+            vars(namespace).setdefault(_EXPLICIT, set()).add(self.dest)
 
     Recording.__name__ = f"Recording{base.__name__}"
     return Recording
