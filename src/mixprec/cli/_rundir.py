@@ -113,8 +113,7 @@ def resume_checkpoint(run_dir: Path, checkpoint: Path | None) -> Path | None:
                 f"{checkpoint.parent} to resume from its newest intact checkpoint"
             )
         return checkpoint
-    # the listing's warning held back: with no checkpoint left, the error line says why, once (it was said
-    # twice, as a warning and again in the error)
+    # warn=False: with no checkpoint left, the error line below says why, once (not also as a warning)
     found = trainer_folders(run_dir).find_resumable(warn=False)
     if found.checkpoint is None:
         why = "; ".join(f"{path.name}: {problem}" for path, problem in found.skipped)

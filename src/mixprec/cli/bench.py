@@ -184,8 +184,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(
             "--fp32-ops: bench adds a per-op-kind policy as a row of its own: use --policy bf16:fp32_ops=..."
         )
-    cuda = torch.cuda.is_available()
-    threads = args.threads if args.threads is not None else (None if cuda else CPU_THREADS)
+    threads = args.threads if args.threads is not None else (None if torch.cuda.is_available() else CPU_THREADS)
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)

@@ -81,8 +81,7 @@ def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device
     acc = Accelerator(mixed_precision="auto", device=device, verbose=False)
     copy_ = acc.prepare(copy.deepcopy(model))
     batch = {k: v.to(device) for k, v in batch.items()}
-    # out: each mode computing in a format the diagnosis judged unsafe (each asked its own format); the formats
-    # are those the diagnosis judged (its modes' own), the report naming the ones that held
+    # left out of the race: each mode computing in a format the diagnosis judged (its modes' own) and not safe
     why = "the diagnosis judged it unsafe for this model"
     judged = [m.format.name for m in autocast_modes(device)]
     unsafe = {fmt: why for fmt in judged if fmt not in report.safe_precisions}
