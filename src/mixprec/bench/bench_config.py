@@ -38,12 +38,10 @@ class BenchConfig:
         self.precisions = tuple(self.precisions)
         if not self.precisions:
             raise ValueError("BenchConfig.precisions must name at least one precision")
-        for name in self.precisions:
-            try:
-                canonical_name(name)
-            except ValueError as exc:
-                raise ValueError(f"BenchConfig.precisions: {exc}") from None
-        canon = [canonical_name(p) for p in self.precisions]
+        try:
+            canon = [canonical_name(p) for p in self.precisions]
+        except ValueError as exc:
+            raise ValueError(f"BenchConfig.precisions: {exc}") from None
         if len(set(canon)) != len(canon):
             raise ValueError(f"BenchConfig.precisions lists a precision twice: {', '.join(self.precisions)}")
         for name, low in (("steps", 1), ("rounds", 1), ("warmup", 0), ("memory_steps", 1)):

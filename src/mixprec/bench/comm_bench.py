@@ -13,23 +13,23 @@ process reports. Per setting (``comm_dtype`` fp32 / bf16 / fp16, :mod:`mixprec.s
 - the **last training loss**, to show the settings trained alike.
 
 Each setting trains its own DDP copy of the same initial model with its own AdamW, through the bench's one
-step (``runner.train_step``). Depends on the precision layer and on :mod:`mixprec.strategies.comm` (a leaf:
+step (``runner.run_steps``). Depends on the precision layer and on :mod:`mixprec.strategies.comm` (a leaf:
 the hooks); it wraps the model in DDP itself rather than through the Accelerator.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from mixprec.bench.runner import train_step
-from mixprec.bench.timing import Summary, make_timer, summarize, synchronize
-from mixprec.bench.workload import Batch, Workload
+from mixprec.bench.runner import Arm, run_steps
+from mixprec.bench.timing import Summary, summarize
+from mixprec.bench.workload import Workload
 from mixprec.precision.base import Precision
-from mixprec.scaling.scaler import GradScaler
 from mixprec.strategies.comm import CommPrecision, make_comm
 
 _ITEMSIZE = {
@@ -57,17 +57,6 @@ class CommRow:
     last_loss: float
 
 
-@dataclass
-class _Arm:
-    comm: CommPrecision
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scaler: GradScaler
-    times: list[float] = field(default_factory=list)
-    loss: float = float("nan")
-    steps_done: int = 0
-
-
 def bytes_all_reduced(step: Callable[[], object]) -> int:
     """Bytes this process handed the backend's collectives during ``step()`` (profiled: one untimed step)."""
     from torch.profiler import ProfilerActivity, profile
@@ -79,10 +68,7 @@ def bytes_all_reduced(step: Callable[[], object]) -> int:
         if not event.name.endswith(":all_reduce"):  # gloo:all_reduce, nccl:all_reduce (the backend's own)
             continue
         for shape, dtype in zip(event.input_shapes, event.input_dtypes):
-            numel = 1
-            for size in shape:
-                numel *= size
-            total += numel * _ITEMSIZE.get(dtype, 4)
+            total += math.prod(shape) * _ITEMSIZE.get(dtype, 4)
     return total
 
 
@@ -101,22 +87,23 @@ def run_comm_bench(
     but the times, which are this process's)."""
     device, rank = precision.device, dist.get_rank()
     batches = [{k: v.to(device) for k, v in b.items()} for b in workload.batches]
-    arms = [_make_arm(workload, precision, make_comm(c, "--comm-dtypes"), lr) for c in comms]
+    settings = [make_comm(c, "--comm-dtypes") for c in comms]
+    arms = [_make_arm(workload, precision, comm, lr) for comm in settings]
     for arm in arms:
-        _run(arm, batches, precision, warmup, rank, timed=False)
+        run_steps(arm, batches, warmup, timed=False, shift=rank)
     for r in range(rounds):
         for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:  # each round starts with another setting
             dist.barrier()  # every process starts the setting's steps together
-            _run(arm, batches, precision, steps, rank, timed=True)
+            run_steps(arm, batches, steps, timed=True, shift=rank)
         log(f"round {r + 1}/{rounds} done")
     rows = []
-    for arm in arms:
-        counted = bytes_all_reduced(lambda arm=arm: _run(arm, batches, precision, 1, rank, timed=False))
-        rows.append(CommRow(arm.comm.name, counted, summarize(arm.times), arm.loss))
+    for comm, arm in zip(settings, arms):
+        counted = bytes_all_reduced(lambda arm=arm: run_steps(arm, batches, 1, timed=False, shift=rank))
+        rows.append(CommRow(comm.name, counted, summarize(arm.times), float(arm.last_loss.float())))
     return rows
 
 
-def _make_arm(workload: Workload, precision: Precision, comm: CommPrecision, lr: float) -> _Arm:
+def _make_arm(workload: Workload, precision: Precision, comm: CommPrecision, lr: float) -> Arm:
     from torch.nn.parallel import DistributedDataParallel
 
     model = precision.convert_module(workload.fresh_model(precision.device))
@@ -124,26 +111,7 @@ def _make_arm(workload: Workload, precision: Precision, comm: CommPrecision, lr:
     ddp = DistributedDataParallel(model, device_ids=device_ids)  # broadcasts rank 0's weights
     comm.register(ddp)
     optimizer = precision.convert_optimizer(torch.optim.AdamW(ddp.parameters(), lr=lr))
-    return _Arm(comm, ddp, optimizer, precision.make_scaler())
-
-
-def _run(arm: _Arm, batches: list[Batch], precision: Precision, n: int, rank: int, *, timed: bool) -> None:
-    timer = make_timer(precision.device)
-    loss = None
-    for _ in range(n):
-        batch = batches[(arm.steps_done + rank) % len(batches)]  # each process its own batch
-        if timed:
-            timer.start()
-        loss = train_step(arm.model, batch, precision, arm.optimizer, arm.scaler)
-        if timed:
-            timer.stop()
-        arm.steps_done += 1
-    if timed:
-        arm.times.extend(timer.times())
-    else:
-        synchronize(precision.device)
-    if loss is not None:
-        arm.loss = float(loss.float())
+    return Arm(precision, ddp, optimizer, precision.make_scaler())
 
 
 def format_comm_table(rows: list[CommRow], processes: int, description: str) -> str:

@@ -43,9 +43,6 @@ class PeakFlops:
             f"{self.flops_per_s / 1e9:,.1f} GFLOP/s"
         )
 
-    def to_dict(self) -> dict[str, object]:
-        return {"dtype": self.dtype, "flops_per_s": self.flops_per_s, "size": self.size, "source": self.source}
-
 
 def _time_linear(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
     if device.type == "cuda":

@@ -71,8 +71,8 @@ def train_step(
 
 
 @dataclass
-class _Arm:
-    """One precision's private copy of everything that trains."""
+class Arm:
+    """One precision's private copy of everything that trains (in the DDP bench, one communication dtype's)."""
 
     precision: Precision
     model: torch.nn.Module
@@ -80,25 +80,30 @@ class _Arm:
     scaler: GradScaler
     times: list[float] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
+    """The timed steps' losses (detached)."""
+    last_loss: torch.Tensor | None = None
+    """The loss of the last step run, timed or not."""
     steps_done: int = 0
 
 
-def _make_arm(workload: Workload, precision: Precision, lr: float) -> _Arm:
+def _make_arm(workload: Workload, precision: Precision, lr: float) -> Arm:
     model = precision.convert_module(workload.fresh_model(precision.device))
     optimizer = precision.convert_optimizer(torch.optim.AdamW(model.parameters(), lr=lr))
-    return _Arm(precision, model, optimizer, precision.make_scaler())
+    return Arm(precision, model, optimizer, precision.make_scaler())
 
 
-def _run_steps(arm: _Arm, batches: list[Batch], n: int, *, timed: bool) -> None:
+def run_steps(arm: Arm, batches: list[Batch], n: int, *, timed: bool, shift: int = 0) -> None:
+    """``n`` training steps of ``arm``, cycling through ``batches`` from ``shift`` on (a DDP process its own
+    batch); ``timed``: each step timed, and the segment synchronised once at its end either way."""
     timer = make_timer(arm.precision.device)
     for _ in range(n):
-        batch = batches[arm.steps_done % len(batches)]
+        batch = batches[(arm.steps_done + shift) % len(batches)]
         if timed:
             timer.start()
-        loss = train_step(arm.model, batch, arm.precision, arm.optimizer, arm.scaler)
+        arm.last_loss = train_step(arm.model, batch, arm.precision, arm.optimizer, arm.scaler)
         if timed:
             timer.stop()
-            arm.losses.append(loss)
+            arm.losses.append(arm.last_loss)
         arm.steps_done += 1
     if timed:
         arm.times.extend(timer.times())  # the one sync of the segment on CUDA
@@ -107,7 +112,7 @@ def _run_steps(arm: _Arm, batches: list[Batch], n: int, *, timed: bool) -> None:
 
 
 @torch.no_grad()
-def _eval_loss(arm: _Arm, batch: Batch) -> float:
+def _eval_loss(arm: Arm, batch: Batch) -> float:
     arm.model.eval()
     with arm.precision.autocast():
         loss = loss_of(arm.model(**batch))
@@ -123,7 +128,7 @@ def memory_run(workload: Workload, name: str, device: torch.device, steps: int, 
 
     def run() -> None:
         arm = _make_arm(workload, precision, lr)
-        _run_steps(arm, batches, steps, timed=False)
+        run_steps(arm, batches, steps, timed=False)
 
     return run
 
@@ -232,12 +237,12 @@ def run_bench(
     if cfg.warmup:
         say(f"warm-up: {cfg.warmup} step(s) each of {', '.join(order)}")
         for mode in order:
-            _run_steps(arms[mode], batches, cfg.warmup, timed=False)
+            run_steps(arms[mode], batches, cfg.warmup, timed=False)
     for r in range(cfg.rounds if order else 0):  # every mode asked for may be one this machine cannot run
         rotated = order[r % len(order) :] + order[: r % len(order)]
         for mode in rotated:
             gc.collect()  # collect between segments, not during one
-            _run_steps(arms[mode], batches, cfg.steps, timed=True)
+            run_steps(arms[mode], batches, cfg.steps, timed=True)
         done = ", ".join(f"{m} {summarize(arms[m].times).median * 1e3:.1f} ms" for m in order)
         say(f"round {r + 1}/{cfg.rounds}: median step so far: {done}")
 

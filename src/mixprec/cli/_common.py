@@ -18,6 +18,7 @@ naming the flag), which the dispatcher prints as one line.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,23 +37,6 @@ from mixprec.precision.registry import available_precisions, make_precision, pol
 from mixprec.trainer.optimizers import OPTIMIZER_NAMES, TORCHAO_OPTIMIZERS, make_optimizer
 from mixprec.watch.settings import WatchConfig
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "DEFAULT_SEQ_LEN",
-    "VAL_FRACTION",
-    "DataModelInfo",
-    "add_data_model_args",
-    "build_model",
-    "check_optimizer_fits",
-    "check_output_file",
-    "parse_precision",
-    "load_model_and_data",
-    "nonnegative_int",
-    "positive_float",
-    "positive_int",
-    "seed_int",
-]
-
 DEFAULT_MODEL = "small"
 """The built-in preset every subcommand uses without --model."""
 DEFAULT_SEQ_LEN = 256
@@ -70,53 +54,47 @@ def watch_setting(text: str) -> str:
     return text
 
 
+def _number(text: str, cast: type, expected: str, fits: Callable[[Any], bool]) -> Any:
+    """The argparse types below: ``cast(text)`` when ``fits`` it, else "expected <expected>, got ..." (an
+    integer shown as parsed, a number as typed)."""
+    try:
+        value = cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not fits(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value if cast is int else text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer > 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    return _number(text, int, "a positive integer", lambda value: value > 0)
 
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
+    return _number(text, float, "a positive number", lambda value: 0 < value < float("inf"))
 
 
 def z_loss_weight(text: str) -> float:
     """argparse type for --z-loss: a number in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1) such as 1e-4, got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1) such as 1e-4, got {text}")
-    return value
+    return _number(text, float, "a number in [0, 1) such as 1e-4", lambda value: 0.0 <= value < 1.0)
 
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".eps", ".ps", ".tif", ".tiff")
 """What matplotlib writes, by the file's suffix (those ``savefig`` knows without a backend of its own)."""
 
 
-def check_output_file(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> None:
-    """Refuse, before any work, an output file that cannot be written: its folder missing or not writable, the
-    path itself a folder, or a suffix not among ``suffixes`` (a diagnosis or a bench is minutes of work to lose
-    at the end)."""
+def check_plot_file(flag: str, path: str) -> None:
+    """Refuse, before any work, a plot file that cannot be written: its folder missing or not writable, the
+    path itself a folder, or a suffix not among ``PLOT_SUFFIXES`` (a diagnosis or a bench is minutes of work to
+    lose at the end)."""
     import os
 
     target = Path(path)
-    if suffixes and target.suffix.lower() not in suffixes:
-        raise CliError(f"{flag} {path}: a plot is written as {', '.join(suffixes)}; e.g. {flag} {target.stem}.png")
-    folder = target.parent if str(target.parent) else Path(".")
+    if target.suffix.lower() not in PLOT_SUFFIXES:
+        raise CliError(f"{flag} {path}: a plot is written as {', '.join(PLOT_SUFFIXES)}; e.g. {flag} {target.stem}.png")
+    folder = target.parent  # "." for a bare file name
     if target.is_dir():
         raise CliError(f"{flag} {path}: that is a folder; name a file in it, e.g. {flag} {target / 'plot.png'}")
     if not folder.is_dir():
@@ -190,13 +168,7 @@ def _seq_len(text: str) -> int:
 
 def nonnegative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _number(text, int, "an integer >= 0", lambda value: value >= 0)
 
 
 MAX_SEED = 2**64 - 1

@@ -21,16 +21,6 @@ from typing import Any
 
 from mixprec.cli.main import CliError
 
-__all__ = [
-    "add_config_arg",
-    "apply_config",
-    "apply_config_file",
-    "dump_toml",
-    "explicit_flags",
-    "load_config_file",
-    "track_explicit",
-]
-
 _EXPLICIT = "_explicit_flags"
 _PARSER = "_config_parser"
 # dests that are never config keys: the file cannot name itself, and the dispatcher's own fields
@@ -41,11 +31,7 @@ def _recording(base: type[argparse.Action]) -> type[argparse.Action]:
     class Recording(base):  # type: ignore[misc, valid-type]
         def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
             super().__call__(parser, namespace, values, option_string)
-            explicit = getattr(namespace, _EXPLICIT, None)
-            if explicit is None:
-                explicit = set()
-                setattr(namespace, _EXPLICIT, explicit)
-            explicit.add(self.dest)
+            vars(namespace).setdefault(_EXPLICIT, set()).add(self.dest)
 
     Recording.__name__ = f"Recording{base.__name__}"
     return Recording
@@ -216,12 +202,8 @@ def apply_config_file(
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return (
-            repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
-        )
+    if isinstance(value, (int, float)):
+        return repr(value)  # a float's repr is TOML's spelling too: 0.001, 1e-05, inf, -inf, nan
     # a JSON string is a valid TOML basic string (same escapes)
     return json.dumps(str(value), ensure_ascii=False)
 

@@ -22,8 +22,6 @@ from torch.utils.data import Dataset
 
 from mixprec.trainer.callbacks import TrainerCallback
 
-__all__ = ["EpochCallback", "EpochChunks", "evenly_spaced"]
-
 
 class EpochChunks(Dataset):
     """``chunks_per_epoch`` items of ``base`` per epoch: slice ``epoch`` of a fixed random order of ``base``.

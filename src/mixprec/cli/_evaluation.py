@@ -30,7 +30,9 @@ from mixprec.cli._epochs import evenly_spaced
 from mixprec.data import VOCAB_SIZE
 
 EVAL_TOKENS = 2**16
-"""The validation tokens each evaluation reads (evenly spaced windows of the held-out split)."""
+"""The validation tokens each evaluation reads (evenly spaced windows of the held-out split: 512 of 128 bytes by
+default). On the default run's final model they scored 2.270 against 2.282 over the whole split (2,457 windows,
+measured); three such evaluations cost ~5% of the run where the whole split would cost ~25%."""
 
 EVAL_BATCH_FACTOR = 4
 """The evaluation batch, in training batches, where the logits allow it."""

@@ -91,12 +91,7 @@ def lora_plan(args: argparse.Namespace, precision: Precision) -> LoraPlan | None
     elif targets is not None:
         targets = ALL_LINEAR
     alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * r
-    return LoraPlan(r, alpha, targets, base_dtype(precision))
-
-
-def base_dtype(precision: Precision) -> torch.dtype:
-    """The dtype the frozen base is held in: the precision's compute dtype (fp32 for "auto", still undecided)."""
-    return torch.float32 if precision.pending else precision.compute_dtype
+    return LoraPlan(r, alpha, targets, torch.float32 if precision.pending else precision.compute_dtype)
 
 
 def apply_lora(model: torch.nn.Module, plan: LoraPlan) -> tuple[Any, str]:

@@ -72,18 +72,13 @@ def new_run_dir() -> Path:
     return path
 
 
-def _has_checkpoints(folder: Path) -> bool:
-    """checkpoint-N folders, or one a crash left renamed aside (``.checkpoint-N.old``): a run either way."""
-    return trainer_folders(folder).has_any()
-
-
 def resume_run_dir(resume: Any, output_dir: str | None) -> tuple[Path, Path | None]:
     """``(run_dir, checkpoint or None)`` that --resume names, from names alone (nothing is read or changed):
     True means --output-dir, or the newest run in runs/; a path is a run folder or one checkpoint-N in it."""
     if resume is True:
         if output_dir is not None:
             return Path(output_dir), None
-        runs = sorted(p for p in Path(RUNS_DIR).glob("*") if _has_checkpoints(p))
+        runs = sorted(p for p in Path(RUNS_DIR).glob("*") if trainer_folders(p).has_any())
         if not runs:
             raise CliError(f"--resume: no run with a checkpoint in {RUNS_DIR}/; pass --resume PATH or --output-dir")
         return runs[-1], None
@@ -92,7 +87,7 @@ def resume_run_dir(resume: Any, output_dir: str | None) -> tuple[Path, Path | No
         raise FileNotFoundError(f"--resume: no such run or checkpoint folder: {path}")
     if not path.is_dir():
         raise CliError(f"--resume {path}: a file, not a run folder or a checkpoint folder")
-    if _has_checkpoints(path):
+    if trainer_folders(path).has_any():
         run_dir, checkpoint = path, None
     elif trainer_folders(path.parent).number_of(path) is not None:
         run_dir, checkpoint = path.parent, path
@@ -118,8 +113,7 @@ def resume_checkpoint(run_dir: Path, checkpoint: Path | None) -> Path | None:
                 f"{checkpoint.parent} to resume from its newest intact checkpoint"
             )
         return checkpoint
-    # the listing's warning held back: with no checkpoint left, the error line says why, once (it was said
-    # twice, as a warning and again in the error)
+    # warn=False: with no checkpoint left, the error line below says why, once (not also as a warning)
     found = trainer_folders(run_dir).find_resumable(warn=False)
     if found.checkpoint is None:
         why = "; ".join(f"{path.name}: {problem}" for path, problem in found.skipped)
@@ -135,7 +129,7 @@ def check_new_run_dir(run_dir: Path) -> None:
     """A fresh run's folder: not a file, not a run that has checkpoints already."""
     if run_dir.exists() and not run_dir.is_dir():
         raise CliError(f"--output-dir {run_dir} is a file, not a folder; choose a folder (it is created if needed)")
-    if _has_checkpoints(run_dir):
+    if trainer_folders(run_dir).has_any():
         raise CliError(
             f"--output-dir {run_dir} already holds a run with checkpoints; continue it with --resume, "
             f"or choose another folder"
@@ -177,12 +171,9 @@ def saved_flags(args: argparse.Namespace) -> dict[str, Any]:
     flags = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in skip}
     # paths made absolute, so `--resume` or `--config <run>/config.toml` works from any directory
     for key in ("data", "model"):
-        if (
-            flags.get(key) is not None
-            and Path(flags[key]).exists()
-            and not (key == "model" and flags[key] in GPT_PRESETS)
-        ):
-            flags[key] = str(Path(flags[key]).resolve())
+        value = flags.get(key)
+        if value is not None and Path(value).exists() and not (key == "model" and value in GPT_PRESETS):
+            flags[key] = str(Path(value).resolve())
     return flags
 
 

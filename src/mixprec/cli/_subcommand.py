@@ -1,7 +1,7 @@
 """What every ``mixprec`` subcommand is (after torchtune's ``_cli/``): one file per subcommand, each holding
 one :class:`Subcommand` named ``COMMAND`` that says what the dispatcher needs — its name, description,
 runnable examples (the ``--help`` epilog), its flags and what it runs. ``cli/main.py`` imports a subcommand's
-file only when that subcommand runs, and calls ``COMMAND.register(subparsers)``.
+file only when that subcommand runs, and calls ``COMMAND.register(subparsers, summary)``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ class Subcommand:
     ``--help``) with ``run`` as the function ``main`` calls on the parsed arguments."""
 
     name: str
-    help: str
-    """One line, shown in the parent's list of subcommands when all of them are registered."""
     description: str
     """The first line of its own ``--help``."""
     epilog: str
@@ -28,11 +26,11 @@ class Subcommand:
     run: Callable[[argparse.Namespace], int]
     """Runs it; returns the exit code. Raises CliError (one line, exit 2) for input the user can fix."""
 
-    def register(self, subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-        """Add this subcommand's parser to ``subparsers`` and return it."""
+    def register(self, subparsers: argparse._SubParsersAction, summary: str) -> argparse.ArgumentParser:
+        """Add this subcommand's parser to ``subparsers``, listed there with the one line ``summary``; return it."""
         parser = subparsers.add_parser(
             self.name,
-            help=self.help,
+            help=summary,
             description=self.description,
             epilog=self.epilog,
             formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -17,8 +17,6 @@ from mixprec.precision.registry import needs_loss_scaling
 from mixprec.trainer.phase_clock import breakdown_rows
 from mixprec.trainer.summary import mean_over
 
-__all__ = ["auto_rows", "format_duration", "format_table", "last_value", "perplexity", "printable", "summary_rows"]
-
 
 def perplexity(loss: float | None) -> float | None:
     """``exp(loss)``: the number of equally likely bytes the model is choosing between (inf past 700 nats)."""
@@ -79,13 +77,8 @@ def summary_rows(
     rows.append(("precision", f"{summary.get('precision')}: {summary.get('precision_reason') or '-'}{comm}"))
     rows += auto_rows(summary.get("auto_precision"))
     if diagnosis is not None:
-        rows.append(
-            (
-                "diagnosis",
-                f"recommended {diagnosis.recommended_precision} from loss scale "
-                f"{diagnosis.recommended_init_scale:g} (metrics.jsonl has the full report)",
-            )
-        )
+        advice = f"recommended {diagnosis.recommended_precision} from loss scale {diagnosis.recommended_init_scale:g}"
+        rows.append(("diagnosis", f"{advice} (metrics.jsonl has the full report)"))
     steps = summary.get("global_step", 0)
     epochs = f" ({epochs_done:.3g} epochs)" if epochs_done is not None else ""
     rows.append(("steps", f"{steps}{epochs}, {summary.get('skipped_steps', 0)} skipped"))
@@ -103,8 +96,7 @@ def summary_rows(
         train = last_value(log_history, "loss")
         rows.append(("train loss", _loss(train[0]) + f", last logged at step {train[1]}" if train else "-"))
     rows.append(("validation loss", _loss(eval_loss)))
-    base = f"{_loss(unigram_baseline)}, the best a model ignoring context can do"
-    rows.append(("unigram baseline", base))
+    rows.append(("unigram baseline", f"{_loss(unigram_baseline)}, the best a model ignoring context can do"))
     if eval_loss is not None:
         gap = unigram_baseline - eval_loss
         verdict = "below" if gap > 0 else "ABOVE"
@@ -118,9 +110,8 @@ def summary_rows(
     peak = summary.get("peak_memory_bytes")
     kind = summary.get("peak_memory_kind")
     rows.append(("peak memory", _bytes(peak) + (f" ({kind})" if kind else "")))
-    rows.append(
-        ("time", f"{format_duration(wall_seconds)} in all, {format_duration(summary.get('train_runtime', 0))} training")
-    )
+    training = format_duration(summary.get("train_runtime", 0))
+    rows.append(("time", f"{format_duration(wall_seconds)} in all, {training} training"))
     if "time" in summary:  # issue 36: where the training time went
         rows.extend(breakdown_rows(summary["time"]))
     if summary.get("compile"):  # issue 36 item 4: what compiling cost, and whether it was kept
@@ -175,15 +166,8 @@ def format_table(rows: Sequence[tuple[str, str]], title: str) -> str:
 def printable(text: str) -> str:
     """``text`` safe to print on a terminal: control characters other than newline and tab (which could move
     the cursor or ring the bell) become U+FFFD, as do the U+FFFD an invalid byte sequence decoded to."""
-    out = []
-    for ch in text:
-        if ch in "\n\t":
-            out.append(ch)
-        elif unicodedata.category(ch) in ("Cc", "Cs", "Co", "Cn") or ch == "\r":
-            out.append("\ufffd")
-        else:
-            out.append(ch)
-    return "".join(out)
+    unprintable = ("Cc", "Cs", "Co", "Cn")  # control (\r included), surrogate, private use, unassigned
+    return "".join("\ufffd" if unicodedata.category(ch) in unprintable and ch not in "\n\t" else ch for ch in text)
 
 
 def _loss_scaled(summary: dict[str, Any]) -> bool:

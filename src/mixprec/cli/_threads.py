@@ -24,8 +24,6 @@ SAMPLE_SECONDS = 0.3
 @dataclass(frozen=True)
 class ThreadChoice:
     threads: int
-    cores: int
-    busy: float | None  # cores' worth of other work at start; None when it could not be measured
     why: str
 
     def describe(self) -> str:
@@ -69,14 +67,12 @@ def choose_threads(
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
     if env.get("OMP_NUM_THREADS"):
-        return ThreadChoice(default, cores, None, "OMP_NUM_THREADS")
+        return ThreadChoice(default, "OMP_NUM_THREADS")
     busy = measure()
     if busy is None:
-        return ThreadChoice(default, cores, None, "torch's default: the machine's load could not be read")
+        return ThreadChoice(default, "torch's default: the machine's load could not be read")
     threads = max(1, min(default, round(cores - busy)))
     return ThreadChoice(
         threads,
-        cores,
-        busy,
         f"{cores} core{'s' if cores != 1 else ''}, {busy:.1f} busy with other work at start; OMP_NUM_THREADS sets it",
     )

@@ -14,9 +14,8 @@ from mixprec.bench.comm_bench import format_comm_table, run_comm_bench
 from mixprec.bench.runner import loss_of
 from mixprec.cli import torchrun
 from mixprec.cli._common import (
-    PLOT_SUFFIXES,
     add_data_model_args,
-    check_output_file,
+    check_plot_file,
     load_model_and_data,
     nonnegative_int,
     positive_int,
@@ -185,8 +184,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(
             "--fp32-ops: bench adds a per-op-kind policy as a row of its own: use --policy bf16:fp32_ops=..."
         )
-    cuda = torch.cuda.is_available()
-    threads = args.threads if args.threads is not None else (None if cuda else CPU_THREADS)
+    threads = args.threads if args.threads is not None else (None if torch.cuda.is_available() else CPU_THREADS)
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -196,6 +194,11 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
     finally:
         torch.set_num_threads(previous)  # a caller of main() (a notebook, a test) keeps its own setting
+
+
+def _log(msg: str) -> None:
+    """A progress line, on stderr (stdout holds the table or the JSON document)."""
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 def _run_comm(args: argparse.Namespace) -> int:
@@ -215,14 +218,8 @@ def _run_comm(args: argparse.Namespace) -> int:
         )
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in _workload_args(args).items() if v is not None]
-        flags += [
-            f"--precisions={precisions[0]}",
-            f"--comm-dtypes={','.join(names)}",
-            f"--steps={args.steps}",
-            f"--rounds={args.rounds}",
-            f"--warmup={args.warmup}",
-            f"--lr={args.lr}",
-        ]
+        flags += [f"--precisions={precisions[0]}", f"--comm-dtypes={','.join(names)}"]
+        flags += [f"--{name}={getattr(args, name)}" for name in ("steps", "rounds", "warmup", "lr")]
         flags += [f"--threads={args.threads}"] if args.threads is not None else []
         launch = ["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "mixprec.cli.main", "bench"]
         return torchrun.main([*launch, *flags])
@@ -240,11 +237,7 @@ def _comm_worker(args: argparse.Namespace, precision_name: str, comms: list[str]
     try:
         values = _workload_args(args)
         workload = _build_workload(values, min(_MAX_BATCHES, args.warmup + args.rounds * args.steps + 2))
-
-        def log(msg: str) -> None:
-            if env_rank == 0:
-                print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
+        log = _log if env_rank == 0 else (lambda _msg: None)
         log(f"workload: {workload.description}; precision {precision.name}")
         rows = run_comm_bench(
             workload, precision, comms, steps=args.steps, rounds=args.rounds, warmup=args.warmup, lr=args.lr, log=log
@@ -258,11 +251,8 @@ def _comm_worker(args: argparse.Namespace, precision_name: str, comms: list[str]
 
 
 def _run(args: argparse.Namespace) -> int:
-    def log(msg: str) -> None:
-        print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
     if args.output:
-        check_output_file("--output", args.output, PLOT_SUFFIXES)  # up front: not after the whole bench
+        check_plot_file("--output", args.output)  # up front: not after the whole bench
     precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
     measured_base = _measured_base(args.policy)
     if args.policy is not None and measured_base is None:
@@ -285,15 +275,15 @@ def _run(args: argparse.Namespace) -> int:
     values = _workload_args(args)
     num_batches = min(_MAX_BATCHES, config.warmup + config.rounds * config.steps)
     workload = _build_workload(values, num_batches)
-    log(f"workload: {workload.description}")
+    _log(f"workload: {workload.description}")
     notes: list[str] = []
     if measured_base is not None:
         report = _measure_policy(workload, measured_base)
-        log(report.explain())
+        _log(report.explain())
         notes.append(f"--policy measured -> {report.policy} (per-op-kind timing: {report.elapsed_s:.2f} s)")
         if canonical_name(report.policy) not in {canonical_name(p) for p in config.precisions}:
             config.precisions = (*config.precisions, report.policy)
-    result = run_bench(workload, config, log=log)
+    result = run_bench(workload, config, log=_log)
     result.notes.extend(notes)
     if result.device == "cpu" and hasattr(os, "getloadavg"):
         load, cores = os.getloadavg()[0], os.cpu_count() or 1
@@ -304,7 +294,7 @@ def _run(args: argparse.Namespace) -> int:
             )
     table = format_table(result)
     if args.output:
-        log(f"chart written to {write_chart(result, args.output)}")
+        _log(f"chart written to {write_chart(result, args.output)}")
     if args.json:
         print(table, file=sys.stderr)
         print(to_json(result))
@@ -315,7 +305,6 @@ def _run(args: argparse.Namespace) -> int:
 
 COMMAND = Subcommand(
     name="bench",
-    help="time fp32, fp16, bf16 and auto on the same model: step time, tokens/s, memory, loss, MFU",
     description="Benchmark the same model and data under several precisions, interleaved, in one process.",
     epilog=EPILOG,
     add_arguments=_add_arguments,

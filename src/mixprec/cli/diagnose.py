@@ -15,9 +15,8 @@ from torch.utils.data import DataLoader
 
 from mixprec.accelerator.accelerator import Accelerator
 from mixprec.cli._common import (
-    PLOT_SUFFIXES,
     add_data_model_args,
-    check_output_file,
+    check_plot_file,
     load_model_and_data,
     parse_precision,
     positive_int,
@@ -82,8 +81,7 @@ def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device
     acc = Accelerator(mixed_precision="auto", device=device, verbose=False)
     copy_ = acc.prepare(copy.deepcopy(model))
     batch = {k: v.to(device) for k, v in batch.items()}
-    # out: each mode computing in a format the diagnosis judged unsafe (each asked its own format); the formats
-    # are those the diagnosis judged (its modes' own), the report naming the ones that held
+    # left out of the race: each mode computing in a format the diagnosis judged (its modes' own) and not safe
     why = "the diagnosis judged it unsafe for this model"
     judged = [m.format.name for m in autocast_modes(device)]
     unsafe = {fmt: why for fmt in judged if fmt not in report.safe_precisions}
@@ -103,8 +101,9 @@ def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device
 
 def run(args: argparse.Namespace) -> int:
     precision = parse_precision(args.precision, getattr(args, "fp32_ops", None))
-    if args.plot is not None and not args.no_plot:
-        check_output_file("--plot", args.plot, PLOT_SUFFIXES)  # up front: not after the whole diagnosis
+    plot = None if args.no_plot else args.plot
+    if plot is not None:
+        check_plot_file("--plot", plot)  # up front: not after the whole diagnosis
     model, train, _val, info = load_model_and_data(args, precision=precision)
     device = default_device()
     model.to(device)
@@ -125,9 +124,8 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr,
     )
     report.speed = _speed(model, next(iter(loader)), report, device, log)
-    if args.plot is not None and not args.no_plot:
-        path = report.plot(Path(args.plot))
-        log(f"histograms written to {path}")
+    if plot is not None:
+        log(f"histograms written to {report.plot(Path(plot))}")
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
@@ -137,7 +135,6 @@ def run(args: argparse.Namespace) -> int:
 
 COMMAND = Subcommand(
     name="diagnose",
-    help="see fp16/bf16 underflow and overflow per layer, and the loss scale to start from",
     description="Diagnose what fp16 and bf16 would do to a model's activations and gradients.",
     epilog=EPILOG,
     add_arguments=_add_arguments,

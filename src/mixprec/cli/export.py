@@ -38,7 +38,6 @@ def run(args: argparse.Namespace) -> int:
 
 COMMAND = Subcommand(
     name="export",
-    help="write a sharded FSDP2 checkpoint's full weights to one safetensors file",
     description="Gather a sharded checkpoint (save_sharded) into one safetensors file.",
     epilog=EPILOG,
     add_arguments=_add_arguments,

@@ -23,7 +23,7 @@ from mixprec import __version__
 from mixprec.cli import torchrun  # torch-free at import: torch's launcher loads when it runs
 
 # subcommand -> module; imported only when that subcommand runs (the modules import torch, which takes
-# seconds), so `mixprec --help` stays fast
+# seconds), so `mixprec --help` stays fast; and the one line each is listed with, registered or not
 SUBCOMMANDS: dict[str, str] = {
     "train": "mixprec.cli.train",
     "diagnose": "mixprec.cli.diagnose",
@@ -82,7 +82,7 @@ def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentPars
     subparsers = parser.add_subparsers(dest="command", metavar="<command>")
     for name, module in SUBCOMMANDS.items():
         if commands is None or name in commands:
-            importlib.import_module(module).COMMAND.register(subparsers)
+            importlib.import_module(module).COMMAND.register(subparsers, SUMMARIES[name])
         else:
             subparsers.add_parser(name, help=SUMMARIES[name], add_help=False)
     subparsers.add_parser(TORCHRUN, help=TORCHRUN_SUMMARY, add_help=False)  # main() hands it its arguments
@@ -149,33 +149,25 @@ def describe_error(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at each record (a redirected or captured stderr included)."""
+class _StderrHandler(logging.Handler):
+    """Writes each record as one ``mixprec: warning: ...`` line to whatever ``sys.stderr`` is at that record (a
+    redirected or captured stderr included)."""
 
-    @property
-    def stream(self):  # noqa: ANN201 - logging's attribute
-        return sys.stderr
+    _mixprec_cli = True
 
-    @stream.setter
-    def stream(self, value) -> None:  # noqa: ANN001 - StreamHandler.__init__ assigns it
-        pass
-
-
-class _WarningFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return f"mixprec: {record.levelname.lower()}: {record.getMessage()}"
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(f"mixprec: {record.levelname.lower()}: {record.getMessage()}\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - logging's own rule: a failed record is reported, never raised
+            self.handleError(record)
 
 
 def _warnings_to_stderr() -> None:
     """Show mixprec's library warnings on stderr, each as one ``mixprec: warning: ...`` line (once)."""
     root = logging.getLogger("mixprec")
-    if any(getattr(h, "_mixprec_cli", False) for h in root.handlers):
-        return
-    handler = _StderrHandler()
-    handler.setLevel(logging.WARNING)
-    handler.setFormatter(_WarningFormatter())
-    handler._mixprec_cli = True  # type: ignore[attr-defined]
-    root.addHandler(handler)
+    if not any(getattr(h, "_mixprec_cli", False) for h in root.handlers):
+        root.addHandler(_StderrHandler(logging.WARNING))
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m mixprec.cli.main`, the form torchrun takes

@@ -63,7 +63,6 @@ def _check_device(name: str) -> None:
 
 COMMAND = Subcommand(
     name="replay",
-    help="re-run a bad step from its capsule in fp32 and the run's precision; name the first module apart",
     description="Replay a bad step's capsule and find the first module that diverges or goes non-finite.",
     epilog=EPILOG,
     add_arguments=_add_arguments,
