@@ -81,7 +81,7 @@ class PartialState:
 
     @property
     def is_main_process(self) -> bool:
-        """Whether this is the main process (rank 0)."""
+        """Whether this is the main process (rank 0): the one that logs and writes shared files."""
         return self._strategy.is_main_process
 
     @property
@@ -107,7 +107,7 @@ class PartialState:
     # -- helpers -------------------------------------------------------------------------------------
 
     def wait_for_everyone(self) -> None:
-        """Every process waits here until all have arrived."""
+        """Block until every process reaches this call (a barrier; returns at once alone)."""
         self._strategy.barrier()
 
     @contextlib.contextmanager
