@@ -149,10 +149,8 @@ def release(module: torch.nn.Module) -> None:
             f"{type(module).__name__} is prepared for DDP/FSDP by another Accelerator; in a "
             "distributed run build each model once per Accelerator (e.g. Trainer(model_init=...))"
         )
-    hook = module.__dict__.pop("_mixprec_hook", None)
-    if hook is not None:
-        hook.remove()
-    for key in ("forward", "_mixprec_forward", "_mixprec", PREPARED_FLAG, "no_sync"):
+    strip_forward(module)
+    for key in ("_mixprec_forward", "_mixprec", PREPARED_FLAG, "no_sync"):
         module.__dict__.pop(key, None)
 
 
@@ -219,10 +217,9 @@ class PreparedOptimizer(WrappedOptimizer):
                 raise ValueError("optimizer.step(closure) with step_in_backward=True: the step ran in backward")
             result = None
             precision.end_step()
-            self.step_was_skipped = precision.step_was_skipped
         else:
             result = precision.optimizer_step(self.optimizer, **kwargs)
-            self.step_was_skipped = precision.step_was_skipped
+        self.step_was_skipped = precision.step_was_skipped
         if self.source is not self.optimizer:
             # torch's LR schedulers warn "scheduler.step() before optimizer.step()" unless the optimizer they
             # were built on flags its steps; a precision that replaced it (bf16-pure) steps another object
