@@ -103,7 +103,7 @@ class Preparation:
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The same module, on the device, its forward under autocast (and DDP/FSDP2 when distributed)."""
         if is_prepared(model):
-            if any(m is model for m in self.registry.models):
+            if self.prepared_here(model):
                 return model
             if prepared_with(model) is self._precision:  # prepared here, then dropped by free_memory
                 self.registry.models.append(model)
@@ -250,15 +250,10 @@ def release_prepared(registry: Registry, gradients: GradientState, precision: Pr
 
 
 def check_preparable(model: torch.nn.Module) -> None:
-    # fp16/bf16 parameters are welcome: frozen ones stay as they are, trainable ones get fp32 masters when
-    # the optimizer is prepared (mixprec.precision.master_weights)
-    _check_quantized_placement(model)
-
-
-def _check_quantized_placement(model: torch.nn.Module) -> None:
-    """A model transformers loaded in 8 or 4 bits (bitsandbytes) with parts placed on the CPU or disk
-    (``hf_device_map``) cannot be trained: its offloaded weights have no gradients to step (accelerate
-    refuses it with the same ValueError)."""
+    """Refuse a model transformers loaded in 8 or 4 bits (bitsandbytes) with parts placed on the CPU or disk
+    (``hf_device_map``): its offloaded weights have no gradients to step (accelerate refuses it with the same
+    ValueError). fp16/bf16 parameters are welcome: frozen ones stay as they are, trainable ones get fp32 masters
+    when the optimizer is prepared (:mod:`mixprec.precision.master_weights`)."""
     quantized = getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False)
     device_map = getattr(model, "hf_device_map", None)
     if not quantized or not isinstance(device_map, dict):
