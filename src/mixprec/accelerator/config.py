@@ -100,10 +100,9 @@ class AcceleratorConfig:
         if self.mixed_precision is None:
             self.mixed_precision = launch_env.launcher_mixed_precision()
         if self.fp32_ops:
-            try:
-                self.mixed_precision = policy_name(self.mixed_precision, self.fp32_ops)
-            except ValueError as err:
-                raise ValueError(f"Accelerator(fp32_ops={self.fp32_ops!r}): {err}") from None
+            self.mixed_precision = named_argument(
+                lambda: policy_name(self.mixed_precision, self.fp32_ops), self.fp32_ops, "fp32_ops"
+            )
         if self.device is None and not self.cpu:
             self.device = launch_env.launcher_device()
         self.cpu = self.cpu or launch_env.launcher_cpu()
