@@ -52,7 +52,7 @@ def main_decides(
     type with the main process's message; other exceptions are told as :class:`MainProcessRefused`.
     ``name`` names the check (one store key per name and launch attempt)."""
     rank = int(environ.get("RANK", "0"))
-    store = _launcher_store(timeout_s, environ)
+    store = open_early_store(datetime.timedelta(seconds=timeout_s), environ)
     key = _KEY + name
     if rank == 0:
         try:
@@ -90,7 +90,3 @@ def _wait_until_told(store, key: str, others: int, timeout_s: float) -> None:  #
 def _with_subclasses(errors: tuple[type[Exception], ...]) -> list[type[Exception]]:
     """``errors`` and their direct subclasses (OSError: PermissionError, FileExistsError...)."""
     return [sub for error in errors for sub in (error, *error.__subclasses__())]
-
-
-def _launcher_store(timeout_s: float, environ: Mapping[str, str]):  # noqa: ANN202 - a torch Store or None
-    return open_early_store(datetime.timedelta(seconds=timeout_s), environ)
