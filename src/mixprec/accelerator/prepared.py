@@ -118,8 +118,6 @@ def patch_forward(module: torch.nn.Module, precision: Precision, ddp: torch.nn.M
     The original bound forward is kept as ``module._mixprec_forward``; ``deepcopy`` rebinds both bound
     methods to the copy, so copies behave.
     """
-    if is_prepared(module):
-        raise ValueError(f"{type(module).__name__} was already prepared; prepare each model once")
     module.__dict__["_mixprec_forward"] = module.forward
     module.__dict__["_mixprec"] = _Prepared(precision, ddp)
     module.__dict__[PREPARED_FLAG] = True

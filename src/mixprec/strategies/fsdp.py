@@ -5,19 +5,17 @@ reduce_dtype=float32)``: parameters are all-gathered in fp16/bf16 (half the traf
 gradients are reduce-scattered in fp32 (in bf16/fp16 with ``comm_dtype``: :mod:`mixprec.strategies.comm`),
 and the sharded master weights and optimizer state stay fp32. The forward *also* runs under the precision's
 autocast, because the policy alone would run every op in the low precision: autocast keeps softmax, norms,
-losses and reductions in fp32, as in the single-process mixed modes. (Under autocast the matmuls' casts are
-no-ops, as the gathered weights already have the compute
-dtype.) One difference remains from DDP with autocast: ops that autocast leaves alone (embedding lookups,
+losses and reductions in fp32, as in the single-process mixed modes (its casts of the matmuls' gathered weights
+are no-ops). One difference remains from DDP with autocast: ops that autocast leaves alone (embedding lookups,
 residual additions) see fp16/bf16 weights here, fp32 ones there; see the tolerance in the tests.
 
 Loss scaling: each process holds different gradient shards, so the scaler's inf check is all-reduced (MAX)
 and every process skips the same steps. ``fully_shard`` replaces parameters by sharded DTensor ones;
 ``prepare`` points optimizers created before it at the new parameters (their state must still be empty).
 
-Works on CPU with gloo (torch 2.13) as on CUDA with nccl. Checkpoints are full (unsharded) state dicts
-gathered on the main process, so they load into any number of processes, or none; with
-``fsdp_state_dict_type="sharded"`` each process writes its own shards instead (:meth:`FSDP2Strategy.save_shards`),
-which load into any number of processes too.
+Works on CPU with gloo (torch 2.13) as on CUDA with nccl. Checkpoints are full state dicts gathered on the main
+process, or with ``fsdp_state_dict_type="sharded"`` each process's shards (:meth:`FSDP2Strategy.save_shards`);
+either loads into any number of processes.
 """
 
 from __future__ import annotations
