@@ -107,7 +107,7 @@ class AcceleratorConfig:
             self.device = launch_env.launcher_device()
         self.cpu = self.cpu or launch_env.launcher_cpu()
         if self.gradient_accumulation_steps == 1:
-            self.gradient_accumulation_steps = launch_env.launcher_accumulation(1)
+            self.gradient_accumulation_steps = launch_env.launcher_accumulation()
         steps = self.gradient_accumulation_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(

@@ -190,7 +190,7 @@ class GradientState:
                 "gradients cannot be unscaled before clipping; pass the optimizer to accelerator.prepare()"
             )
         self.unscale_optimizers(list(found.values()))
-        masters = self._master_map()
+        masters = {i: m for opt in self.optimizers for i, m in master_map(opt.optimizer).items()}
         return [masters.get(id(p), p) for p in params] if masters else params
 
     def unscale_optimizers(self, optimizers: list[PreparedOptimizer] | None = None) -> None:
@@ -208,9 +208,6 @@ class GradientState:
             # a model parameter stepped through its fp32 master belongs to the master's optimizer
             self._owners.update({i: opt for opt in self.optimizers for i in master_map(opt.optimizer)})
         return self._owners
-
-    def _master_map(self) -> dict[int, torch.Tensor]:
-        return {i: m for opt in self.optimizers for i, m in master_map(opt.optimizer).items()}
 
     def forget_owners(self) -> None:
         """Call when an optimizer's parameters change (add_param_group)."""

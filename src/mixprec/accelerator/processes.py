@@ -30,10 +30,6 @@ class Processes:
         self._trigger = False  # set_trigger's flag, lowered by check_trigger
 
     @property
-    def device(self) -> torch.device:
-        return self._strategy.device
-
-    @property
     def num_processes(self) -> int:
         return self._strategy.num_processes
 
@@ -44,7 +40,7 @@ class Processes:
     def gather(self, data: Any) -> Any:
         """Concatenate tensors (nested in dicts/lists) from every process along dim 0; processes may hold
         different numbers of rows. Collective, and a host sync (the row counts)."""
-        return _map_tensors(data, self._strategy.all_gather, self.device)
+        return _map_tensors(data, self._strategy.all_gather, self._strategy.device)
 
     def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
         """:meth:`gather` for an evaluation's outputs, as accelerate's: data that is not all tensors (text
@@ -68,7 +64,7 @@ class Processes:
 
     def reduce(self, data: Any, reduction: str = "sum") -> Any:
         """All-reduce tensors (nested) across processes: "sum", "mean", "max" or "min". Returns new tensors."""
-        return _map_tensors(data, lambda t: self._strategy.all_reduce(t.clone(), reduction), self.device)
+        return _map_tensors(data, lambda t: self._strategy.all_reduce(t.clone(), reduction), self._strategy.device)
 
     def explain_failure(self, err: BaseException) -> BaseException:
         """``err`` itself, or, when it is a collective that failed because a peer died or stopped answering

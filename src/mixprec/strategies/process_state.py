@@ -110,17 +110,13 @@ class PartialState:
         """Block until every process reaches this call (a barrier; returns at once alone)."""
         self._strategy.barrier()
 
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
         """The main process runs the block first (downloads, caches), then the others."""
-        with self._first(self.is_main_process):
-            yield
+        return self._first(self.is_main_process)
 
-    @contextlib.contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
         """The first process of each machine runs the block first, then the others."""
-        with self._first(self.is_local_main_process):
-            yield
+        return self._first(self.is_local_main_process)
 
     @contextlib.contextmanager
     def _first(self, leads: bool) -> Iterator[None]:
