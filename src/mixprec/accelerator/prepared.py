@@ -264,11 +264,9 @@ class PreparedScheduler:
     With ``with_optimizer`` (``Accelerator(step_scheduler_with_optimizer=True)``, the default), ``step()`` does
     nothing on a micro-batch that only accumulates, nor after a step the scaler skipped (inf/NaN gradients;
     right for fused optimizers too, which skip on the device: the decision is read from the scaler's record,
-    which costs no host sync); otherwise it advances ``per_step`` times. ``per_step`` is the number of processes
-    (accelerate's rule: a script sizes its schedule from its DataLoader's length before ``prepare``, and each
-    process then sees 1/N of those batches), or 1 with ``split_batches`` or for a schedule counted in optimizer
-    steps (mixprec's Trainer). Without ``with_optimizer`` (a schedule stepped per epoch, on a metric...),
-    ``step()`` always advances the scheduler, once.
+    which costs no host sync); otherwise it advances ``per_step`` times (see
+    :func:`~mixprec.accelerator.config.scheduler_rule`). Without ``with_optimizer`` (a schedule stepped per
+    epoch, on a metric...), ``step()`` always advances the scheduler, once.
     """
 
     _is_accelerate_prepared = True
@@ -310,16 +308,7 @@ class PreparedScheduler:
             return any(opt.step_was_skipped for opt in self._optimizers)
         return self._gradients.precision.step_was_skipped
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
-
-    def get_last_lr(self) -> list[float]:
-        return self.scheduler.get_last_lr()
-
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # state_dict, load_state_dict, get_last_lr...: the scheduler's own
         if name == "scheduler":
             raise AttributeError(name)
         return getattr(self.scheduler, name)
