@@ -192,7 +192,20 @@ class Preparation:
         device's cache; returns ``[None] * len(objects)`` to assign back (``model, opt = free_memory(model,
         opt)``), as accelerate. Objects registered for checkpointing are kept (a precision watch among them
         still holds the model it watches). A model prepared here before can be prepared again."""
-        release_prepared(self.registry, self._gradients, self._precision, self._strategy.device)
+        for optimizer in self.registry.optimizers:
+            if optimizer.stepper is not None:  # step_in_backward: the parameters stop stepping this optimizer
+                optimizer.stepper.remove()
+        self.registry.models.clear()
+        self.registry.optimizers.clear()
+        self.registry.schedulers.clear()
+        self.registry.dataloaders.clear()
+        self._gradients.forget_optimizers()
+        self._precision.forget_parameters()  # the precision's parameter list too
+        gc.collect()
+        device = self._strategy.device
+        empty = getattr(getattr(torch, device.type, None), "empty_cache", None)
+        if device.type != "cpu" and callable(empty):
+            empty()
         return [None for _ in objects]
 
     @property
@@ -229,24 +242,6 @@ def object_kind(obj: Any, index: int) -> str:
         stacklevel=3,
     )
     return "none"
-
-
-def release_prepared(registry: Registry, gradients: GradientState, precision: Precision, device: torch.device) -> None:
-    """Drop every reference the Accelerator holds to prepared models, optimizers, schedulers and DataLoaders
-    (the precision's parameter list too), collect garbage, and empty the device's cache allocator."""
-    for optimizer in registry.optimizers:
-        if optimizer.stepper is not None:  # step_in_backward: the parameters stop stepping this optimizer
-            optimizer.stepper.remove()
-    registry.models.clear()
-    registry.optimizers.clear()
-    registry.schedulers.clear()
-    registry.dataloaders.clear()
-    gradients.forget_optimizers()
-    precision.forget_parameters()
-    gc.collect()
-    empty = getattr(getattr(torch, device.type, None), "empty_cache", None)
-    if device.type != "cpu" and callable(empty):
-        empty()
 
 
 def check_preparable(model: torch.nn.Module) -> None:

@@ -158,8 +158,7 @@ class ProcessGroupStrategy(DistributedStrategy):
             return None
 
         def agree(words: list[str]) -> list[str]:
-            # any words travel, not only the modes' names: a mask over the candidates' names dropped the race's
-            # own "settled" and "stop", so under several processes every warm-up and race ran to its maximum
+            # any words travel, not only the modes' names (the race's own "settled" and "stop" too)
             return list(self.broadcast_object(list(words), src=0))
 
         return agree
