@@ -127,8 +127,7 @@ class AcceleratorConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, Mapping):
                 raise TypeError(f"Accelerator({name}=...): {name} must be a dict, got {type(value).__name__}")
-        if self.timeout is not None:
-            timeout_delta(self.timeout)  # raises naming the argument
+        timeout_delta(self.timeout)  # raises naming the argument
         if self.fsdp_shard is not None and not callable(self.fsdp_shard):
             raise TypeError("Accelerator(fsdp_shard=...): fsdp_shard must be a callable (module) -> bool")
         if self.fsdp_shard is not None and self.distributed != "fsdp":

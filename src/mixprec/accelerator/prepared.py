@@ -99,10 +99,8 @@ def trial_loss(outputs: Any) -> torch.Tensor:
     the user's loss's does up to the loss function itself."""
     from torch.utils._pytree import tree_leaves
 
-    try:
+    with contextlib.suppress(ValueError):  # no loss of its own
         return extract_loss(outputs)
-    except ValueError:
-        pass
     leaves = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not leaves:
         raise ValueError(
