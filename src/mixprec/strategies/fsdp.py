@@ -58,7 +58,6 @@ class FSDP2Strategy(ProcessGroupStrategy):
         env: LaunchEnv,
         device: torch.device,
         shard: Callable[[torch.nn.Module], bool] | None = None,
-        reshard_after_forward: bool = True,
         timeout: float | None = None,
         sharded_state: bool = False,
         comm: CommPrecision | None = None,
@@ -67,7 +66,6 @@ class FSDP2Strategy(ProcessGroupStrategy):
         self.comm = comm if comm is not None else CommPrecision()
         self.shard = shard
         self.sharded_state = sharded_state
-        self.reshard_after_forward = reshard_after_forward
         self._replaced: dict[int, torch.nn.Parameter] = {}
 
     @property
@@ -90,7 +88,8 @@ class FSDP2Strategy(ProcessGroupStrategy):
         reduce = self.comm.fsdp_reduce_dtype(precision.compute_dtype)  # comm_dtype="bf16": reduce-scatter in bf16
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce)
         mesh = init_device_mesh(self.device.type, (self.num_processes,))
-        options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": self.reshard_after_forward}
+        # every unit, the root too, frees its gathered parameters after forward (torch's default keeps the root's)
+        options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": True}
         for sub in self._units(model):
             fully_shard(sub, **options)
         fully_shard(model, **options)
