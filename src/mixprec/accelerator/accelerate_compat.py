@@ -188,7 +188,7 @@ def _other_fp8(handler: Any, out: HandlerSettings) -> None:
 
 
 def _profile(handler: Any, out: HandlerSettings) -> None:
-    # kept whole: ProfileKwargs builds its own torch.profiler.profile (accelerator.profile(), profiling.py)
+    # kept whole: ProfileKwargs builds its own torch.profiler.profile (see profile() below)
     out.profile = handler
 
 

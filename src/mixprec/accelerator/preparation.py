@@ -200,7 +200,7 @@ class Preparation:
         self.registry.schedulers.clear()
         self.registry.dataloaders.clear()
         self._gradients.forget_optimizers()
-        self._precision.forget_parameters()  # the precision's parameter list too
+        self._precision.forget_parameters()
         gc.collect()
         device = self._strategy.device
         empty = getattr(getattr(torch, device.type, None), "empty_cache", None)

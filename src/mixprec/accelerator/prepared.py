@@ -182,8 +182,7 @@ class PreparedOptimizer(WrappedOptimizer):
         self._gradients = gradients
         self.stepper = stepper  # step_in_backward: the hooks that already stepped each parameter
         self.step_was_skipped = False
-        # an asynchronous save may still be copying the weights and moments: the step waits for it first
-        self._fence = fence
+        self._fence = fence  # an asynchronous save may still be copying the weights and moments: steps wait
 
     @property
     def _is_overflow(self) -> bool:
