@@ -177,7 +177,7 @@ class Accelerator:
         self._checkpoints = CheckpointManager(self._run_state, project)
         self._trackers = Trackers(log_with, project.logging_dir, self._strategy.is_main_process)
         self.state = AcceleratorState(self._strategy, self._precision)
-        self._processes = Processes(self._strategy)
+        self._processes = Processes(self.state, self._strategy)
         self._files = RunFiles(self._checkpoints, self._registry, self._strategy, self._processes)
         self._prepared = Preparation(
             self._registry,

@@ -4,8 +4,8 @@ process can raise. Where this process stands and which process runs a block are 
 delegates to directly.
 
 :class:`Processes` is a part the :class:`~mixprec.accelerator.accelerator.Accelerator` owns and delegates to
-(``accelerator.gather(...)`` is ``accelerator._processes.gather(...)``): it holds the distributed strategy and
-the trigger flag, and no method branches on the kind.
+(``accelerator.gather(...)`` is ``accelerator._processes.gather(...)``): it holds the process state, the
+distributed strategy and the trigger flag, and no method branches on the kind.
 """
 
 from __future__ import annotations
@@ -19,23 +19,25 @@ import torch
 from mixprec import tree as pytree
 
 if TYPE_CHECKING:
+    from mixprec.strategies.process_state import AcceleratorState
     from mixprec.strategies.strategy import DistributedStrategy
 
 
 class Processes:
     """Collectives of an Accelerator (see the module doc)."""
 
-    def __init__(self, strategy: DistributedStrategy) -> None:
+    def __init__(self, state: AcceleratorState, strategy: DistributedStrategy) -> None:
+        self.state = state
         self._strategy = strategy
         self._trigger = False  # set_trigger's flag, lowered by check_trigger
 
     @property
     def num_processes(self) -> int:
-        return self._strategy.num_processes
+        return self.state.num_processes
 
     @property
     def is_main_process(self) -> bool:
-        return self._strategy.is_main_process
+        return self.state.is_main_process
 
     def gather(self, data: Any) -> Any:
         """Concatenate tensors (nested in dicts/lists) from every process along dim 0; processes may hold
