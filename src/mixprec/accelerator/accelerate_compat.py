@@ -12,11 +12,9 @@ accelerate's process-wide state. This module is the one place that translates be
   by class name, so accelerate is never imported to recognise them), or refuses one with the fix;
 - :class:`SharedState` sets up accelerate's ``PartialState`` and ``GradientState`` from the Accelerator's, when
   accelerate is installed (it is imported then, and only then); :func:`autocast_for` reads ``AutocastKwargs``;
-- :func:`profile`: ``accelerator.profile()``. A script passes accelerate's ``ProfileKwargs`` in
-  ``kwargs_handlers``; that object builds its own ``torch.profiler.profile`` (``ProfileKwargs.build()``), so
-  mixprec keeps the handler and lets it build, rather than re-reading each of its fields. Without a handler,
-  torch's defaults profile the CPU (and CUDA where present). With ``output_trace_dir`` set, each process
-  writes a Chrome trace named as accelerate names it (``trace_<process index>.json``), then the processes meet.
+- :func:`profile`: ``accelerator.profile()``. accelerate's ``ProfileKwargs`` builds its own
+  ``torch.profiler.profile`` (``build()``), so mixprec keeps the handler and lets it build, rather than
+  re-reading each of its fields.
 """
 
 from __future__ import annotations
@@ -180,9 +178,8 @@ def _ao_recipe(handler: Any, out: HandlerSettings) -> None:
 
 
 def _fp8_recipe(handler: Any, out: HandlerSettings) -> None:
-    backend = str(getattr(handler, "backend", "")).upper()
-    if backend not in ("AO", "TORCHAO"):
-        _refuse(handler, "mixprec's fp8 runs on torchao only: pass mixed_precision='fp8' and drop the handler")
+    if str(getattr(handler, "backend", "")).upper() not in ("AO", "TORCHAO"):
+        _other_fp8(handler, out)
     _ao_recipe(handler, out)
 
 
@@ -191,7 +188,7 @@ def _other_fp8(handler: Any, out: HandlerSettings) -> None:
 
 
 def _profile(handler: Any, out: HandlerSettings) -> None:
-    # kept whole: ProfileKwargs builds its own torch.profiler.profile (accelerator.profile(), profiling.py)
+    # kept whole: ProfileKwargs builds its own torch.profiler.profile (see profile() below)
     out.profile = handler
 
 
@@ -332,8 +329,10 @@ def profile(
     handler: Any, *, process_index: int, wait_for_everyone: Callable[[], None]
 ) -> Iterator[torch.profiler.profile]:
     """Profile the block; ``handler``: accelerate's ``ProfileKwargs`` (or anything with ``build()`` and
-    ``output_trace_dir``), or None for torch.profiler's defaults. Costs what torch.profiler costs (host syncs
-    on CUDA when the trace is collected)."""
+    ``output_trace_dir``), or None for torch.profiler's defaults (the CPU, and CUDA where present). With
+    ``output_trace_dir``, each process writes a Chrome trace named as accelerate names it
+    (``trace_<process index>.json``), then the processes meet. Costs what torch.profiler costs (host syncs on
+    CUDA when the trace is collected)."""
     profiler = handler.build() if handler is not None else torch.profiler.profile()
     with profiler:
         yield profiler

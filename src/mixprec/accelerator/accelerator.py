@@ -360,33 +360,36 @@ class Accelerator:
         chosen = None if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
         self._gradients.unscale_optimizers(chosen)
 
-    # -- where this process stands, collectives, who runs what: the processes part --------------------
+    # -- where this process stands and who runs what: the process state (accelerator.state) ------------
 
-    distributed_type = delegate("_processes", Processes.distributed_type)
-    num_processes = delegate("_processes", Processes.num_processes)
-    process_index = delegate("_processes", Processes.process_index)
-    local_process_index = delegate("_processes", Processes.local_process_index)
-    is_main_process = delegate("_processes", Processes.is_main_process)
-    is_local_main_process = delegate("_processes", Processes.is_local_main_process)
-    is_last_process = delegate("_processes", Processes.is_last_process)
-    use_distributed = delegate("_processes", Processes.use_distributed)
+    distributed_type = delegate("state", AcceleratorState.distributed_type)
+    num_processes = delegate("state", AcceleratorState.num_processes)
+    process_index = delegate("state", AcceleratorState.process_index)
+    local_process_index = delegate("state", AcceleratorState.local_process_index)
+    is_main_process = delegate("state", AcceleratorState.is_main_process)
+    is_local_main_process = delegate("state", AcceleratorState.is_local_main_process)
+    is_last_process = delegate("state", AcceleratorState.is_last_process)
+    use_distributed = delegate("state", AcceleratorState.use_distributed)
+    wait_for_everyone = delegate("state", AcceleratorState.wait_for_everyone)
+    main_process_first = delegate("state", AcceleratorState.main_process_first)
+    local_main_process_first = delegate("state", AcceleratorState.local_main_process_first)
+    split_between_processes = delegate("state", AcceleratorState.split_between_processes)
+    on_main_process = delegate("state", AcceleratorState.on_main_process)
+    on_local_main_process = delegate("state", AcceleratorState.on_local_main_process)
+    on_last_process = delegate("state", AcceleratorState.on_last_process)
+    on_process = delegate("state", AcceleratorState.on_process)
+    print = delegate("state", AcceleratorState.print)
+
+    # -- collectives, and a flag any process can raise: the processes part -----------------------------
+
     gather = delegate("_processes", Processes.gather)
     gather_for_metrics = delegate("_processes", Processes.gather_for_metrics)
     pad_across_processes = delegate("_processes", Processes.pad_across_processes)
     reduce = delegate("_processes", Processes.reduce)
-    wait_for_everyone = delegate("_processes", Processes.wait_for_everyone)
     explain_failure = delegate("_processes", Processes.explain_failure)
-    main_process_first = delegate("_processes", Processes.main_process_first)
-    local_main_process_first = delegate("_processes", Processes.local_main_process_first)
-    split_between_processes = delegate("_processes", Processes.split_between_processes)
-    on_main_process = delegate("_processes", Processes.on_main_process)
-    on_local_main_process = delegate("_processes", Processes.on_local_main_process)
-    on_last_process = delegate("_processes", Processes.on_last_process)
-    on_process = delegate("_processes", Processes.on_process)
     set_trigger = delegate("_processes", Processes.set_trigger)
     check_trigger = delegate("_processes", Processes.check_trigger)
     save = delegate("_processes", Processes.save)
-    print = delegate("_processes", Processes.print)
 
     # -- checkpoints and weights on disk: the files part, which asks the checkpoint manager ------------
 

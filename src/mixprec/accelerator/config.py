@@ -100,15 +100,14 @@ class AcceleratorConfig:
         if self.mixed_precision is None:
             self.mixed_precision = launch_env.launcher_mixed_precision()
         if self.fp32_ops:
-            try:
-                self.mixed_precision = policy_name(self.mixed_precision, self.fp32_ops)
-            except ValueError as err:
-                raise ValueError(f"Accelerator(fp32_ops={self.fp32_ops!r}): {err}") from None
+            self.mixed_precision = named_argument(
+                lambda: policy_name(self.mixed_precision, self.fp32_ops), self.fp32_ops, "fp32_ops"
+            )
         if self.device is None and not self.cpu:
             self.device = launch_env.launcher_device()
         self.cpu = self.cpu or launch_env.launcher_cpu()
         if self.gradient_accumulation_steps == 1:
-            self.gradient_accumulation_steps = launch_env.launcher_accumulation(1)
+            self.gradient_accumulation_steps = launch_env.launcher_accumulation()
         steps = self.gradient_accumulation_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(
@@ -128,8 +127,7 @@ class AcceleratorConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, Mapping):
                 raise TypeError(f"Accelerator({name}=...): {name} must be a dict, got {type(value).__name__}")
-        if self.timeout is not None:
-            timeout_delta(self.timeout)  # raises naming the argument
+        timeout_delta(self.timeout)  # raises naming the argument
         if self.fsdp_shard is not None and not callable(self.fsdp_shard):
             raise TypeError("Accelerator(fsdp_shard=...): fsdp_shard must be a callable (module) -> bool")
         if self.fsdp_shard is not None and self.distributed != "fsdp":

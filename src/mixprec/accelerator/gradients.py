@@ -174,23 +174,15 @@ class GradientState:
         the tensors holding the step's gradients: ``params``, each fp16/bf16 one with an fp32 master replaced
         by its master (see :mod:`mixprec.precision.master_weights`), so clipping clips what the step uses."""
         owners = self._owner_map()
-        found: dict[int, PreparedOptimizer] = {}
-        orphans = 0
-        for p in params:
-            if p.grad is None:
-                continue
-            owner = owners.get(id(p))
-            if owner is None:
-                orphans += 1
-            else:
-                found[id(owner)] = owner
+        with_grads = [id(p) for p in params if p.grad is not None]
+        orphans = sum(i not in owners for i in with_grads)
         if orphans and self.precision.needs_loss_scaling:
             raise ValueError(
                 f"clip_grad_norm_: {orphans} of these parameters belong to no prepared optimizer, so their "
                 "gradients cannot be unscaled before clipping; pass the optimizer to accelerator.prepare()"
             )
-        self.unscale_optimizers(list(found.values()))
-        masters = self._master_map()
+        self.unscale_optimizers([owners[i] for i in with_grads if i in owners])  # each once: it skips repeats
+        masters = {i: m for opt in self.optimizers for i, m in master_map(opt.optimizer).items()}
         return [masters.get(id(p), p) for p in params] if masters else params
 
     def unscale_optimizers(self, optimizers: list[PreparedOptimizer] | None = None) -> None:
@@ -208,9 +200,6 @@ class GradientState:
             # a model parameter stepped through its fp32 master belongs to the master's optimizer
             self._owners.update({i: opt for opt in self.optimizers for i in master_map(opt.optimizer)})
         return self._owners
-
-    def _master_map(self) -> dict[int, torch.Tensor]:
-        return {i: m for opt in self.optimizers for i, m in master_map(opt.optimizer).items()}
 
     def forget_owners(self) -> None:
         """Call when an optimizer's parameters change (add_param_group)."""

@@ -103,7 +103,7 @@ class Preparation:
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The same module, on the device, its forward under autocast (and DDP/FSDP2 when distributed)."""
         if is_prepared(model):
-            if any(m is model for m in self.registry.models):
+            if self.prepared_here(model):
                 return model
             if prepared_with(model) is self._precision:  # prepared here, then dropped by free_memory
                 self.registry.models.append(model)
@@ -192,7 +192,20 @@ class Preparation:
         device's cache; returns ``[None] * len(objects)`` to assign back (``model, opt = free_memory(model,
         opt)``), as accelerate. Objects registered for checkpointing are kept (a precision watch among them
         still holds the model it watches). A model prepared here before can be prepared again."""
-        release_prepared(self.registry, self._gradients, self._precision, self._strategy.device)
+        for optimizer in self.registry.optimizers:
+            if optimizer.stepper is not None:  # step_in_backward: the parameters stop stepping this optimizer
+                optimizer.stepper.remove()
+        self.registry.models.clear()
+        self.registry.optimizers.clear()
+        self.registry.schedulers.clear()
+        self.registry.dataloaders.clear()
+        self._gradients.forget_optimizers()
+        self._precision.forget_parameters()
+        gc.collect()
+        device = self._strategy.device
+        empty = getattr(getattr(torch, device.type, None), "empty_cache", None)
+        if device.type != "cpu" and callable(empty):
+            empty()
         return [None for _ in objects]
 
     @property
@@ -231,34 +244,11 @@ def object_kind(obj: Any, index: int) -> str:
     return "none"
 
 
-def release_prepared(registry: Registry, gradients: GradientState, precision: Precision, device: torch.device) -> None:
-    """Drop every reference the Accelerator holds to prepared models, optimizers, schedulers and DataLoaders
-    (the precision's parameter list too), collect garbage, and empty the device's cache allocator."""
-    for optimizer in registry.optimizers:
-        if optimizer.stepper is not None:  # step_in_backward: the parameters stop stepping this optimizer
-            optimizer.stepper.remove()
-    registry.models.clear()
-    registry.optimizers.clear()
-    registry.schedulers.clear()
-    registry.dataloaders.clear()
-    gradients.forget_optimizers()
-    precision.forget_parameters()
-    gc.collect()
-    empty = getattr(getattr(torch, device.type, None), "empty_cache", None)
-    if device.type != "cpu" and callable(empty):
-        empty()
-
-
 def check_preparable(model: torch.nn.Module) -> None:
-    # fp16/bf16 parameters are welcome: frozen ones stay as they are, trainable ones get fp32 masters when
-    # the optimizer is prepared (mixprec.precision.master_weights)
-    _check_quantized_placement(model)
-
-
-def _check_quantized_placement(model: torch.nn.Module) -> None:
-    """A model transformers loaded in 8 or 4 bits (bitsandbytes) with parts placed on the CPU or disk
-    (``hf_device_map``) cannot be trained: its offloaded weights have no gradients to step (accelerate
-    refuses it with the same ValueError)."""
+    """Refuse a model transformers loaded in 8 or 4 bits (bitsandbytes) with parts placed on the CPU or disk
+    (``hf_device_map``): its offloaded weights have no gradients to step (accelerate refuses it with the same
+    ValueError). fp16/bf16 parameters are welcome: frozen ones stay as they are, trainable ones get fp32 masters
+    when the optimizer is prepared (:mod:`mixprec.precision.master_weights`)."""
     quantized = getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False)
     device_map = getattr(model, "hf_device_map", None)
     if not quantized or not isinstance(device_map, dict):

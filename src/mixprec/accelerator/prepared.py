@@ -99,10 +99,8 @@ def trial_loss(outputs: Any) -> torch.Tensor:
     the user's loss's does up to the loss function itself."""
     from torch.utils._pytree import tree_leaves
 
-    try:
+    with contextlib.suppress(ValueError):  # no loss of its own
         return extract_loss(outputs)
-    except ValueError:
-        pass
     leaves = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not leaves:
         raise ValueError(
@@ -118,8 +116,6 @@ def patch_forward(module: torch.nn.Module, precision: Precision, ddp: torch.nn.M
     The original bound forward is kept as ``module._mixprec_forward``; ``deepcopy`` rebinds both bound
     methods to the copy, so copies behave.
     """
-    if is_prepared(module):
-        raise ValueError(f"{type(module).__name__} was already prepared; prepare each model once")
     module.__dict__["_mixprec_forward"] = module.forward
     module.__dict__["_mixprec"] = _Prepared(precision, ddp)
     module.__dict__[PREPARED_FLAG] = True
@@ -149,10 +145,8 @@ def release(module: torch.nn.Module) -> None:
             f"{type(module).__name__} is prepared for DDP/FSDP by another Accelerator; in a "
             "distributed run build each model once per Accelerator (e.g. Trainer(model_init=...))"
         )
-    hook = module.__dict__.pop("_mixprec_hook", None)
-    if hook is not None:
-        hook.remove()
-    for key in ("forward", "_mixprec_forward", "_mixprec", PREPARED_FLAG, "no_sync"):
+    strip_forward(module)
+    for key in ("_mixprec_forward", "_mixprec", PREPARED_FLAG, "no_sync"):
         module.__dict__.pop(key, None)
 
 
@@ -188,8 +182,7 @@ class PreparedOptimizer(WrappedOptimizer):
         self._gradients = gradients
         self.stepper = stepper  # step_in_backward: the hooks that already stepped each parameter
         self.step_was_skipped = False
-        # an asynchronous save may still be copying the weights and moments: the step waits for it first
-        self._fence = fence
+        self._fence = fence  # an asynchronous save may still be copying the weights and moments: steps wait
 
     @property
     def _is_overflow(self) -> bool:
@@ -219,10 +212,9 @@ class PreparedOptimizer(WrappedOptimizer):
                 raise ValueError("optimizer.step(closure) with step_in_backward=True: the step ran in backward")
             result = None
             precision.end_step()
-            self.step_was_skipped = precision.step_was_skipped
         else:
             result = precision.optimizer_step(self.optimizer, **kwargs)
-            self.step_was_skipped = precision.step_was_skipped
+        self.step_was_skipped = precision.step_was_skipped
         if self.source is not self.optimizer:
             # torch's LR schedulers warn "scheduler.step() before optimizer.step()" unless the optimizer they
             # were built on flags its steps; a precision that replaced it (bf16-pure) steps another object
@@ -269,11 +261,9 @@ class PreparedScheduler:
     With ``with_optimizer`` (``Accelerator(step_scheduler_with_optimizer=True)``, the default), ``step()`` does
     nothing on a micro-batch that only accumulates, nor after a step the scaler skipped (inf/NaN gradients;
     right for fused optimizers too, which skip on the device: the decision is read from the scaler's record,
-    which costs no host sync); otherwise it advances ``per_step`` times. ``per_step`` is the number of processes
-    (accelerate's rule: a script sizes its schedule from its DataLoader's length before ``prepare``, and each
-    process then sees 1/N of those batches), or 1 with ``split_batches`` or for a schedule counted in optimizer
-    steps (mixprec's Trainer). Without ``with_optimizer`` (a schedule stepped per epoch, on a metric...),
-    ``step()`` always advances the scheduler, once.
+    which costs no host sync); otherwise it advances ``per_step`` times (see
+    :func:`~mixprec.accelerator.config.scheduler_rule`). Without ``with_optimizer`` (a schedule stepped per
+    epoch, on a metric...), ``step()`` always advances the scheduler, once.
     """
 
     _is_accelerate_prepared = True
@@ -315,16 +305,7 @@ class PreparedScheduler:
             return any(opt.step_was_skipped for opt in self._optimizers)
         return self._gradients.precision.step_was_skipped
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
-
-    def get_last_lr(self) -> list[float]:
-        return self.scheduler.get_last_lr()
-
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # state_dict, load_state_dict, get_last_lr...: the scheduler's own
         if name == "scheduler":
             raise AttributeError(name)
         return getattr(self.scheduler, name)

@@ -1,15 +1,15 @@
-"""The Accelerator's processes part, with accelerate's names: where this process stands, collectives over
-nested tensors, which process runs a block, and a flag any process can raise.
+"""The Accelerator's processes part, with accelerate's names: collectives over nested tensors, and a flag any
+process can raise. Where this process stands and which process runs a block are the process state's
+(:class:`~mixprec.strategies.process_state.AcceleratorState`, ``accelerator.state``), which the Accelerator
+delegates to directly.
 
 :class:`Processes` is a part the :class:`~mixprec.accelerator.accelerator.Accelerator` owns and delegates to
-(``accelerator.gather(...)`` is ``accelerator._processes.gather(...)``): it holds the process state
-(:class:`~mixprec.strategies.process_state.AcceleratorState`), the distributed strategy and the trigger flag,
-and no method branches on the kind.
+(``accelerator.gather(...)`` is ``accelerator._processes.gather(...)``): it holds the process state, the
+distributed strategy and the trigger flag, and no method branches on the kind.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -19,13 +19,12 @@ import torch
 from mixprec import tree as pytree
 
 if TYPE_CHECKING:
-    from mixprec.strategies.distributed_type import DistributedType
     from mixprec.strategies.process_state import AcceleratorState
     from mixprec.strategies.strategy import DistributedStrategy
 
 
 class Processes:
-    """Topology, collectives and per-process decorators of an Accelerator (see the module doc)."""
+    """Collectives of an Accelerator (see the module doc)."""
 
     def __init__(self, state: AcceleratorState, strategy: DistributedStrategy) -> None:
         self.state = state
@@ -33,44 +32,17 @@ class Processes:
         self._trigger = False  # set_trigger's flag, lowered by check_trigger
 
     @property
-    def device(self) -> torch.device:
-        return self._strategy.device
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        """``DistributedType.NO`` (one process), ``MULTI_CPU`` / ``MULTI_GPU`` (DDP) or ``FSDP``: accelerate's
-        names and values, so ``acc.distributed_type == accelerate.DistributedType.MULTI_GPU`` holds."""
-        return self.state.distributed_type
-
-    @property
     def num_processes(self) -> int:
-        """How many processes train together (torchrun's WORLD_SIZE; 1 alone)."""
         return self.state.num_processes
 
     @property
-    def process_index(self) -> int:
-        """This process's index among all of them (torchrun's RANK; 0 alone)."""
-        return self.state.process_index
-
-    @property
-    def local_process_index(self) -> int:
-        """This process's index on its machine (torchrun's LOCAL_RANK; 0 alone)."""
-        return self.state.local_process_index
-
-    @property
     def is_main_process(self) -> bool:
-        """Whether this is the main process (rank 0): the one that logs and writes shared files."""
         return self.state.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        """Whether this is the first process on its machine (local rank 0)."""
-        return self.state.is_local_main_process
 
     def gather(self, data: Any) -> Any:
         """Concatenate tensors (nested in dicts/lists) from every process along dim 0; processes may hold
         different numbers of rows. Collective, and a host sync (the row counts)."""
-        return _map_tensors(data, self._strategy.all_gather, self.device)
+        return _map_tensors(data, self._strategy.all_gather, self._strategy.device)
 
     def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
         """:meth:`gather` for an evaluation's outputs, as accelerate's: data that is not all tensors (text
@@ -94,57 +66,13 @@ class Processes:
 
     def reduce(self, data: Any, reduction: str = "sum") -> Any:
         """All-reduce tensors (nested) across processes: "sum", "mean", "max" or "min". Returns new tensors."""
-        return _map_tensors(data, lambda t: self._strategy.all_reduce(t.clone(), reduction), self.device)
-
-    def wait_for_everyone(self) -> None:
-        """Block until every process reaches this call (a barrier; returns at once alone)."""
-        self.state.wait_for_everyone()
+        return _map_tensors(data, lambda t: self._strategy.all_reduce(t.clone(), reduction), self._strategy.device)
 
     def explain_failure(self, err: BaseException) -> BaseException:
         """``err`` itself, or, when it is a collective that failed because a peer died or stopped answering
         within ``timeout``, a :class:`~mixprec.strategies.peers.PeerLostError` naming that rank (asks the
         launcher's store, up to 5 s). ``except Exception as err: raise accelerator.explain_failure(err)``."""
         return self._strategy.explain_failure(err) or err
-
-    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        """The main process runs the block first (downloads, caches), then the others."""
-        return self.state.main_process_first()
-
-    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        """The first process of each machine runs the block first, then the others."""
-        return self.state.local_main_process_first()
-
-    def split_between_processes(
-        self, inputs: Any, apply_padding: bool = False
-    ) -> contextlib.AbstractContextManager[Any]:
-        """This process's contiguous share of ``inputs`` (see :meth:`PartialState.split_between_processes`)."""
-        return self.state.split_between_processes(inputs, apply_padding)
-
-    def on_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        """Decorator: run ``function`` on the main process only."""
-        return self.state.on_main_process(function)
-
-    def on_local_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        """Decorator: run ``function`` on each machine's first process only."""
-        return self.state.on_local_main_process(function)
-
-    def on_last_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        """Decorator: run ``function`` on the last process only."""
-        return self.state.on_last_process(function)
-
-    def on_process(self, function: Callable[..., Any] | None = None, process_index: int | None = None) -> Any:
-        """Decorator: run ``function`` on process ``process_index`` only."""
-        return self.state.on_process(function, process_index=process_index)
-
-    @property
-    def is_last_process(self) -> bool:
-        """Whether this is the process with the highest index."""
-        return self.state.is_last_process
-
-    @property
-    def use_distributed(self) -> bool:
-        """Whether more than one process trains."""
-        return self.state.use_distributed
 
     # -- a flag any process can raise (accelerate's trigger: stop every process together) ---------------
 
@@ -170,10 +98,6 @@ class Processes:
             save_file({k: v.contiguous() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
         else:
             torch.save(obj, f)
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
-        self.state.print(*args, **kwargs)
 
 
 def _map_tensors(data: Any, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> Any:

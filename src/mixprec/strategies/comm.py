@@ -24,9 +24,7 @@ gradients in the loss scale of the step that made them, and one skipped (non-fin
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -61,13 +59,10 @@ class CommPrecision:
         """Whether gradients travel in fewer bits than fp32."""
         return self.wire_dtype != torch.float32
 
-    def ddp_hook(self) -> Callable[[Any, Any], Any] | None:
-        """The DDP communication hook (None: DDP's own fp32 all-reduce, in C++)."""
-        return _HOOKS.get(self.name)
-
     def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Install this setting's hook on a freshly built DDP wrapper (DDP allows one hook per wrapper)."""
-        hook = self.ddp_hook()
+        """Install this setting's communication hook on a freshly built DDP wrapper (DDP allows one hook per
+        wrapper); none for fp32, which DDP all-reduces itself, in C++."""
+        hook = _HOOKS.get(self.name)
         if hook is not None:
             ddp.register_comm_hook(state=None, hook=hook)  # state None: the default (world) process group
 

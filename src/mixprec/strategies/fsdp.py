@@ -5,19 +5,17 @@ reduce_dtype=float32)``: parameters are all-gathered in fp16/bf16 (half the traf
 gradients are reduce-scattered in fp32 (in bf16/fp16 with ``comm_dtype``: :mod:`mixprec.strategies.comm`),
 and the sharded master weights and optimizer state stay fp32. The forward *also* runs under the precision's
 autocast, because the policy alone would run every op in the low precision: autocast keeps softmax, norms,
-losses and reductions in fp32, as in the single-process mixed modes. (Under autocast the matmuls' casts are
-no-ops, as the gathered weights already have the compute
-dtype.) One difference remains from DDP with autocast: ops that autocast leaves alone (embedding lookups,
+losses and reductions in fp32, as in the single-process mixed modes (its casts of the matmuls' gathered weights
+are no-ops). One difference remains from DDP with autocast: ops that autocast leaves alone (embedding lookups,
 residual additions) see fp16/bf16 weights here, fp32 ones there; see the tolerance in the tests.
 
 Loss scaling: each process holds different gradient shards, so the scaler's inf check is all-reduced (MAX)
 and every process skips the same steps. ``fully_shard`` replaces parameters by sharded DTensor ones;
 ``prepare`` points optimizers created before it at the new parameters (their state must still be empty).
 
-Works on CPU with gloo (torch 2.13) as on CUDA with nccl. Checkpoints are full (unsharded) state dicts
-gathered on the main process, so they load into any number of processes, or none; with
-``fsdp_state_dict_type="sharded"`` each process writes its own shards instead (:meth:`FSDP2Strategy.save_shards`),
-which load into any number of processes too.
+Works on CPU with gloo (torch 2.13) as on CUDA with nccl. Checkpoints are full state dicts gathered on the main
+process, or with ``fsdp_state_dict_type="sharded"`` each process's shards (:meth:`FSDP2Strategy.save_shards`);
+either loads into any number of processes.
 """
 
 from __future__ import annotations
@@ -60,7 +58,6 @@ class FSDP2Strategy(ProcessGroupStrategy):
         env: LaunchEnv,
         device: torch.device,
         shard: Callable[[torch.nn.Module], bool] | None = None,
-        reshard_after_forward: bool = True,
         timeout: float | None = None,
         sharded_state: bool = False,
         comm: CommPrecision | None = None,
@@ -69,7 +66,6 @@ class FSDP2Strategy(ProcessGroupStrategy):
         self.comm = comm if comm is not None else CommPrecision()
         self.shard = shard
         self.sharded_state = sharded_state
-        self.reshard_after_forward = reshard_after_forward
         self._replaced: dict[int, torch.nn.Parameter] = {}
 
     @property
@@ -92,7 +88,8 @@ class FSDP2Strategy(ProcessGroupStrategy):
         reduce = self.comm.fsdp_reduce_dtype(precision.compute_dtype)  # comm_dtype="bf16": reduce-scatter in bf16
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce)
         mesh = init_device_mesh(self.device.type, (self.num_processes,))
-        options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": self.reshard_after_forward}
+        # every unit, the root too, frees its gathered parameters after forward (torch's default keeps the root's)
+        options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": True}
         for sub in self._units(model):
             fully_shard(sub, **options)
         fully_shard(model, **options)

@@ -76,35 +76,28 @@ def select_device(device: torch.device | str | None, cpu: bool, env: LaunchEnv) 
     return dev
 
 
-MIXED_PRECISION = "ACCELERATE_MIXED_PRECISION"
-DEVICE = "ACCELERATE_TORCH_DEVICE"
-USE_CPU = "ACCELERATE_USE_CPU"
-ACCUMULATION = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
-
-
 def launcher_mixed_precision(environ: Mapping[str, str] = os.environ) -> str:
     """The launcher's precision name ("no" when it set none); parsed later by the precision registry."""
-    return environ.get(MIXED_PRECISION, "no") or "no"
+    return environ.get("ACCELERATE_MIXED_PRECISION", "no") or "no"
 
 
 def launcher_device(environ: Mapping[str, str] = os.environ) -> str | None:
     """The device the launcher assigned this process, if any."""
-    return environ.get(DEVICE) or None
+    return environ.get("ACCELERATE_TORCH_DEVICE") or None
 
 
 def launcher_cpu(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether the launcher asked for the CPU (``accelerate launch --cpu``)."""
-    return environ.get(USE_CPU, "").strip().lower() in ("1", "true", "yes")
+    return environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes")
 
 
-def launcher_accumulation(default: int, environ: Mapping[str, str] = os.environ) -> int:
-    """The launcher's gradient accumulation steps, when the code left the default of 1."""
-    raw = environ.get(ACCUMULATION)
-    if default != 1 or not raw:
-        return default
+def launcher_accumulation(environ: Mapping[str, str] = os.environ) -> int:
+    """The launcher's gradient accumulation steps (1 when it set none), for code that left the default of 1."""
+    name = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
+    raw = environ.get(name)
+    if not raw:
+        return 1
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(
-            f"{ACCUMULATION}={raw!r}: the launcher's gradient accumulation steps must be an integer"
-        ) from None
+        raise ValueError(f"{name}={raw!r}: the launcher's gradient accumulation steps must be an integer") from None

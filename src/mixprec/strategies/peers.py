@@ -55,11 +55,9 @@ def timeout_delta(seconds: float | None) -> datetime.timedelta:
 def launcher_store(timeout: datetime.timedelta, environ: Mapping[str, str] = os.environ) -> dist.Store | None:
     """The launcher's store, under a prefix of its own for this restart (None: not under torchelastic).
 
-    Why: torchrun's agent keeps ONE store for the whole job (static rendezvous, and c10d's shared store), and
-    ``init_process_group("env://")`` writes its keys there unprefixed. A worker group restarted after a
-    failure then reads the dead group's keys (gloo's peer addresses, the barrier counters): observed here,
-    1 restart in 3 failed with "Gloo connectFullMesh failed ... Connection refused" or hung forever. One
-    prefix per restart makes every worker group start from an empty namespace."""
+    Why: torchrun's agent keeps ONE store for the whole job, where ``init_process_group("env://")`` writes its
+    keys unprefixed, so a restarted worker group read the dead group's (1 restart in 3 failed with "Gloo
+    connectFullMesh failed ... Connection refused" or hung). One prefix per restart: an empty namespace."""
     if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in environ:
         return _opened.get(_launch_key(environ))  # the store rank 0 opened before the group (open_early_store)
     if restarts_allowed_on_several_nodes(environ):  # the nodes' restart counts can differ (restarts.py)

@@ -4,17 +4,13 @@ The process group is set up from the launcher's environment (``torchrun`` sets R
 MASTER_ADDR and MASTER_PORT), so a script needs no ``init_process_group`` of its own. Its collectives
 wait at most ``timeout`` seconds for a peer (:mod:`mixprec.strategies.peers`: 5 minutes by default).
 
-Leaving the group (``close``, from ``Accelerator.end_training()`` or at exit) must not leave a backend
-thread holding a tensor that Python has let go of. gloo runs each collective on a worker thread of its own,
-which drops its reference to the collective's tensors only *after* the caller's ``wait`` has returned. If
-the caller has dropped the tensor by then, torch hands the tensor's Python object to that last C++
-reference, so the worker thread must take the GIL to free it; when that happens after the interpreter has
-begun shutting down, Python ends the thread (``pthread_exit``) in the middle of a C++ destructor and the
-process dies with "terminate called without an active exception" (SIGABRT) after its work is done
-(seen 3 runs in 30 of a 2-process ``mixprec train`` under torchrun: the rank that finished first, right
-after an ``Accelerator.reduce``). So every collective here hands the backend an alias of its tensors
-(``detach()``: the same storage, so results land in the caller's tensor) that this object keeps until the
-backend has let go of it, and ``close`` waits for that before it destroys the group.
+Leaving the group (``close``, from ``Accelerator.end_training()`` or at exit) must not leave a backend thread
+holding a tensor that Python has let go of: gloo's worker thread drops its reference to a collective's tensors
+only *after* the caller's ``wait`` returned, and when that last reference frees the tensor's Python object
+during interpreter shutdown, the thread is ended inside a C++ destructor and the process dies with SIGABRT
+("terminate called without an active exception"; 3 runs in 30 of a 2-process ``mixprec train``). So every
+collective here hands the backend an alias of its tensors (``detach()``: the same storage) that this object
+keeps until the backend has let go of it, and ``close`` waits for that before it destroys the group.
 """
 
 from __future__ import annotations
@@ -162,8 +158,7 @@ class ProcessGroupStrategy(DistributedStrategy):
             return None
 
         def agree(words: list[str]) -> list[str]:
-            # any words travel, not only the modes' names: a mask over the candidates' names dropped the race's
-            # own "settled" and "stop", so under several processes every warm-up and race ran to its maximum
+            # any words travel, not only the modes' names (the race's own "settled" and "stop" too)
             return list(self.broadcast_object(list(words), src=0))
 
         return agree
@@ -183,8 +178,7 @@ class ProcessGroupStrategy(DistributedStrategy):
 
     def close(self, *, wait_for_peers: bool = False) -> None:
         # In this order: every process done with its collectives; the backend's threads done with this
-        # process's tensors (else one may free a tensor's Python object during the interpreter's shutdown:
-        # SIGABRT, see the module doc); only then the group destroyed.
+        # process's tensors (see the module doc); only then the group destroyed.
         if self._owns_group and dist.is_initialized() and wait_for_peers and dist.get_world_size() > 1:
             with contextlib.suppress(Exception):  # after a failure, a peer may be gone: leave anyway
                 dist.barrier()
@@ -199,8 +193,7 @@ class ProcessGroupStrategy(DistributedStrategy):
 
     def _to_backend(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Aliases of ``tensors`` for one collective (the same storage, so its results land in them), kept
-        here until the backend has let go of them: so no backend thread ever frees a tensor's Python
-        object (it would need the GIL, which it cannot take once the interpreter is shutting down)."""
+        here until the backend has let go of them (see the module doc)."""
         self._release_finished()
         aliases = [tensor.detach() for tensor in tensors]
         self._handed.extend(aliases)

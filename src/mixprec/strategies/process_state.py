@@ -81,7 +81,7 @@ class PartialState:
 
     @property
     def is_main_process(self) -> bool:
-        """Whether this is the main process (rank 0)."""
+        """Whether this is the main process (rank 0): the one that logs and writes shared files."""
         return self._strategy.is_main_process
 
     @property
@@ -107,20 +107,16 @@ class PartialState:
     # -- helpers -------------------------------------------------------------------------------------
 
     def wait_for_everyone(self) -> None:
-        """Every process waits here until all have arrived."""
+        """Block until every process reaches this call (a barrier; returns at once alone)."""
         self._strategy.barrier()
 
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
         """The main process runs the block first (downloads, caches), then the others."""
-        with self._first(self.is_main_process):
-            yield
+        return self._first(self.is_main_process)
 
-    @contextlib.contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
         """The first process of each machine runs the block first, then the others."""
-        with self._first(self.is_local_main_process):
-            yield
+        return self._first(self.is_local_main_process)
 
     @contextlib.contextmanager
     def _first(self, leads: bool) -> Iterator[None]:

@@ -18,19 +18,7 @@ if TYPE_CHECKING:
     from mixprec.strategies.comm import CommPrecision
     from mixprec.strategies.launch_env import LaunchEnv
 
-STRATEGIES: dict[str, Callable[..., DistributedStrategy]] = {
-    "ddp": lambda env, device, options: DDPStrategy(
-        env, device, ddp_kwargs=options["ddp_kwargs"], timeout=options["timeout"], comm=options["comm"]
-    ),
-    "fsdp": lambda env, device, options: FSDP2Strategy(
-        env,
-        device,
-        shard=options["fsdp_shard"],
-        sharded_state=options["fsdp_sharded_state"],
-        timeout=options["timeout"],
-        comm=options["comm"],
-    ),
-}
+STRATEGIES: dict[str, type[DistributedStrategy]] = {"ddp": DDPStrategy, "fsdp": FSDP2Strategy}
 """The multi-process kinds ``Accelerator(distributed=...)`` names; one process needs no name."""
 KINDS = tuple(STRATEGIES)
 
@@ -57,11 +45,8 @@ def make_strategy(
     if kind is None:
         timeout_delta(timeout)  # one process waits for no one, but a bad value is still an error
         return DistributedStrategy(env, device)
-    options = {
-        "ddp_kwargs": ddp_kwargs,
-        "fsdp_shard": fsdp_shard,
-        "fsdp_sharded_state": fsdp_sharded_state,
-        "timeout": timeout,
-        "comm": comm,
-    }
-    return STRATEGIES[kind](env, device, options)
+    if kind == "fsdp":
+        return FSDP2Strategy(
+            env, device, shard=fsdp_shard, sharded_state=fsdp_sharded_state, timeout=timeout, comm=comm
+        )
+    return DDPStrategy(env, device, ddp_kwargs=ddp_kwargs, timeout=timeout, comm=comm)

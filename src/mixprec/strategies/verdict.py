@@ -1,18 +1,16 @@
 """The main process's verdict, told to every process before any process group exists.
 
-Some checks run on the main process alone, before the Accelerator joins the process group: ``mixprec train``
-locking its run folder is the one that matters (the lock is an OS file lock, so only one process can hold
-it). When the main process is refused, it exits with a one-line error; the other processes knew nothing
-and went on to join a process group that would never form, waiting there until the collective timeout or
-until the launcher killed them (issue 24: "the folder lock under torchrun reports to every rank").
+Some checks run on the main process alone, before the Accelerator joins the process group (``mixprec train``
+locking its run folder: an OS file lock, which one process holds). Refused, the main process exits with a
+one-line error, and the others would wait in a process group that never forms until the collective timeout
+(issue 24: "the folder lock under torchrun reports to every rank").
 
 :func:`main_decides` runs the check on the main process and writes its outcome (empty: success; else the
-error's type and message) into the launch's key-value store (torchrun's agent's, or the one rank 0 serves
-on MASTER_PORT, which the process group then adopts: :func:`mixprec.strategies.peers.open_early_store`).
+error's type and message) into the launch's key-value store (:func:`mixprec.strategies.peers.open_early_store`).
 The other processes wait for that key and raise the same error; on a failure the main process waits until
 they have read it before it exits, since the launcher stops the others as soon as one process ends. Cost:
 one store round trip per process, no process group. Without a store (one process, no MASTER_ADDR/PORT)
-the check runs on the main process only, as before.
+the check runs on the main process only.
 """
 
 from __future__ import annotations
@@ -52,7 +50,7 @@ def main_decides(
     type with the main process's message; other exceptions are told as :class:`MainProcessRefused`.
     ``name`` names the check (one store key per name and launch attempt)."""
     rank = int(environ.get("RANK", "0"))
-    store = _launcher_store(timeout_s, environ)
+    store = open_early_store(datetime.timedelta(seconds=timeout_s), environ)
     key = _KEY + name
     if rank == 0:
         try:
@@ -60,8 +58,6 @@ def main_decides(
         except BaseException as err:
             if store is not None:
                 store.set(key, f"{type(err).__name__}{_SEP}{err}")
-                # before exiting: the launcher stops the others as soon as this process ends, maybe before
-                # they read the verdict (they may still be loading data)
                 _wait_until_told(store, key, int(environ["WORLD_SIZE"]) - 1, min(timeout_s, TOLD_WAIT_S))
             raise
         if store is not None:
@@ -90,7 +86,3 @@ def _wait_until_told(store, key: str, others: int, timeout_s: float) -> None:  #
 def _with_subclasses(errors: tuple[type[Exception], ...]) -> list[type[Exception]]:
     """``errors`` and their direct subclasses (OSError: PermissionError, FileExistsError...)."""
     return [sub for error in errors for sub in (error, *error.__subclasses__())]
-
-
-def _launcher_store(timeout_s: float, environ: Mapping[str, str]):  # noqa: ANN202 - a torch Store or None
-    return open_early_store(datetime.timedelta(seconds=timeout_s), environ)
