@@ -45,11 +45,6 @@ class BackgroundWriter:
         # idle writer of its own, with no buffers yet
         return (BackgroundWriter, ())
 
-    @property
-    def busy(self) -> bool:
-        """Whether a job is still running (no wait)."""
-        return self._worker.busy
-
     def submit(self, job: Callable[[], object], name: str = "mixprec-save", *, reads_live: bool = False) -> None:
         """Run ``job()`` in the background, once the previous job has finished. Raises the previous job's
         error instead (the new job is then not started). Costs the caller a lock and a notify, no thread start
@@ -89,11 +84,6 @@ class _Worker:
         # the job in flight still reads live tensors (set by the caller's own put(), so the caller never misses
         # it; cleared under the lock, so a caller that saw it set waits on the condition)
         self.reading = False
-
-    @property
-    def busy(self) -> bool:
-        with self._cond:
-            return self._job is not None
 
     def put(self, job: Callable[[], object], name: str, reads_live: bool = False) -> bool:
         """Hand ``job`` to the thread (started if need be); False when no thread can run it (exiting)."""

@@ -108,8 +108,8 @@ def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     return files
 
 
-def verify_manifest(folder: str | os.PathLike[str], *, skip: frozenset[str] = frozenset()) -> str | None:
-    """Check every file the manifest lists (except ``skip``): present, the same size, the same SHA-256.
+def verify_manifest(folder: str | os.PathLike[str]) -> str | None:
+    """Check every file the manifest lists: present, the same size, the same SHA-256.
 
     Returns None when everything matches, :data:`NO_MANIFEST` for a folder without one, else one phrase
     naming the first bad file and what is wrong ("rng_state_0.pt is missing", "scheduler.pt has 812 bytes,
@@ -123,8 +123,6 @@ def verify_manifest(folder: str | os.PathLike[str], *, skip: frozenset[str] = fr
     if files is None:
         return NO_MANIFEST
     for rel, entry in files.items():
-        if rel in skip:
-            continue
         path = folder / rel
         try:
             size = path.stat().st_size
