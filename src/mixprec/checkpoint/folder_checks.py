@@ -131,10 +131,11 @@ def check_optimizer_fits(optimizer: torch.optim.Optimizer, state: Any, file: Pat
     if not isinstance(groups, list) or not isinstance(state.get("state"), dict):
         raise CheckpointError(f"{file} is not an optimizer state (no param_groups/state)")
     sizes = [len(g.get("params", ())) for g in groups]
-    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
+    mine = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != mine:
         raise CheckpointError(
-            f"{file} holds parameter groups of sizes {sizes}, the prepared optimizer "
-            f"{[len(g['params']) for g in optimizer.param_groups]}; prepare the same optimizer as was saved"
+            f"{file} holds parameter groups of sizes {sizes}, the prepared optimizer {mine}; prepare the same "
+            "optimizer as was saved"
         )
 
 

@@ -274,13 +274,13 @@ class PrecisionWatch:
                 self._on_numerics(step, skipped)
             if skipped:
                 grads = [] if optimizer is None else _named_grads(self.model, optimizer)
-                replay_scale = scale / self._replay_divisor
+                replay_scale = self._replay_scale(scale)
                 att = attribute_skip(self.model, self._recorder, step, replay_scale, grads, self._can_replay)
                 self._on_skip(dataclasses.replace(att, loss_scale=scale))
                 if self._capsules:
                     # a gradient that overflowed only in backward above scale 1: the scaler's routine backoff
                     backoff = scale if att.phase == "backward" and scale > 1 else None
-                    written = self._bad.on_skipped(step, self._replay_scale(scale), backoff)
+                    written = self._bad.on_skipped(step, replay_scale, backoff)
                     if written is not None:
                         self._emit("capsule", step, written)
         finally:
