@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mixprec.checkpoint.atomic import write_atomically
+from mixprec.checkpoint.atomic import abort, commit, write_atomically
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -90,6 +90,20 @@ def write_manifest(folder: str | os.PathLike[str], hasher: BackgroundHasher | No
     files = {rel: {"size": (folder / rel).stat().st_size, ALGORITHM: digest(folder / rel)} for rel in _files(folder)}
     text = json.dumps({"format": FORMAT, "algorithm": ALGORITHM, "files": files}, indent=1) + "\n"
     return write_atomically(folder / MANIFEST, lambda p: Path(p).write_text(text, encoding="utf-8"))
+
+
+def seal(tmp: Path, target: Path, hasher: BackgroundHasher | None = None) -> Path:
+    """Write the manifest of the finished temporary folder ``tmp``, last, then rename it into place as ``target``
+    (:func:`~mixprec.checkpoint.atomic.commit`); on a failure ``tmp`` is thrown away. Closes ``hasher``."""
+    try:
+        write_manifest(tmp, hasher)
+        return commit(tmp, target)
+    except BaseException:
+        abort(tmp)
+        raise
+    finally:
+        if hasher is not None:
+            hasher.close()
 
 
 def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
