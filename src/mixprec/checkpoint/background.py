@@ -14,10 +14,9 @@ dropped. A failed write is kept and raised by the next :meth:`wait` (the next sa
 never lost.
 
 A job may read live tensors after :meth:`submit` returns (the save's host copy, made on the writer so that it
-overlaps the next forward and backward, which only read the weights and moments): it is submitted with
-``reads_live=True`` and calls :meth:`release` once it is done with them. Until then :meth:`fence` blocks; every
-call that changes those tensors through mixprec (the prepared optimizer's step, the step in backward, the LR
-scheduler's step) calls it first.
+overlaps the next forward and backward, which only read the weights and moments): until it calls
+:meth:`release`, :meth:`fence` blocks, and every call that changes those tensors through mixprec (the prepared
+optimizer's step, the step in backward, the LR scheduler's step) calls it first.
 """
 
 from __future__ import annotations
