@@ -53,15 +53,12 @@ def looks_complete(path: str | os.PathLike[str], required: Iterable[str] = (), l
         return False
     if files is None:
         return path.is_dir() and all((path / name).is_file() for name in (tuple(legacy) or tuple(required)))
-    if not all(name in files for name in required):
+    try:
+        return all(name in files for name in required) and all(
+            (path / rel).stat().st_size == entry.get("size") for rel, entry in files.items()
+        )
+    except (OSError, AttributeError):  # a listed file gone, or an entry that is not a table
         return False
-    for rel, entry in files.items():
-        try:
-            if (path / rel).stat().st_size != entry.get("size"):
-                return False
-        except (OSError, AttributeError):
-            return False
-    return True
 
 
 class NumberedFolders:

@@ -70,9 +70,9 @@ class PrecisionWatch:
     """
 
     def __init__(self, config: WatchConfig | int | str | dict | None = None, **settings: Any) -> None:
-        if settings:
-            config = WatchConfig(**settings) if config is None else WatchConfig(**{**_as_dict(config), **settings})
         parsed = WatchConfig.parse(config if config is not None else "watch", "PrecisionWatch(config=...)")
+        if settings:  # keyword settings override the config's (an "off" config included)
+            parsed = dataclasses.replace(parsed or WatchConfig(), **settings)
         if parsed is None:
             raise ValueError("PrecisionWatch(config=...): the setting turns the watch off; don't build one")
         self.config: WatchConfig = parsed
@@ -438,11 +438,6 @@ class PrecisionWatch:
         if self.fallbacks:
             names = ", ".join(f["module"] for f in self.fallbacks)
             logger.info("precision watch: resumed with fp32 fallback for %s", names)
-
-
-def _as_dict(config: Any) -> dict[str, Any]:
-    parsed = WatchConfig.parse(config, "PrecisionWatch(config=...)")
-    return {} if parsed is None else dict(vars(parsed))
 
 
 def _named_grads(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor | None]]:
