@@ -392,7 +392,7 @@ class PrecisionWatch:
 
     def summary_lines(self) -> list[str]:
         """The watch's lines in the run's summary (:func:`~mixprec.watch.summary_text.summary_lines`)."""
-        return summary_lines(self.summary(), self.warnings, self.skip_counts, self.fallbacks, self.numerics_warnings)
+        return summary_lines(self.summary(), self.numerics_warnings)
 
     def plot(self, path: str | Path) -> Path:
         """Write the per-layer headroom plot of the samples kept in memory (see :mod:`mixprec.watch.plot`)."""
