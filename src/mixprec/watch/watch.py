@@ -365,14 +365,9 @@ class PrecisionWatch:
 
     def summary(self) -> dict[str, Any]:
         """What the watch saw: JSON-ready, for train_summary.json."""
-        lowest: dict[str, float] = {}
         fallen = {f["module"] for f in self.fallbacks}
-        for s in self.samples:
-            if s.skipped:
-                continue
-            for r in s.layers:
-                if r.act_headroom is not None and r.name not in fallen:
-                    lowest[r.name] = min(lowest.get(r.name, r.act_headroom), r.act_headroom)
+        drawn = series_from_samples(self.samples)["act_headroom"]  # the plot's: skipped steps left out
+        lowest = {name: min(v for _, v in points) for name, points in drawn.items() if name not in fallen}
         tightest = sorted(lowest.items(), key=lambda kv: kv[1])[:5]
         return {
             "every": self.config.every,
