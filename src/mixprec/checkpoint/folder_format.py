@@ -238,9 +238,7 @@ def _agree(strategy: StateStrategy, error: BaseException | None, target: Path, t
         return
     if strategy.is_main_process and tmp is not None:
         abort(tmp)
-    if error is not None:
-        raise error
-    raise CheckpointError(
+    raise error or CheckpointError(
         f"save_state({str(target)!r}): another process failed to write its part; the previous state is intact"
     )
 
@@ -313,9 +311,9 @@ def load_state(run: RunState, input_dir: str | Path) -> dict[str, Any]:
     except Exception as err:
         error = err
     if not strategy.all_true(error is None):
-        if error is not None:
-            raise error
-        raise CheckpointError(f"load_state({str(path)!r}): another process could not read its part; nothing was loaded")
+        raise error or CheckpointError(
+            f"load_state({str(path)!r}): another process could not read its part; nothing was loaded"
+        )
     assert loaded is not None
     _apply(run, loaded)
     strategy.barrier()

@@ -202,12 +202,8 @@ class CheckpointManager:
         strategy = self._run().strategy
         error = self._writer.wait() if strategy.is_main_process else None
         if not strategy.all_true(error is None):
-            raise (
-                error
-                if error is not None
-                else CheckpointError(
-                    "an asynchronous save_state failed on the main process (see its error); the previous one is intact"
-                )
+            raise error or CheckpointError(
+                "an asynchronous save_state failed on the main process (see its error); the previous one is intact"
             )
 
     def _pre_hook(self, models: list[torch.nn.Module]) -> Callable[[Path, list[Any]], None]:
