@@ -137,18 +137,14 @@ def verify_manifest(folder: str | os.PathLike[str]) -> str | None:
     if files is None:
         return NO_MANIFEST
     for rel, entry in files.items():
-        path = folder / rel
+        expected = entry.get("size") if isinstance(entry, dict) else "?"
         try:
-            size = path.stat().st_size
+            size = (folder / rel).stat().st_size
+            if size != expected:
+                return f"{rel} has {size} bytes, the manifest says {expected} (truncated or overwritten)"
+            digest = file_digest(folder / rel)
         except FileNotFoundError:
             return f"{rel} is missing"
-        except OSError as err:
-            return f"{rel} cannot be read ({err.strerror or err})"
-        expected = entry.get("size") if isinstance(entry, dict) else "?"
-        if size != expected:
-            return f"{rel} has {size} bytes, the manifest says {expected} (truncated or overwritten)"
-        try:
-            digest = file_digest(path)
         except OSError as err:
             return f"{rel} cannot be read ({err.strerror or err})"
         if digest != entry.get(ALGORITHM):

@@ -71,16 +71,9 @@ def plot_headroom(series: Series, path: Path, fmt: str, marks: dict[str, list[tu
     for step, layer in marks.get("warning", []):
         if step >= 0:
             _mark(top, step, f"warning: {layer}", "darkorange", at_top=True, color="orange", ls="--", lw=1)
-    skips = marks.get("skip", [])
+    skips = [step for step, _ in marks.get("skip", [])]
     if skips:
-        top.scatter(
-            [s for s, _ in skips],
-            [0.0] * len(skips),
-            color="red",
-            marker="x",
-            zorder=4,
-            label=f"skipped step ({len(skips)})",
-        )
+        top.scatter(skips, [0.0] * len(skips), color="red", marker="x", zorder=4, label=f"skipped step ({len(skips)})")
     for step, layer in marks.get("fallback", []):
         _mark(top, step, f"fp32 fallback: {layer}", "green", at_top=False, color="green", lw=1.5)
     top.set_title(f"precision watch: per-layer headroom against {fmt}")
