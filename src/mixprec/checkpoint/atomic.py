@@ -191,9 +191,8 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
     except OSError:  # Windows
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 

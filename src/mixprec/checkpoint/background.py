@@ -14,10 +14,9 @@ dropped. A failed write is kept and raised by the next :meth:`wait` (the next sa
 never lost.
 
 A job may read live tensors after :meth:`submit` returns (the save's host copy, made on the writer so that it
-overlaps the next forward and backward, which only read the weights and moments): it is submitted with
-``reads_live=True`` and calls :meth:`release` once it is done with them. Until then :meth:`fence` blocks; every
-call that changes those tensors through mixprec (the prepared optimizer's step, the step in backward, the LR
-scheduler's step) calls it first.
+overlaps the next forward and backward, which only read the weights and moments): until it calls
+:meth:`release`, :meth:`fence` blocks, and every call that changes those tensors through mixprec (the prepared
+optimizer's step, the step in backward, the LR scheduler's step) calls it first.
 """
 
 from __future__ import annotations
@@ -44,11 +43,6 @@ class BackgroundWriter:
         # an Accelerator pickles (accelerate's scripts copy it); a lock and a thread do not: the copy gets an
         # idle writer of its own, with no buffers yet
         return (BackgroundWriter, ())
-
-    @property
-    def busy(self) -> bool:
-        """Whether a job is still running (no wait)."""
-        return self._worker.busy
 
     def submit(self, job: Callable[[], object], name: str = "mixprec-save", *, reads_live: bool = False) -> None:
         """Run ``job()`` in the background, once the previous job has finished. Raises the previous job's
@@ -89,11 +83,6 @@ class _Worker:
         # the job in flight still reads live tensors (set by the caller's own put(), so the caller never misses
         # it; cleared under the lock, so a caller that saw it set waits on the condition)
         self.reading = False
-
-    @property
-    def busy(self) -> bool:
-        with self._cond:
-            return self._job is not None
 
     def put(self, job: Callable[[], object], name: str, reads_live: bool = False) -> bool:
         """Hand ``job`` to the thread (started if need be); False when no thread can run it (exiting)."""

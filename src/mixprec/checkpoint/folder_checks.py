@@ -4,13 +4,9 @@ changes anything (issue 14, fault 4). The layout is described in :mod:`mixprec.c
 - :class:`Registry` / :class:`RunState`: the objects a folder holds the state of; the strategy, precision
   and accumulation counter are passed in and used through the small protocols below (checkpoint/ is the
   bottom floor: it imports nothing of the accelerator's, the strategies' or the precisions');
-- :func:`read_everything`: every file read and checked into a :class:`Loaded`, nothing changed yet;
-
-- :func:`folder_problem` / :func:`check_folder`: the folder is complete and intact (its manifest verifies;
-  a folder written before manifests is accepted, with a warning, when its metadata and RNG file are there);
-- :func:`check_model_fits` / :func:`check_optimizer_fits`: the state fits the prepared objects, checked
-  before loading because ``Module.load_state_dict`` copies the entries that match before it complains
-  about the others, which would leave a half-loaded model.
+- :func:`read_everything`: every file read and checked into a :class:`Loaded`, nothing changed yet: the
+  folder is intact (:func:`folder_problem`), and its state fits the prepared objects
+  (:func:`check_model_fits`, :func:`check_optimizer_fits`).
 """
 
 from __future__ import annotations
@@ -131,10 +127,11 @@ def check_optimizer_fits(optimizer: torch.optim.Optimizer, state: Any, file: Pat
     if not isinstance(groups, list) or not isinstance(state.get("state"), dict):
         raise CheckpointError(f"{file} is not an optimizer state (no param_groups/state)")
     sizes = [len(g.get("params", ())) for g in groups]
-    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
+    mine = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != mine:
         raise CheckpointError(
-            f"{file} holds parameter groups of sizes {sizes}, the prepared optimizer "
-            f"{[len(g['params']) for g in optimizer.param_groups]}; prepare the same optimizer as was saved"
+            f"{file} holds parameter groups of sizes {sizes}, the prepared optimizer {mine}; prepare the same "
+            "optimizer as was saved"
         )
 
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from mixprec.checkpoint.atomic import abort, begin, commit, recover, temp_path
+from mixprec.checkpoint.atomic import abort, begin, recover, temp_path
 from mixprec.checkpoint.background import BackgroundWriter
 from mixprec.checkpoint.folder_checks import (
     FORMAT,
@@ -62,7 +62,7 @@ from mixprec.checkpoint.folder_checks import (
     name_of,
     read_everything,
 )
-from mixprec.checkpoint.manifest import BackgroundHasher, write_manifest
+from mixprec.checkpoint.manifest import BackgroundHasher, seal
 from mixprec.checkpoint.model_part import completed, saved_part
 from mixprec.checkpoint.rng import rng_snapshot, rng_state, set_rng_state
 from mixprec.checkpoint.safe_files import CheckpointError, save_json, save_tensors, save_torch
@@ -186,7 +186,7 @@ def save_state(
     error = None
     if main:
         try:
-            _seal(tmp, target, hasher)
+            seal(tmp, target, hasher)  # once every process's files are in
         except Exception as err:
             error = err
     _agree(strategy, error, target, None)
@@ -217,22 +217,9 @@ def _finish(
     except BaseException:
         abort(tmp)
         raise
-    _seal(tmp, target, None)
+    seal(tmp, target)
     if landed is not None:  # only now may older folders go (the pruning): this one is complete on disk
         landed()
-
-
-def _seal(tmp: Path, target: Path, hasher: BackgroundHasher | None) -> None:
-    """The manifest, last, once every process's files are in; then the rename into place."""
-    try:
-        write_manifest(tmp, hasher)
-        commit(tmp, target)
-    except BaseException:
-        abort(tmp)
-        raise
-    finally:
-        if hasher is not None:
-            hasher.close()
 
 
 def _save_tag(strategy: StateStrategy) -> str:
@@ -251,9 +238,7 @@ def _agree(strategy: StateStrategy, error: BaseException | None, target: Path, t
         return
     if strategy.is_main_process and tmp is not None:
         abort(tmp)
-    if error is not None:
-        raise error
-    raise CheckpointError(
+    raise error or CheckpointError(
         f"save_state({str(target)!r}): another process failed to write its part; the previous state is intact"
     )
 
@@ -326,9 +311,9 @@ def load_state(run: RunState, input_dir: str | Path) -> dict[str, Any]:
     except Exception as err:
         error = err
     if not strategy.all_true(error is None):
-        if error is not None:
-            raise error
-        raise CheckpointError(f"load_state({str(path)!r}): another process could not read its part; nothing was loaded")
+        raise error or CheckpointError(
+            f"load_state({str(path)!r}): another process could not read its part; nothing was loaded"
+        )
     assert loaded is not None
     _apply(run, loaded)
     strategy.barrier()

@@ -5,19 +5,10 @@ Both namings of mixprec go through :class:`NumberedFolders`, so they cannot drif
 ``<output_dir>/checkpoint-<step>`` (:func:`trainer_folders`: the Trainer, the command line's run folders and the
 watch's capsules all list through it) and the Accelerator's automatic
 ``<project_dir>/checkpoints/checkpoint_<n>`` (:func:`automatic_folders`, accelerate's name). The rules are the
-same for both:
-
-- listing skips a folder that is not complete, by a cheap check that reads no file's bytes (every file its
-  manifest lists is there with the listed size; a folder written before manifests needs its ``legacy`` files);
-- :meth:`NumberedFolders.recover` finishes commits a crash interrupted between the two renames of
-  :func:`mixprec.checkpoint.atomic.commit`;
-- :meth:`NumberedFolders.find_resumable` is THE listing for a resume: the newest folder whose every byte
-  verifies (:func:`~mixprec.checkpoint.folder_checks.folder_problem`), each newer one skipped with its reason;
-- :meth:`NumberedFolders.prune` is the one keep-k policy. The checkpoint manager
-  (:mod:`mixprec.checkpoint.manager`) runs it on its writer thread once the new folder has landed (a crash
-  before it leaves one folder too many, never one too few); it keeps ``keep`` complete folders (the newest,
-  and a protected one), and renames each doomed folder out of the numbered namespace before deleting it, so a
-  kill mid-delete never leaves a damaged folder that looks like a checkpoint.
+same for both: listing skips a folder that does not look complete (:func:`looks_complete`: sizes, no bytes
+read), a resume takes the newest folder whose every byte verifies (:meth:`NumberedFolders.find_resumable`), and
+:meth:`NumberedFolders.prune` is the one keep-k policy, run once the new folder has landed (a crash before it
+leaves one folder too many, never one too few).
 """
 
 from __future__ import annotations
@@ -62,15 +53,12 @@ def looks_complete(path: str | os.PathLike[str], required: Iterable[str] = (), l
         return False
     if files is None:
         return path.is_dir() and all((path / name).is_file() for name in (tuple(legacy) or tuple(required)))
-    if not all(name in files for name in required):
+    try:
+        return all(name in files for name in required) and all(
+            (path / rel).stat().st_size == entry.get("size") for rel, entry in files.items()
+        )
+    except (OSError, AttributeError):  # a listed file gone, or an entry that is not a table
         return False
-    for rel, entry in files.items():
-        try:
-            if (path / rel).stat().st_size != entry.get("size"):
-                return False
-        except (OSError, AttributeError):
-            return False
-    return True
 
 
 class NumberedFolders:

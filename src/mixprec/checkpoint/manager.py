@@ -7,18 +7,14 @@ resume all go through it:
 - the numbering: accelerate's automatic naming from the project settings (``save_state()`` with no path
   writes ``<project_dir>/checkpoints/checkpoint_<iteration>``, ``load_state()`` reads the newest complete
   one); the Trainer passes its own naming (:func:`~mixprec.checkpoint.folders.trainer_folders`) with a save;
-- keep-k pruning (:meth:`NumberedFolders.prune <mixprec.checkpoint.folders.NumberedFolders.prune>`, the one
-  policy), run on the writer thread once the new folder has landed, for an asynchronous save as for a
-  synchronous one: the training thread never deletes, and a folder is never deleted before its successor is
-  committed (a crash in between leaves one folder too many, never one too few);
-- the save/load pre-hooks, as accelerate's (``register_save_state_pre_hook``).
-
-Hooks, as in accelerate: ``save_hook(models, weights, output_dir)`` runs before the state is written and may
-add files to ``output_dir``; here that is the unfinished folder, so its files are part of the atomic save
-and of the manifest. It runs on the main process only (where a file should be written once). A hook that
-removes entries from ``weights`` (to save a model its own way, as diffusers' do) is refused, as is a load
-hook that removes models: every prepared model is saved and loaded with the rest of the state.
-``load_hook(models, input_dir)`` runs on every process before anything is loaded.
+- keep-k pruning (:meth:`NumberedFolders.prune <mixprec.checkpoint.folders.NumberedFolders.prune>`), on the
+  writer thread once the new folder has landed, for an asynchronous save as for a synchronous one: the
+  training thread never deletes;
+- the save/load pre-hooks, as accelerate's. ``save_hook(models, weights, output_dir)`` runs on the main
+  process before the state is written; ``output_dir`` is the unfinished folder, so the files it adds are part
+  of the atomic save and of the manifest. A hook that removes entries from ``weights`` (to save a model its
+  own way, as diffusers' do) is refused, as is a load hook that removes models: every prepared model is saved
+  and loaded with the rest of the state. ``load_hook(models, input_dir)`` runs on every process first.
 
 Differences from accelerate's naming, both for crash safety: the oldest checkpoints are pruned *after* the new
 one is committed (accelerate deletes first, so a crash mid-save could leave fewer than ``total_limit``, or
@@ -206,12 +202,8 @@ class CheckpointManager:
         strategy = self._run().strategy
         error = self._writer.wait() if strategy.is_main_process else None
         if not strategy.all_true(error is None):
-            raise (
-                error
-                if error is not None
-                else CheckpointError(
-                    "an asynchronous save_state failed on the main process (see its error); the previous one is intact"
-                )
+            raise error or CheckpointError(
+                "an asynchronous save_state failed on the main process (see its error); the previous one is intact"
             )
 
     def _pre_hook(self, models: list[torch.nn.Module]) -> Callable[[Path, list[Any]], None]:

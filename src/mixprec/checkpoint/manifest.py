@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mixprec.checkpoint.atomic import write_atomically
+from mixprec.checkpoint.atomic import abort, commit, write_atomically
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -92,6 +92,20 @@ def write_manifest(folder: str | os.PathLike[str], hasher: BackgroundHasher | No
     return write_atomically(folder / MANIFEST, lambda p: Path(p).write_text(text, encoding="utf-8"))
 
 
+def seal(tmp: Path, target: Path, hasher: BackgroundHasher | None = None) -> Path:
+    """Write the manifest of the finished temporary folder ``tmp``, last, then rename it into place as ``target``
+    (:func:`~mixprec.checkpoint.atomic.commit`); on a failure ``tmp`` is thrown away. Closes ``hasher``."""
+    try:
+        write_manifest(tmp, hasher)
+        return commit(tmp, target)
+    except BaseException:
+        abort(tmp)
+        raise
+    finally:
+        if hasher is not None:
+            hasher.close()
+
+
 def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The manifest's ``files`` table, or None when the folder has no manifest. Raises ValueError (saying
     what is wrong) for a manifest that is not one."""
@@ -108,8 +122,8 @@ def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     return files
 
 
-def verify_manifest(folder: str | os.PathLike[str], *, skip: frozenset[str] = frozenset()) -> str | None:
-    """Check every file the manifest lists (except ``skip``): present, the same size, the same SHA-256.
+def verify_manifest(folder: str | os.PathLike[str]) -> str | None:
+    """Check every file the manifest lists: present, the same size, the same SHA-256.
 
     Returns None when everything matches, :data:`NO_MANIFEST` for a folder without one, else one phrase
     naming the first bad file and what is wrong ("rng_state_0.pt is missing", "scheduler.pt has 812 bytes,
@@ -123,20 +137,14 @@ def verify_manifest(folder: str | os.PathLike[str], *, skip: frozenset[str] = fr
     if files is None:
         return NO_MANIFEST
     for rel, entry in files.items():
-        if rel in skip:
-            continue
-        path = folder / rel
+        expected = entry.get("size") if isinstance(entry, dict) else "?"
         try:
-            size = path.stat().st_size
+            size = (folder / rel).stat().st_size
+            if size != expected:
+                return f"{rel} has {size} bytes, the manifest says {expected} (truncated or overwritten)"
+            digest = file_digest(folder / rel)
         except FileNotFoundError:
             return f"{rel} is missing"
-        except OSError as err:
-            return f"{rel} cannot be read ({err.strerror or err})"
-        expected = entry.get("size") if isinstance(entry, dict) else "?"
-        if size != expected:
-            return f"{rel} has {size} bytes, the manifest says {expected} (truncated or overwritten)"
-        try:
-            digest = file_digest(path)
         except OSError as err:
             return f"{rel} cannot be read ({err.strerror or err})"
         if digest != entry.get(ALGORITHM):

@@ -18,7 +18,8 @@ import torch
 def saved_keys(model: torch.nn.Module) -> set[str] | None:
     """The state-dict keys a checkpoint of ``model`` holds: its trainable parameters' for a peft model (whose
     frozen base is loaded from its own folder); None for every other model (all of them)."""
-    if not _is_peft_model(model):
+    # peft is not imported for this: a PeftModel is a peft class holding a peft_config
+    if not (type(model).__module__.startswith("peft.") and hasattr(model, "peft_config")):
         return None
     return {name for name, p in model.named_parameters() if p.requires_grad}
 
@@ -36,13 +37,7 @@ def completed(strategy: Any, model: torch.nn.Module, state: dict[str, torch.Tens
     itself, through the distributed strategy's ``model_state_dict``, so that loading it changes only what was
     saved. Collective under FSDP2 (the model's full state is gathered); elsewhere the entries are the model's
     own tensors, not copies."""
-    keys = saved_keys(model)
-    if keys is None:
+    if saved_keys(model) is None:
         return state
     full = strategy.model_state_dict(model)  # every process calls it: a collective under FSDP2
     return state if full is None else {**full, **state}
-
-
-def _is_peft_model(model: torch.nn.Module) -> bool:
-    # peft is not imported for this: a PeftModel is a peft class holding a peft_config
-    return type(model).__module__.startswith("peft.") and hasattr(model, "peft_config")

@@ -59,7 +59,5 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((npy["kind"], keys, int(npy["pos"]), int(npy["has_gauss"]), float(npy["cached_gaussian"])))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        cuda_states = list(state["cuda"])
-        count = min(len(cuda_states), torch.cuda.device_count())
-        for index in range(count):
-            torch.cuda.set_rng_state(cuda_states[index], index)
+        for index, cuda_state in enumerate(list(state["cuda"])[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, index)

@@ -137,10 +137,9 @@ def load_torch(path: str | os.PathLike[str], map_location: torch.device | str = 
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UnsafeCheckpointError(
             f"refusing to load {path}: it holds objects other than tensors and plain containers, and loading "
-            f"them would run arbitrary code (torch.load(weights_only=True) said: {first})"
+            f"them would run arbitrary code (torch.load(weights_only=True) said: {_one_line(err)})"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:  # a truncated file: "[Errno 22] Invalid argument"
         raise CheckpointError(f"{path} is not a readable torch file (damaged?): {_one_line(err)}") from None

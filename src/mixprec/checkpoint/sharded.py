@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mixprec.checkpoint.atomic import abort, begin, commit, recover, temp_path
-from mixprec.checkpoint.manifest import verify_manifest, write_manifest
+from mixprec.checkpoint.atomic import begin, recover, temp_path
+from mixprec.checkpoint.manifest import seal, verify_manifest
 from mixprec.checkpoint.safe_files import CheckpointError, save_tensors
 
 
@@ -59,12 +59,7 @@ def save_sharded(model: torch.nn.Module, folder: str | os.PathLike[str]) -> Path
     if _distributed():
         dist.barrier()  # every shard is on disk
     if main:
-        try:
-            write_manifest(tmp)  # the seal: written last, over every process's shard
-            commit(tmp, target)
-        except BaseException:
-            abort(tmp)
-            raise
+        seal(tmp, target)  # the manifest, over every process's shard
     if _distributed():
         dist.barrier()
     return target

@@ -16,10 +16,9 @@ rewrites (a BatchNorm's running statistics: the caller names their addresses in 
 capture. Tensors off the CPU are copied at the capture, all of them, as before: a copy from a CUDA device on
 another thread would need a stream of its own, ordered after the step's kernels (not built yet).
 
-A tensor subclass that wraps plain tensors (torchao's low-bit optimizer states) is copied as the tensors it
-holds and built again around the copies. Non-tensor leaves (a learning rate, a step kept as a number) are not
-copied: they are taken as they are at the call, in new containers, as ``copy.deepcopy`` would keep immutable
-values.
+A tensor subclass that wraps plain tensors is copied as the tensors it holds (:func:`_unwrapped`). Non-tensor
+leaves (a learning rate, a step kept as a number) are not copied: they are taken as they are at the call, in
+new containers, as ``copy.deepcopy`` would keep immutable values.
 """
 
 from __future__ import annotations

@@ -85,14 +85,11 @@ class BadSteps:
         loss = self.step_loss()
         if loss is None:
             return None
-        spiked = len(self._recent) == WINDOW and loss > self.spike_factor * statistics.median(self._recent)
-        reason = (
-            f"loss {loss:.4g} > {self.spike_factor:g} x median {statistics.median(self._recent):.4g}"
-            if spiked
-            else None
-        )
+        median = statistics.median(self._recent) if len(self._recent) == WINDOW else None
         self._recent.append(loss)
-        return self.write(step, reason, loss, loss_scale) if reason else None
+        if median is None or not loss > self.spike_factor * median:
+            return None
+        return self.write(step, f"loss {loss:.4g} > {self.spike_factor:g} x median {median:.4g}", loss, loss_scale)
 
     def on_skipped(self, step: int, loss_scale: float, backoff_at: float | None = None) -> dict[str, Any] | None:
         """A step whose gradients were non-finite (the scaler or the guard skipped it): write its capsule.

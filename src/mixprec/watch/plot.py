@@ -70,37 +70,12 @@ def plot_headroom(series: Series, path: Path, fmt: str, marks: dict[str, list[tu
         ax.axhline(0.0, color="black", lw=1.2)
     for step, layer in marks.get("warning", []):
         if step >= 0:
-            top.axvline(step, color="orange", ls="--", lw=1)
-            top.annotate(
-                f"warning: {layer}",
-                (step, top.get_ylim()[1]),
-                color="darkorange",
-                fontsize=8,
-                rotation=90,
-                va="top",
-                ha="right",
-            )
-    skips = marks.get("skip", [])
+            _mark(top, step, f"warning: {layer}", "darkorange", at_top=True, color="orange", ls="--", lw=1)
+    skips = [step for step, _ in marks.get("skip", [])]
     if skips:
-        top.scatter(
-            [s for s, _ in skips],
-            [0.0] * len(skips),
-            color="red",
-            marker="x",
-            zorder=4,
-            label=f"skipped step ({len(skips)})",
-        )
+        top.scatter(skips, [0.0] * len(skips), color="red", marker="x", zorder=4, label=f"skipped step ({len(skips)})")
     for step, layer in marks.get("fallback", []):
-        top.axvline(step, color="green", lw=1.5)
-        top.annotate(
-            f"fp32 fallback: {layer}",
-            (step, top.get_ylim()[0]),
-            color="green",
-            fontsize=8,
-            rotation=90,
-            va="bottom",
-            ha="left",
-        )
+        _mark(top, step, f"fp32 fallback: {layer}", "green", at_top=False, color="green", lw=1.5)
     top.set_title(f"precision watch: per-layer headroom against {fmt}")
     bottom.set_xlabel("optimizer step")
     top.legend(fontsize=7, loc="upper right")
@@ -109,6 +84,15 @@ def plot_headroom(series: Series, path: Path, fmt: str, marks: dict[str, list[tu
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _mark(ax: Any, step: int, text: str, text_color: str, at_top: bool, **line: Any) -> None:
+    """A vertical line at ``step`` (``line``: its style) labelled along it, from the panel's top or bottom."""
+    ax.axvline(step, **line)
+    va, ha = ("top", "right") if at_top else ("bottom", "left")
+    ax.annotate(
+        text, (step, ax.get_ylim()[1 if at_top else 0]), color=text_color, fontsize=8, rotation=90, va=va, ha=ha
+    )
 
 
 def _ranked(layers: dict[str, list[tuple[int, float]]]) -> list[str]:

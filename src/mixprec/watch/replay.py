@@ -178,9 +178,8 @@ def _first_backward(base, cap: Capsule, device, fallbacks) -> Divergence | None:
     event = _backward_event(base, cap, cap.precision, device, fallbacks, scale)
     if event is None:
         return None
-    # Where the overflow comes from: a gradient non-finite at the loss scale but finite at scale 1 (and in
-    # fp32) is the scale, which the scaler lowers; the dtype of the tensor that held the inf says nothing then
-    # (a tied embedding's fp32 gradient is the sum of an fp16 copy's, and reads "float32").
+    # finite at scale 1 and in fp32: the loss scale overflowed, whatever the dtype of the tensor that held the
+    # inf (a tied embedding's fp32 gradient is the sum of an fp16 copy's, and reads "float32")
     fp32_finite = _backward_event(base, cap, "fp32", device, [], 1.0) is None
     at_one = event if scale == 1.0 else _backward_event(base, cap, cap.precision, device, fallbacks, 1.0)
     kind = "scale" if at_one is None and fp32_finite else "non-finite"

@@ -108,6 +108,3 @@ class TrendWatch:
     def forget(self, layer: str) -> None:
         """A layer moved to fp32 starts over (its values are no longer held in the watched format)."""
         self._history.pop(layer, None)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"warned": sorted(self.warned)}

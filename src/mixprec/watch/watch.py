@@ -70,9 +70,9 @@ class PrecisionWatch:
     """
 
     def __init__(self, config: WatchConfig | int | str | dict | None = None, **settings: Any) -> None:
-        if settings:
-            config = WatchConfig(**settings) if config is None else WatchConfig(**{**_as_dict(config), **settings})
         parsed = WatchConfig.parse(config if config is not None else "watch", "PrecisionWatch(config=...)")
+        if settings:  # keyword settings override the config's (an "off" config included)
+            parsed = dataclasses.replace(parsed or WatchConfig(), **settings)
         if parsed is None:
             raise ValueError("PrecisionWatch(config=...): the setting turns the watch off; don't build one")
         self.config: WatchConfig = parsed
@@ -274,13 +274,13 @@ class PrecisionWatch:
                 self._on_numerics(step, skipped)
             if skipped:
                 grads = [] if optimizer is None else _named_grads(self.model, optimizer)
-                replay_scale = scale / self._replay_divisor
+                replay_scale = self._replay_scale(scale)
                 att = attribute_skip(self.model, self._recorder, step, replay_scale, grads, self._can_replay)
                 self._on_skip(dataclasses.replace(att, loss_scale=scale))
                 if self._capsules:
                     # a gradient that overflowed only in backward above scale 1: the scaler's routine backoff
                     backoff = scale if att.phase == "backward" and scale > 1 else None
-                    written = self._bad.on_skipped(step, self._replay_scale(scale), backoff)
+                    written = self._bad.on_skipped(step, replay_scale, backoff)
                     if written is not None:
                         self._emit("capsule", step, written)
         finally:
@@ -365,14 +365,9 @@ class PrecisionWatch:
 
     def summary(self) -> dict[str, Any]:
         """What the watch saw: JSON-ready, for train_summary.json."""
-        lowest: dict[str, float] = {}
         fallen = {f["module"] for f in self.fallbacks}
-        for s in self.samples:
-            if s.skipped:
-                continue
-            for r in s.layers:
-                if r.act_headroom is not None and r.name not in fallen:
-                    lowest[r.name] = min(lowest.get(r.name, r.act_headroom), r.act_headroom)
+        drawn = series_from_samples(self.samples)["act_headroom"]  # the plot's: skipped steps left out
+        lowest = {name: min(v for _, v in points) for name, points in drawn.items() if name not in fallen}
         tightest = sorted(lowest.items(), key=lambda kv: kv[1])[:5]
         return {
             "every": self.config.every,
@@ -392,7 +387,7 @@ class PrecisionWatch:
 
     def summary_lines(self) -> list[str]:
         """The watch's lines in the run's summary (:func:`~mixprec.watch.summary_text.summary_lines`)."""
-        return summary_lines(self.summary(), self.warnings, self.skip_counts, self.fallbacks, self.numerics_warnings)
+        return summary_lines(self.summary(), self.numerics_warnings)
 
     def plot(self, path: str | Path) -> Path:
         """Write the per-layer headroom plot of the samples kept in memory (see :mod:`mixprec.watch.plot`)."""
@@ -438,11 +433,6 @@ class PrecisionWatch:
         if self.fallbacks:
             names = ", ".join(f["module"] for f in self.fallbacks)
             logger.info("precision watch: resumed with fp32 fallback for %s", names)
-
-
-def _as_dict(config: Any) -> dict[str, Any]:
-    parsed = WatchConfig.parse(config, "PrecisionWatch(config=...)")
-    return {} if parsed is None else dict(vars(parsed))
 
 
 def _named_grads(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor | None]]:
