@@ -185,10 +185,6 @@ class LogHistogram:
         """Nonzero finite values with |x| < 2^exp."""
         return sum(self.counts[: max(0, min(N_BINS, exp - E_MIN))])
 
-    def count_between(self, lo_exp: int, hi_exp: int) -> int:
-        """Nonzero finite values with 2^lo_exp <= |x| < 2^hi_exp."""
-        return self.count_below(hi_exp) - self.count_below(lo_exp)
-
     def underflow_fraction(self, fmt: FloatFormat, scale_exp: int = 0) -> float:
         """Fraction of nonzero finite values that ``fmt`` would flush to zero after multiplying by 2^scale_exp.
 
@@ -203,7 +199,7 @@ class LogHistogram:
         """Fraction of nonzero finite values that ``fmt`` holds only as subnormals after scaling by 2^scale_exp."""
         n = self.nonzero
         lo, hi = fmt.min_subnormal_exp - scale_exp, fmt.min_normal_exp - scale_exp
-        return self.count_between(lo, hi) / n if n else 0.0
+        return (self.count_below(hi) - self.count_below(lo)) / n if n else 0.0
 
     def overflow_fraction(self, fmt: FloatFormat) -> float:
         """Fraction of all elements (zeros included) above ``fmt``'s max."""

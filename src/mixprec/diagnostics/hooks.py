@@ -98,11 +98,7 @@ class HookRegistry:
         """Call ``fn(module, args, kwargs)`` before every call of ``module`` itself (not of its children), with
         the arguments it is about to receive. ``fn`` returns nothing: the arguments are passed on unchanged.
         The precision watch uses it to see each training step begin and to keep the step's batch."""
-
-        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-            fn(mod, args, kwargs)
-
-        self.add(module.register_forward_pre_hook(hook, with_kwargs=True))
+        self.add(module.register_forward_pre_hook(fn, with_kwargs=True))
 
     @staticmethod
     def _grad_hook(name: str, fn: GradFn, tensor_id: int) -> Callable[[torch.Tensor], None]:
@@ -131,10 +127,5 @@ def param_owners(model: nn.Module) -> list[tuple[str, str, nn.Parameter]]:
 
 def hooks_left(model: nn.Module) -> list[str]:
     """Names of modules that still hold forward or backward hooks (for tests and sanity checks)."""
-    attrs = (
-        "_forward_hooks",
-        "_forward_pre_hooks",
-        "_backward_hooks",
-        "_backward_pre_hooks",
-    )
+    attrs = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     return [display_name(n) for n, m in model.named_modules() if any(getattr(m, a, None) for a in attrs)]

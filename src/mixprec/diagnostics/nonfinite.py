@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics._precision import TargetPrecision
 from mixprec.diagnostics.hooks import HookRegistry, display_name, param_owners
 from mixprec.models.outputs import extract_loss
+from mixprec.precision.base import Precision
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class _Flags:
 def find_first_nonfinite(
     model: nn.Module,
     batches: list[dict[str, Any]],
-    precision: TargetPrecision,
+    precision: Precision,
     loss_scale: float = 1.0,
 ) -> tuple[NonfiniteEvent | None, list[float]]:
     """Run forward under ``precision.autocast()`` and backward of ``loss * loss_scale``, batch by batch, and
