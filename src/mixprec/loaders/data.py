@@ -93,11 +93,8 @@ class PreparedDataLoader:
         self._resume = (int(epoch), 0)
 
     def __iter__(self) -> Iterator[Any]:
-        if self._resume is not None:
-            epoch, start = self._resume
-            self._resume = None
-        else:
-            epoch, start = self._next_epoch(), 0
+        epoch, start = self._resume or (self._next_epoch(), 0)
+        self._resume = None
         yield from self._iterate(epoch, start)
 
     def _next_epoch(self) -> int:
@@ -225,9 +222,11 @@ def prepare_dataloader(
     main process reads the batches and sends them (True; None: for an IterableDataset only) in several
     processes (:mod:`mixprec.loaders.dispatch`)."""
     world = strategy.num_processes
-    if world > 1 and _dispatched(loader, dispatch):
+    # already split per process (a DistributedSampler, the Trainer's sharded stream): kept as it is
+    split = hasattr(loader.sampler, "num_replicas") or hasattr(loader.dataset, "num_replicas")
+    if not split and world > 1 and (dispatch or (dispatch is None and isinstance(loader.dataset, IterableDataset))):
         return PreparedDataLoader(DispatchingLoader(loader, strategy), strategy.device, gradients, None, non_blocking)
-    plan = _split_plan(loader, world)
+    plan = None if split else _split_plan(loader, world)
     if plan is None:
         return PreparedDataLoader(loader, strategy.device, gradients, non_blocking=non_blocking)
     shuffle, generator = plan
@@ -244,17 +243,9 @@ def prepare_dataloader(
     return PreparedDataLoader(loader, strategy.device, gradients, sampler, non_blocking=non_blocking)
 
 
-def _dispatched(loader: DataLoader, dispatch: bool | None) -> bool:
-    if hasattr(loader.sampler, "num_replicas") or hasattr(loader.dataset, "num_replicas"):
-        return False  # already split per process (a DistributedSampler, the Trainer's sharded stream)
-    return bool(dispatch) or (dispatch is None and isinstance(loader.dataset, IterableDataset))
-
-
 def _split_plan(loader: DataLoader, world: int) -> tuple[bool, torch.Generator | None] | None:
     """``(shuffle, generator)`` when mixprec can own the order, None to keep the loader as it is."""
     sampler = loader.sampler
-    if hasattr(sampler, "num_replicas") or hasattr(loader.dataset, "num_replicas"):
-        return None  # already split (a DistributedSampler, or a stream sharded per process as the Trainer's)
     if isinstance(loader.dataset, IterableDataset):
         reason = "an IterableDataset"
     elif loader.batch_size is None:
