@@ -306,7 +306,7 @@ class GradScaler:
         if not self._enabled:
             return {}
         return {
-            "scale": self.get_scale() if self._enabled else self._scale_host,
+            "scale": self._scale_host,
             "growth_factor": self._growth_factor,
             "backoff_factor": self._backoff_factor,
             "growth_interval": self._growth_interval,
