@@ -23,21 +23,6 @@ from pathlib import Path
 
 import torch
 
-__all__ = [
-    "VOCAB_SIZE",
-    "UNIFORM_LOSS",
-    "DEFAULT_CORPUS_BYTES",
-    "Corpus",
-    "encode",
-    "decode",
-    "to_tensor",
-    "stdlib_corpus",
-    "load_text_corpus",
-    "load_corpus",
-    "split_train_val",
-    "unigram_entropy",
-]
-
 VOCAB_SIZE = 256
 """Byte-level vocabulary: one id per byte value."""
 
