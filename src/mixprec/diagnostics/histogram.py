@@ -100,12 +100,7 @@ class DeviceHistogram:
             above = torch.stack([torch.count_nonzero(key > _MAX_BITS[fmt.name]) for fmt in _OVERFLOW_FORMATS])
             overflow = above - counts[_NAN_BIN]
         max_abs = key.masked_fill_(nonfinite, 0).amax().view(torch.float32).double()
-        for h in (self, *also):
-            h.counts += counts
-            if overflow is not None:
-                h.overflow += overflow
-            h.max_abs = torch.maximum(h.max_abs, max_abs)
-            h.total += x.numel()
+        self._fold(also, counts, overflow, max_abs, x.numel())
 
     def _add_subset(self, x: torch.Tensor, also: tuple[DeviceHistogram, ...]) -> None:
         """Bin a strided subset of ``x``; take the largest finite magnitude from the whole tensor in one
@@ -121,11 +116,17 @@ class DeviceHistogram:
         counts[_INF_BIN] = torch.maximum(counts[_INF_BIN], (~finite).long() - counts[_NAN_BIN])
         if self.track_overflow:
             part.overflow.copy_(torch.maximum(part.overflow, (~finite).long()))
+        self._fold(also, counts, part.overflow, max_abs, part.total)
+
+    def _fold(self, also: tuple[DeviceHistogram, ...], counts, overflow, max_abs, total: int) -> None:
+        """Add one tensor's counts, overflow counts (None: not tracked) and largest magnitude to this histogram
+        and to each of ``also``."""
         for h in (self, *also):
             h.counts += counts
-            h.overflow += part.overflow
+            if overflow is not None:
+                h.overflow += overflow
             h.max_abs = torch.maximum(h.max_abs, max_abs)
-            h.total += part.total
+            h.total += total
 
     def _packed(self) -> torch.Tensor:
         # float64 holds every count exactly up to 2^53 elements
