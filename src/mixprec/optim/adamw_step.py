@@ -1,9 +1,8 @@
 """The one Adam(W) step of mixprec's optimizers: ``Bf16AdamW`` (bf16 weights: stochastic rounding or Kahan
 summation) and ``AnyPrecisionAdamW`` (HF's ``adamw_anyprecision``: moments stored in any dtype).
 
-Each says, per parameter group, how its parameters are stepped (a :class:`StepRule`: decoupled or L2 decay, the
-rounding to the parameter's dtype, the dtypes the moments and the compensation are stored in); the arithmetic is
-here, once. It runs in fp32 over buckets of elements that run across parameters (issue 28: the per-parameter
+Each says, per parameter group, how its parameters are stepped (a :class:`StepRule`); the arithmetic is here,
+once. It runs in fp32 over buckets of elements that run across parameters (issue 28: the per-parameter
 Python loop made the GPU step 3.3x slower than bf16 autocast's): each bucket is a handful of multi-tensor kernels
 (``_foreach_copy_`` in, torch's fused Adam(W) kernel over the list, the rounding on the bucket's flat buffer,
 ``_foreach_copy_`` out), whatever the number of parameters in it. The copies in and out widen and round: a
