@@ -5,10 +5,8 @@
 dataset, batch size, collate_fn, workers and ``drop_last``, with each sample seen exactly once per epoch
 across all processes. The shuffle seed is drawn once from the loader's generator (or torch's global RNG, so
 ``torch.manual_seed`` governs it) on the main process and shared, and each epoch's order depends on
-``(seed, epoch)`` only (the loader gets a private generator for worker seeds, reseeded per epoch, so
-creating its iterator draws nothing from the global RNG). Iterating the prepared loader again starts the
-next epoch: ``set_epoch`` is automatic. Its position (epoch, batches handed out) is saved by
-``save_state`` and resumed by ``load_state``.
+``(seed, epoch)`` only. Iterating the prepared loader again starts the next epoch (``set_epoch`` is
+automatic); its position (epoch, batches handed out) is saved by ``save_state`` and resumed by ``load_state``.
 
 A loader whose sampler is already split (``DistributedSampler``, or any sampler with ``num_replicas``, such
 as the Trainer's) is kept as it is (``set_epoch`` is called for torch's ``DistributedSampler``; other
