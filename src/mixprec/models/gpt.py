@@ -53,11 +53,8 @@ class CausalSelfAttention(nn.Module):
         if self.track_logit_max:
             self._track_logit_max(q, k, attn_mask)
         dropout_p = self.dropout if self.training else 0.0
-        if attn_mask is None:
-            # is_causal without an explicit mask keeps the flash kernel eligible
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+        # is_causal without an explicit mask keeps the flash kernel eligible
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p=dropout_p, is_causal=attn_mask is None)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
