@@ -11,6 +11,7 @@ and removes them when the step ends.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,7 +50,7 @@ GradFn = Callable[[str, torch.Tensor, int], None]
 the loss itself, whose gradient is always the backward seed (1, or the loss scale)."""
 
 
-class HookRegistry:
+class HookRegistry(contextlib.AbstractContextManager):
     """Owns every hook handle the diagnosis creates, module and tensor hooks alike; :meth:`remove_all` (or
     leaving the ``with`` block, exception or not) removes them all."""
 
@@ -62,9 +63,6 @@ class HookRegistry:
     def remove_all(self) -> None:
         while self._handles:
             self._handles.pop().remove()
-
-    def __enter__(self) -> HookRegistry:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.remove_all()
