@@ -23,21 +23,6 @@ from pathlib import Path
 
 import torch
 
-__all__ = [
-    "VOCAB_SIZE",
-    "UNIFORM_LOSS",
-    "DEFAULT_CORPUS_BYTES",
-    "Corpus",
-    "encode",
-    "decode",
-    "to_tensor",
-    "stdlib_corpus",
-    "load_text_corpus",
-    "load_corpus",
-    "split_train_val",
-    "unigram_entropy",
-]
-
 VOCAB_SIZE = 256
 """Byte-level vocabulary: one id per byte value."""
 
@@ -108,10 +93,6 @@ def to_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
-def _stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
 def _stdlib_files(root: Path) -> list[str]:
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -155,7 +136,7 @@ def stdlib_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> Corpus:
     """
     if not isinstance(max_bytes, int) or max_bytes <= 0:
         raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}")
-    return _stdlib_corpus_cached(str(_stdlib_root()), max_bytes)
+    return _stdlib_corpus_cached(str(Path(sysconfig.get_paths()["stdlib"])), max_bytes)
 
 
 def _is_binary(path: Path) -> bool:

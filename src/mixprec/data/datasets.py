@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["CausalLMDataset"]
-
 
 class CausalLMDataset(Dataset):
     """Chunks of ``seq_len`` tokens as ``{"input_ids": LongTensor[seq_len], "labels": LongTensor[seq_len]}``.

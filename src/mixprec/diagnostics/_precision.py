@@ -14,9 +14,6 @@ from mixprec.precision.base import Precision
 from mixprec.precision.full import FullPrecision
 from mixprec.precision.registry import autocast_format, autocast_modes, resolve_precision
 
-TargetPrecision = Precision
-"""What the non-finite search runs under: anything with ``.name``, ``.compute_dtype`` and ``.autocast()``."""
-
 
 def resolve_target(name: str, device: torch.device) -> Precision:
     """Parse ``name`` for ``device``. Raises ``ValueError`` for an unknown name and

@@ -63,7 +63,6 @@ class Measurements:
 
 class _Collector:
     def __init__(self, model: nn.Module, device: torch.device, lr: float, optimizer: str) -> None:
-        self.device = device
         self.lr = lr
         self.optimizer = optimizer
         self.layers = {

@@ -73,12 +73,6 @@ class DiagnoseConfig:
             raise ValueError(f"nonfinite_batches must be a positive integer or None, got {nb!r}")
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        return t.device
-    return torch.device("cpu")
-
-
 def _same_device(a: torch.device, b: torch.device) -> bool:
     if a.type != b.type:
         return False
@@ -121,7 +115,8 @@ def diagnose(
         precision_target, max_batches, lr, optimizer, headroom, underflow_tolerance, train_mode, nonfinite_batches
     )
     start = time.perf_counter()
-    model_device = _model_device(model)
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    model_device = first.device if first is not None else torch.device("cpu")
     dev = torch.device(device) if device is not None else model_device
     if not _same_device(dev, model_device):
         raise ValueError(

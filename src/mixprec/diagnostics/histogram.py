@@ -100,12 +100,7 @@ class DeviceHistogram:
             above = torch.stack([torch.count_nonzero(key > _MAX_BITS[fmt.name]) for fmt in _OVERFLOW_FORMATS])
             overflow = above - counts[_NAN_BIN]
         max_abs = key.masked_fill_(nonfinite, 0).amax().view(torch.float32).double()
-        for h in (self, *also):
-            h.counts += counts
-            if overflow is not None:
-                h.overflow += overflow
-            h.max_abs = torch.maximum(h.max_abs, max_abs)
-            h.total += x.numel()
+        self._fold(also, counts, overflow, max_abs, x.numel())
 
     def _add_subset(self, x: torch.Tensor, also: tuple[DeviceHistogram, ...]) -> None:
         """Bin a strided subset of ``x``; take the largest finite magnitude from the whole tensor in one
@@ -121,11 +116,17 @@ class DeviceHistogram:
         counts[_INF_BIN] = torch.maximum(counts[_INF_BIN], (~finite).long() - counts[_NAN_BIN])
         if self.track_overflow:
             part.overflow.copy_(torch.maximum(part.overflow, (~finite).long()))
+        self._fold(also, counts, part.overflow, max_abs, part.total)
+
+    def _fold(self, also: tuple[DeviceHistogram, ...], counts, overflow, max_abs, total: int) -> None:
+        """Add one tensor's counts, overflow counts (None: not tracked) and largest magnitude to this histogram
+        and to each of ``also``."""
         for h in (self, *also):
             h.counts += counts
-            h.overflow += part.overflow
+            if overflow is not None:
+                h.overflow += overflow
             h.max_abs = torch.maximum(h.max_abs, max_abs)
-            h.total += part.total
+            h.total += total
 
     def _packed(self) -> torch.Tensor:
         # float64 holds every count exactly up to 2^53 elements
@@ -185,10 +186,6 @@ class LogHistogram:
         """Nonzero finite values with |x| < 2^exp."""
         return sum(self.counts[: max(0, min(N_BINS, exp - E_MIN))])
 
-    def count_between(self, lo_exp: int, hi_exp: int) -> int:
-        """Nonzero finite values with 2^lo_exp <= |x| < 2^hi_exp."""
-        return self.count_below(hi_exp) - self.count_below(lo_exp)
-
     def underflow_fraction(self, fmt: FloatFormat, scale_exp: int = 0) -> float:
         """Fraction of nonzero finite values that ``fmt`` would flush to zero after multiplying by 2^scale_exp.
 
@@ -203,7 +200,7 @@ class LogHistogram:
         """Fraction of nonzero finite values that ``fmt`` holds only as subnormals after scaling by 2^scale_exp."""
         n = self.nonzero
         lo, hi = fmt.min_subnormal_exp - scale_exp, fmt.min_normal_exp - scale_exp
-        return self.count_between(lo, hi) / n if n else 0.0
+        return (self.count_below(hi) - self.count_below(lo)) / n if n else 0.0
 
     def overflow_fraction(self, fmt: FloatFormat) -> float:
         """Fraction of all elements (zeros included) above ``fmt``'s max."""

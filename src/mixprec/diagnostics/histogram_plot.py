@@ -22,14 +22,11 @@ _PANELS = (
 )
 
 
-def _xrange(hists: list[LogHistogram], shift: int) -> tuple[int, int]:
+def _xrange(h: LogHistogram, shift: int) -> tuple[int, int]:
     # always show fp16's whole range, plus whatever the data populates (and its scaled copy)
     lo, hi = FP16.min_subnormal_exp - 4, math.ceil(math.log2(FP16.max)) + 4
-    for h in hists:
-        rng = h.exponent_range()
-        if rng:
-            lo, hi = min(lo, rng[0] - 2), max(hi, rng[1] + shift + 3)
-    return lo, hi
+    rng = h.exponent_range()
+    return (min(lo, rng[0] - 2), max(hi, rng[1] + shift + 3)) if rng else (lo, hi)
 
 
 def plot_magnitudes(
@@ -49,7 +46,7 @@ def plot_magnitudes(
     for ax, (kind, title) in zip(axes, _PANELS):
         h = totals.get(kind) or LogHistogram()
         shift = k if kind != "act" else 0
-        lo, hi = _xrange([h], shift)
+        lo, hi = _xrange(h, shift)
         _shade(ax, lo, hi)
         n = h.nonzero
         xs = list(range(lo, hi + 1))

@@ -11,6 +11,7 @@ and removes them when the step ends.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,7 +50,7 @@ GradFn = Callable[[str, torch.Tensor, int], None]
 the loss itself, whose gradient is always the backward seed (1, or the loss scale)."""
 
 
-class HookRegistry:
+class HookRegistry(contextlib.AbstractContextManager):
     """Owns every hook handle the diagnosis creates, module and tensor hooks alike; :meth:`remove_all` (or
     leaving the ``with`` block, exception or not) removes them all."""
 
@@ -62,9 +63,6 @@ class HookRegistry:
     def remove_all(self) -> None:
         while self._handles:
             self._handles.pop().remove()
-
-    def __enter__(self) -> HookRegistry:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.remove_all()
@@ -98,11 +96,7 @@ class HookRegistry:
         """Call ``fn(module, args, kwargs)`` before every call of ``module`` itself (not of its children), with
         the arguments it is about to receive. ``fn`` returns nothing: the arguments are passed on unchanged.
         The precision watch uses it to see each training step begin and to keep the step's batch."""
-
-        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-            fn(mod, args, kwargs)
-
-        self.add(module.register_forward_pre_hook(hook, with_kwargs=True))
+        self.add(module.register_forward_pre_hook(fn, with_kwargs=True))
 
     @staticmethod
     def _grad_hook(name: str, fn: GradFn, tensor_id: int) -> Callable[[torch.Tensor], None]:
@@ -131,10 +125,5 @@ def param_owners(model: nn.Module) -> list[tuple[str, str, nn.Parameter]]:
 
 def hooks_left(model: nn.Module) -> list[str]:
     """Names of modules that still hold forward or backward hooks (for tests and sanity checks)."""
-    attrs = (
-        "_forward_hooks",
-        "_forward_pre_hooks",
-        "_backward_hooks",
-        "_backward_pre_hooks",
-    )
+    attrs = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     return [display_name(n) for n, m in model.named_modules() if any(getattr(m, a, None) for a in attrs)]

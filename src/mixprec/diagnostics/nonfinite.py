@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics._precision import TargetPrecision
 from mixprec.diagnostics.hooks import HookRegistry, display_name, param_owners
 from mixprec.models.outputs import extract_loss
+from mixprec.precision.base import Precision
 
 
 @dataclass(frozen=True)
@@ -46,19 +46,22 @@ class _Flags:
         self.flags.append(~torch.isfinite(t).all())
         self.meta.append((display_name(name), what, str(t.dtype).removeprefix("torch.")))
 
-    def first(self) -> tuple[str, str, str] | None:
+    def first(self, phase: str, batch: int) -> NonfiniteEvent | None:
         """The first flagged entry. Forces one host sync."""
         if not self.flags:
             return None
         f = torch.stack(self.flags)
         idx = int(torch.argmax(f.to(torch.uint8)))  # argmax returns the first maximum
-        return self.meta[idx] if bool(f[idx]) else None
+        if not bool(f[idx]):
+            return None
+        module, what, dtype = self.meta[idx]
+        return NonfiniteEvent(module, phase, dtype, batch, what)
 
 
 def find_first_nonfinite(
     model: nn.Module,
     batches: list[dict[str, Any]],
-    precision: TargetPrecision,
+    precision: Precision,
     loss_scale: float = 1.0,
 ) -> tuple[NonfiniteEvent | None, list[float]]:
     """Run forward under ``precision.autocast()`` and backward of ``loss * loss_scale``, batch by batch, and
@@ -90,19 +93,14 @@ def _run_batch(model, batch, i, precision, loss_scale, owners, params, losses) -
         with precision.autocast():
             loss = extract_loss(model(**batch))
         losses.append(loss.detach().float())
-        hit = fwd.first()
-        if hit is not None:
-            return NonfiniteEvent(hit[0], "forward", hit[2], i, hit[1])
-        if not (loss.requires_grad and params):
-            return None
+        event = fwd.first("forward", i)
+        if event is not None or not (loss.requires_grad and params):
+            return event
         for owner, p_name, p in owners:
             hooks.add(p.register_hook(_param_hook(bwd, owner, p_name)))
         # backward outside autocast, as torch recommends; ops recorded in fp16 still run backward in fp16
         torch.autograd.grad(loss * loss_scale, params, allow_unused=True)
-        hit = bwd.first()
-        if hit is not None:
-            return NonfiniteEvent(hit[0], "backward", hit[2], i, hit[1])
-    return None
+        return bwd.first("backward", i)
 
 
 def _param_hook(flags: _Flags, owner: str, p_name: str):

@@ -188,8 +188,7 @@ class Report:
         lines += [f"  - {r}" for r in self.reasons]
         fn = self.first_nonfinite
         where = f"{fn.module} ({fn.phase}, {fn.what}, {fn.dtype}, batch {fn.batch})" if fn else "none found"
-        lines.append(f"first non-finite under {self.precision_target}: {where}")
-        lines.append("")
+        lines += [f"first non-finite under {self.precision_target}: {where}", ""]
         cols = [
             ("layer", 28, lambda s: s.name),
             ("type", 14, lambda s: s.type),

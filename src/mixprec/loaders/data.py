@@ -5,10 +5,8 @@
 dataset, batch size, collate_fn, workers and ``drop_last``, with each sample seen exactly once per epoch
 across all processes. The shuffle seed is drawn once from the loader's generator (or torch's global RNG, so
 ``torch.manual_seed`` governs it) on the main process and shared, and each epoch's order depends on
-``(seed, epoch)`` only (the loader gets a private generator for worker seeds, reseeded per epoch, so
-creating its iterator draws nothing from the global RNG). Iterating the prepared loader again starts the
-next epoch: ``set_epoch`` is automatic. Its position (epoch, batches handed out) is saved by
-``save_state`` and resumed by ``load_state``.
+``(seed, epoch)`` only. Iterating the prepared loader again starts the next epoch (``set_epoch`` is
+automatic); its position (epoch, batches handed out) is saved by ``save_state`` and resumed by ``load_state``.
 
 A loader whose sampler is already split (``DistributedSampler``, or any sampler with ``num_replicas``, such
 as the Trainer's) is kept as it is (``set_epoch`` is called for torch's ``DistributedSampler``; other
@@ -93,11 +91,8 @@ class PreparedDataLoader:
         self._resume = (int(epoch), 0)
 
     def __iter__(self) -> Iterator[Any]:
-        if self._resume is not None:
-            epoch, start = self._resume
-            self._resume = None
-        else:
-            epoch, start = self._next_epoch(), 0
+        epoch, start = self._resume or (self._next_epoch(), 0)
+        self._resume = None
         yield from self._iterate(epoch, start)
 
     def _next_epoch(self) -> int:
@@ -225,9 +220,11 @@ def prepare_dataloader(
     main process reads the batches and sends them (True; None: for an IterableDataset only) in several
     processes (:mod:`mixprec.loaders.dispatch`)."""
     world = strategy.num_processes
-    if world > 1 and _dispatched(loader, dispatch):
+    # already split per process (a DistributedSampler, the Trainer's sharded stream): kept as it is
+    split = hasattr(loader.sampler, "num_replicas") or hasattr(loader.dataset, "num_replicas")
+    if not split and world > 1 and (dispatch or (dispatch is None and isinstance(loader.dataset, IterableDataset))):
         return PreparedDataLoader(DispatchingLoader(loader, strategy), strategy.device, gradients, None, non_blocking)
-    plan = _split_plan(loader, world)
+    plan = None if split else _split_plan(loader, world)
     if plan is None:
         return PreparedDataLoader(loader, strategy.device, gradients, non_blocking=non_blocking)
     shuffle, generator = plan
@@ -244,17 +241,9 @@ def prepare_dataloader(
     return PreparedDataLoader(loader, strategy.device, gradients, sampler, non_blocking=non_blocking)
 
 
-def _dispatched(loader: DataLoader, dispatch: bool | None) -> bool:
-    if hasattr(loader.sampler, "num_replicas") or hasattr(loader.dataset, "num_replicas"):
-        return False  # already split per process (a DistributedSampler, the Trainer's sharded stream)
-    return bool(dispatch) or (dispatch is None and isinstance(loader.dataset, IterableDataset))
-
-
 def _split_plan(loader: DataLoader, world: int) -> tuple[bool, torch.Generator | None] | None:
     """``(shuffle, generator)`` when mixprec can own the order, None to keep the loader as it is."""
     sampler = loader.sampler
-    if hasattr(sampler, "num_replicas") or hasattr(loader.dataset, "num_replicas"):
-        return None  # already split (a DistributedSampler, or a stream sharded per process as the Trainer's)
     if isinstance(loader.dataset, IterableDataset):
         reason = "an IterableDataset"
     elif loader.batch_size is None:

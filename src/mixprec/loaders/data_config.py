@@ -1,10 +1,8 @@
 """``DataLoaderConfiguration``: HF Accelerate's DataLoader settings, as ``Accelerator(dataloader_config=...)``.
 
-mixprec's prepared DataLoaders split each epoch so that every sample is seen once and every process runs the
-same number of batches: by index for map-style data (:mod:`mixprec.loaders.sharding`, with a seeded order
-and a saved position), by the main process dispatching batches otherwise (:mod:`mixprec.loaders.dispatch`).
-The settings that ask for one of those are accepted; those that ask for something else are refused by name,
-with what to do instead, rather than ignored.
+mixprec's prepared DataLoaders split each epoch by index (:mod:`mixprec.loaders.sharding`) or by the main
+process dispatching batches (:mod:`mixprec.loaders.dispatch`). The settings that ask for one of those are
+accepted; those that ask for something else are refused by name, with what to do instead, rather than ignored.
 """
 
 from __future__ import annotations

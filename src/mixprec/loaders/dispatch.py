@@ -3,9 +3,8 @@
 For data only the main process can read in order — an ``IterableDataset`` (a stream, a generator), a sampler
 that cannot be split — the main process iterates the DataLoader alone, takes one batch per process, and
 broadcasts them; each process keeps its own. Every sample is seen once and every process runs the same number
-of steps, as with mixprec's split of map-style data (:mod:`mixprec.loaders.sharding`): when fewer batches
-than processes are left, their samples are pooled and split as evenly as possible, and a tail smaller than
-the number of processes is folded into the step before it.
+of steps, by the rules of mixprec's split of map-style data (:mod:`mixprec.loaders.sharding`: a short last
+step pooled and split evenly, a tail smaller than the number of processes folded into the step before it).
 
 Cost: the main process reads all the data, and each step broadcasts every process's batch to all of them
 (as accelerate's dispatcher does). Batches must be tensors, or dicts/lists/tuples of tensors whose first

@@ -1,19 +1,12 @@
 """The Trainer's datasets to DataLoaders, with a reproducible order and an exact position to resume from.
 
-The Trainer builds plain DataLoaders and hands them to ``Accelerator.prepare``, which owns the split across
-processes and the order: epoch ``e``'s order depends on ``(shuffle seed, e)`` only, and the position (epoch,
-batches handed out) is part of ``save_state``, so a resumed run starts at exactly the batch the
-uninterrupted one would have read next. The seed comes from a generator private to the loader, seeded with
-``data_seed``, never from the global RNG: creating a DataLoader iterator also draws a worker seed from its
-generator, and drawing it from the global RNG would shift a resumed run's dropout masks.
+The Trainer builds plain DataLoaders (:func:`make_loader`) and hands them to ``Accelerator.prepare``, which owns
+the split across processes, the order (epoch ``e``'s depends on ``(shuffle seed, e)`` only) and the position
+that ``save_state`` saves, so a resumed run starts at exactly the batch the uninterrupted one would have read next.
 
 Accepted datasets: anything map-style with ``__len__`` and ``__getitem__`` (torch ``Dataset``, a list of dicts,
-a Hugging Face ``datasets.Dataset`` split), and streams (a torch ``IterableDataset``, a ``datasets``
-``IterableDataset``) when ``max_steps`` says how long to train, as in HF. A stream is sharded across processes
-by :class:`ShardedStream`: each process reads whole batches of its own, no example twice (see its resume rule).
-
-Items that are dicts are collated key by key into tensors; string
-columns, and keys the model's forward does not take, are dropped (``remove_unused_columns``).
+a Hugging Face ``datasets.Dataset`` split), and streams (a torch or ``datasets`` ``IterableDataset``) when
+``max_steps`` says how long to train, as in HF; a stream is sharded across processes by :class:`ShardedStream`.
 """
 
 from __future__ import annotations
@@ -156,7 +149,9 @@ def make_loader(
 ) -> DataLoader:
     """A plain DataLoader for ``Accelerator.prepare``, which splits it across processes, moves its batches to
     the device and saves its position. Its private generator, seeded with ``seed``, fixes the shuffle seed
-    (the Accelerator draws it from there) and keeps the global RNG out of the data order."""
+    (the Accelerator draws it from there) and keeps the global RNG out of the data order: creating a DataLoader
+    iterator draws a worker seed from its generator, and the global RNG's draw would shift a resumed run's
+    dropout masks."""
     return DataLoader(
         dataset,
         batch_size=batch_size,

@@ -12,7 +12,7 @@ to fp32, because a softmax over 256+ classes in fp16 loses the small probabiliti
 from __future__ import annotations
 
 import math
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -53,11 +53,8 @@ class CausalSelfAttention(nn.Module):
         if self.track_logit_max:
             self._track_logit_max(q, k, attn_mask)
         dropout_p = self.dropout if self.training else 0.0
-        if attn_mask is None:
-            # is_causal without an explicit mask keeps the flash kernel eligible
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+        # is_causal without an explicit mask keeps the flash kernel eligible
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p=dropout_p, is_causal=attn_mask is None)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -135,28 +132,23 @@ class GPT(nn.Module):
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> GPT:
         """A model of the named shape (``GPT_PRESETS``); keyword overrides replace config fields."""
         if name not in GPT_PRESETS:
             raise ValueError(f"unknown GPT preset {name!r}; choose one of: {', '.join(GPT_PRESETS)}")
-        base = GPT_PRESETS[name]
         valid = {f.name for f in fields(GPTConfig)}
         unknown = sorted(set(overrides) - valid)
         if unknown:
             raise ValueError(
                 f"unknown GPTConfig field(s) {', '.join(unknown)}; valid fields: {', '.join(sorted(valid))}"
             )
-        params = {f.name: getattr(base, f.name) for f in fields(GPTConfig)}
-        params.update(overrides)
-        return cls(GPTConfig(**params))
+        return cls(replace(GPT_PRESETS[name], **overrides))
 
     def num_parameters(
         self,

@@ -1,9 +1,8 @@
 """The one Adam(W) step of mixprec's optimizers: ``Bf16AdamW`` (bf16 weights: stochastic rounding or Kahan
 summation) and ``AnyPrecisionAdamW`` (HF's ``adamw_anyprecision``: moments stored in any dtype).
 
-Each says, per parameter group, how its parameters are stepped (a :class:`StepRule`: decoupled or L2 decay, the
-rounding to the parameter's dtype, the dtypes the moments and the compensation are stored in); the arithmetic is
-here, once. It runs in fp32 over buckets of elements that run across parameters (issue 28: the per-parameter
+Each says, per parameter group, how its parameters are stepped (a :class:`StepRule`); the arithmetic is here,
+once. It runs in fp32 over buckets of elements that run across parameters (issue 28: the per-parameter
 Python loop made the GPU step 3.3x slower than bf16 autocast's): each bucket is a handful of multi-tensor kernels
 (``_foreach_copy_`` in, torch's fused Adam(W) kernel over the list, the rounding on the bucket's flat buffer,
 ``_foreach_copy_`` out), whatever the number of parameters in it. The copies in and out widen and round: a
@@ -126,24 +125,19 @@ class AdamWStep(torch.optim.Optimizer):
             state["compensation"] = torch.zeros_like(p, dtype=rule.compensation_dtype, memory_format=contiguous)
 
 
+@dataclass(slots=True)
 class _Hyper:
-    __slots__ = (
-        "lr",
-        "beta1",
-        "beta2",
-        "wd",
-        "decoupled",
-        "rounding",
-        "step_size",
-        "eps",
-        "raw_eps",
-        "step_tensor",
-        "fused",
-    )
-
-    def __init__(self, **values: Any) -> None:
-        for k, v in values.items():
-            setattr(self, k, v)
+    lr: float
+    beta1: float
+    beta2: float
+    wd: float
+    decoupled: bool
+    rounding: str
+    step_size: float
+    eps: float
+    raw_eps: float
+    step_tensor: torch.Tensor
+    fused: Any
 
 
 def _hyper(group: dict[str, Any], rule: StepRule, step: float, device: torch.device, scratch: _Scratch) -> _Hyper:
@@ -180,9 +174,6 @@ class _Scratch:
         if not self.buffers or self.buffers[0].numel() < n:  # as large as the largest bucket seen, no larger
             self.buffers = [torch.empty(n, dtype=torch.float32, device=self.device) for _ in range(4)]
         return tuple(b[:n] for b in self.buffers)
-
-    def random_bits(self, n: int) -> torch.Tensor:
-        return self.noise.bits(n)  # keyed once per step from torch's generator (noise.py): resumes round alike
 
     def step_tensor(self, step: float) -> torch.Tensor:
         """The step count as a 0-d device tensor for the fused kernel. ``fill_`` passes the value as a kernel
@@ -282,7 +273,7 @@ def _update_bucket(
         torch._foreach_copy_(exp_avgs, ms)
         torch._foreach_copy_(exp_avg_sqs, vs)
         if stochastic:
-            round_stochastically_(w, scratch.random_bits(w.numel()))
+            round_stochastically_(w, scratch.noise.bits(w.numel()))
         torch._foreach_copy_(weights, ws)  # stochastic: exact, the low 16 bits are zero; else to nearest
         return
     if h.wd and not h.decoupled:
@@ -300,6 +291,6 @@ def _update_bucket(
         kahan_update_buckets_(weights, w, update, comps, work=v)
         return
     w.addcdiv_(m, denom, value=-h.step_size)
-    if stochastic:
-        round_stochastically_(w, scratch.random_bits(w.numel()))
+    if stochastic:  # noise keyed once per step from torch's generator (noise.py): resumes round alike
+        round_stochastically_(w, scratch.noise.bits(w.numel()))
     torch._foreach_copy_(weights, ws)

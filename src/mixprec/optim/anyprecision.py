@@ -4,16 +4,13 @@ HF's Trainer builds this from torchdistx's ``AnyPrecisionAdamW``, which no longe
 this is the same algorithm and the same options (names and defaults as HF passes them):
 
 - ``momentum_dtype`` / ``variance_dtype``: storage of the two Adam moments. bfloat16 for both halves the
-  optimizer state (8 -> 4 bytes per parameter) on fp32 master weights. The moment arithmetic runs in fp32 and
-  is rounded to nearest on store.
+  optimizer state (8 -> 4 bytes per parameter) on fp32 master weights.
 - ``use_kahan_summation``: for parameters held in bf16/fp16 (as with ``precision="bf16-pure"``), keep what
   each update loses to rounding in a ``compensation_buffer_dtype`` buffer and add it back next step, so small
   updates are not lost (Zamirai et al. 2020). fp32 parameters have nothing to compensate at this scale and
   get no buffer.
 
-The step is adamw_step.py's, shared with Bf16AdamW: the moments are read into fp32, updated there (torch's
-fused AdamW kernel without Kahan), rounded to their dtype on store, and the update uses the fp32 values. The fp32
-temporaries are those of one bucket of elements (2^18 on a CPU, 2^22 on a GPU), not of the model.
+The step is adamw_step.py's, shared with Bf16AdamW.
 """
 
 from __future__ import annotations

@@ -12,8 +12,7 @@ parameter and per Adam moment:
   next step (Kahan summation; +2 bytes per parameter).
 - ``rounding="nearest"``: plain bf16, for comparison: what loses the small updates.
 
-The step is adamw_step.py's, shared with AnyPrecisionAdamW: fp32 arithmetic over buckets of elements across
-parameters (torch's fused Adam(W) kernel where the device has one); moments stay in the parameter's dtype (bf16).
+The step is adamw_step.py's, shared with AnyPrecisionAdamW; moments stay in the parameter's dtype (bf16).
 """
 
 from __future__ import annotations
@@ -30,9 +29,7 @@ class Bf16AdamW(AdamWStep):
     Args as ``torch.optim.AdamW`` (``decoupled=False`` gives ``torch.optim.Adam``'s L2 weight decay), plus
     ``rounding`` ("stochastic", "kahan" or "nearest") and ``bucket_elements`` (fp32 scratch per bucket; default
     by device: 2^22 on a GPU, 2^18 elsewhere). Parameters may also be fp32, in which case the rule is
-    irrelevant and the update is AdamW's.
-
-    Cost: per bucket of elements (across parameters) about 20 kernel launches and no host sync (adamw_step.py).
+    irrelevant and the update is AdamW's. Cost: :class:`~mixprec.optim.adamw_step.AdamWStep`'s.
     """
 
     def __init__(

@@ -32,7 +32,6 @@ class NonFiniteGuard(GradScaler):
     ) -> None:
         super().__init__(enabled=False, max_consecutive_skips=max_consecutive_skips, history_size=history_size)
         self._skipped_now: list[torch.optim.Optimizer] = []
-        self._stepped = False
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step()`` unless a gradient of its parameters is inf/NaN. One host sync."""
@@ -45,7 +44,6 @@ class NonFiniteGuard(GradScaler):
                 if self._found_inf_reducer is not None:  # sharded gradients: every process skips together
                     self._found_inf_reducer(flag)
                 bad = bool(flag)
-        self._stepped = True
         if bad:
             self._skipped_now.append(optimizer)
             return None
@@ -55,7 +53,7 @@ class NonFiniteGuard(GradScaler):
         """Record the step (skipped or not); raise after ``max_consecutive_skips`` skipped steps in a row."""
         skipped = bool(self._skipped_now)
         self.record.add(1.0, skipped, 1.0)
-        optimizers, self._skipped_now, self._stepped = self._skipped_now, [], False
+        optimizers, self._skipped_now = self._skipped_now, []
         self.record.raise_if_too_many_skips(
             skipped,
             self.max_consecutive_skips,

@@ -4,13 +4,11 @@ What it adds to torch's scaler (whose kernels it uses for the work itself):
 
 - no device argument needed: the scale lives on the device of the first loss it scales
   (``torch.amp.GradScaler()`` defaults to CUDA and disables itself on a CPU-only machine); an explicit
-  ``GradScaler("cuda")`` on a machine without CUDA behaves as torch's does: it warns and does nothing, so the
-  everyday ``GradScaler("cuda", enabled=args.fp16)`` runs unchanged on a laptop;
+  ``GradScaler("cuda")`` without CUDA warns and does nothing, as torch's does;
 - hysteresis: tolerate ``hysteresis`` overflowing steps before backing off (as DeepSpeed and Megatron);
 - bounds: the scale stays within ``[min_scale, max_scale]`` (torch's reaches 0.0 after enough non-finite
-  steps and training silently stops); by default ``[1, 2^24]`` widened to take in ``init_scale``, and
-  ``max_consecutive_skips`` skipped steps in a row raise :class:`ConsecutiveSkipsError` naming the
-  parameters whose gradients were non-finite;
+  steps and training silently stops), and ``max_consecutive_skips`` skipped steps in a row raise
+  :class:`ConsecutiveSkipsError` naming the parameters whose gradients were non-finite;
 - a public :class:`~mixprec.scaling.record.ScaleRecord` of every step, right for fused optimizers too;
 - calls out of order raise an error that names the call.
 
@@ -42,8 +40,8 @@ from mixprec.scaling.optimizer_steps import (
 )
 from mixprec.scaling.record import ScaleRecord
 
-# The default bounds, used when min_scale / max_scale are not given. 2^24: a larger scale only matters for
-# gradients below fp16's smallest subnormal times 2^-24, and it brings fp32 overflow of the scaled loss closer.
+# 2^24: a larger scale only matters for gradients below fp16's smallest subnormal times 2^-24, and it brings
+# fp32 overflow of the scaled loss closer.
 DEFAULT_MIN_SCALE = 1.0
 DEFAULT_MAX_SCALE = 2.0**24
 
@@ -67,11 +65,9 @@ class GradScaler:
             skipped with the scale held (1 = torch's behaviour: every overflow backs off). As in Megatron-LM
             and DeepSpeed, the count is restored only when the scale grows: once it is spent, every
             overflow backs off, so a persistent overflow still drives the scale down quickly.
-        min_scale, max_scale: bounds the scale never leaves. When not given they are ``DEFAULT_MIN_SCALE``
-            (1) and ``DEFAULT_MAX_SCALE`` (2^24) widened to take in ``init_scale``: torch accepts any positive
-            ``init_scale`` (``1e38`` in its own tests), and a start the user chose is no reason to refuse
-            torch code, while the floor still stops the scale decaying to 0.0 and the ceiling still stops
-            it growing without end. Bounds given explicitly must contain ``init_scale``.
+        min_scale, max_scale: bounds the scale never leaves. When not given: ``DEFAULT_MIN_SCALE`` (1) and
+            ``DEFAULT_MAX_SCALE`` (2^24), widened to take in ``init_scale`` (torch accepts any positive one,
+            ``1e38`` in its own tests). Bounds given explicitly must contain ``init_scale``.
         max_consecutive_skips: raise :class:`ConsecutiveSkipsError` after this many skipped steps in a row
             (``None`` never raises).
         history_size: how many recent steps :attr:`record` keeps.
@@ -120,9 +116,7 @@ class GradScaler:
         self._device = torch.device(device) if device is not None else None
         self._enabled = bool(enabled)
         if self._enabled and self._device is not None and self._device.type == "cuda" and not torch.cuda.is_available():
-            # As torch's scaler: `GradScaler("cuda")` on a CPU-only machine warns and does nothing, so scripts
-            # written for a GPU still run here (fp16 autocast on CUDA cannot run either, so no gradient here
-            # needed scaling). Omitting device= is the portable spelling: the scale follows the loss.
+            # as torch's: scripts written for a GPU still run here (no fp16 CUDA autocast: nothing to scale)
             warnings.warn(
                 "GradScaler(device='cuda') is enabled, but CUDA is not available: disabling loss scaling. "
                 "Omit device= and the scaler takes its device from the loss.",
@@ -139,8 +133,7 @@ class GradScaler:
         self.max_consecutive_skips = max_consecutive_skips
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
-        # Host mirrors of the device state: the skip decision is known on the host every step, so these
-        # follow the kernel's arithmetic exactly and reading them costs no sync.
+        # host mirrors of the device state, following the kernel's arithmetic exactly: reading them never syncs
         self._scale_host = _fp32(self._init_scale)
         self._clean_streak = 0
         self._hysteresis_left = self.hysteresis
@@ -306,7 +299,7 @@ class GradScaler:
         if not self._enabled:
             return {}
         return {
-            "scale": self.get_scale() if self._enabled else self._scale_host,
+            "scale": self._scale_host,
             "growth_factor": self._growth_factor,
             "backoff_factor": self._backoff_factor,
             "growth_interval": self._growth_interval,

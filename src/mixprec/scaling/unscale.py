@@ -1,13 +1,11 @@
 """Unscale gradients and check them for inf/NaN, for every floating dtype on every device.
 
 torch's fused kernel (``torch._amp_foreach_non_finite_check_and_unscale_``) does both in one pass, but not for
-every dtype everywhere: torch 2.11's CUDA build refuses bf16 ("not implemented for 'BFloat16'", issue 28),
-which a bf16 parameter beside fp32 ones under fp16 scaling hits (adapters, bf16 buffers made parameters).
-For such a (device type, dtype) this stages the gradients through fp32: copy them into one flat fp32 buffer,
-run the same kernel on it, and copy the result back. That is bit-exact with the fused kernel by construction:
-the fused kernel itself computes in fp32 (``static_cast<opmath_t>(val) * inv_scale``, checking ``val`` before
-the multiply) and rounds once to nearest on store, which is what the copy back does. It also does not depend
-on how a reduction treats NaN (``_foreach_norm``'s max is not documented to propagate it).
+every dtype everywhere: torch 2.11's CUDA build refuses bf16 (issue 28), which a bf16 parameter beside fp32
+ones under fp16 scaling hits. For such a (device type, dtype) the gradients are staged through one flat fp32
+buffer and the same kernel: bit-exact by construction, as the fused kernel itself computes in fp32 (checking
+each value before the multiply) and rounds once to nearest on store, as the copy back does; nor does it rely
+on a reduction propagating NaN (``_foreach_norm``'s max is not documented to).
 
 Costs: no host sync on either path. The staged path holds an fp32 copy of at most ``STAGE_ELEMENTS`` gradient
 values at a time (256 MiB) and costs three extra passes over them; it runs only for the dtypes the fused
