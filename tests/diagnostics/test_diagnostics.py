@@ -249,6 +249,23 @@ def test_plot_writes_a_png(tiny, tmp_path) -> None:
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+def test_plot_is_titled_with_the_recommendation(tiny, tmp_path, monkeypatch) -> None:
+    """The figure's title is the report's verdict, not the last panel's name (a loop variable shadowed it)."""
+    import matplotlib.figure
+
+    titles = []
+    save = matplotlib.figure.Figure.savefig
+
+    def saving(fig, *args, **kwargs):
+        titles.append(fig.get_suptitle())
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", saving)
+    _, _, report = tiny
+    report.plot(str(tmp_path / "hist.png"))
+    assert titles and titles[0].startswith(f"recommended: {report.recommended_precision}, initial loss scale 2^")
+
+
 def test_bad_arguments_are_refused_by_name() -> None:
     model = TinyGrads()
     with pytest.raises(ValueError, match="fp17"):

@@ -43,7 +43,7 @@ def plot_magnitudes(
 
     k = int(math.log2(init_scale))
     fig, axes = plt.subplots(len(_PANELS), 1, figsize=(10, 2.9 * len(_PANELS)), layout="constrained")
-    for ax, (kind, title) in zip(axes, _PANELS):
+    for ax, (kind, panel) in zip(axes, _PANELS):
         h = totals.get(kind) or LogHistogram()
         shift = k if kind != "act" else 0
         lo, hi = _xrange(h, shift)
@@ -65,7 +65,7 @@ def plot_magnitudes(
         ax.set_yscale("symlog", linthresh=1e-4)
         ax.set_ylim(0, 1.05)
         zeros = f", {h.zeros} exact zeros" if h.zeros else ""
-        ax.set_title(f"{title}: {n} nonzero values{zeros}", fontsize=10)
+        ax.set_title(f"{panel}: {n} nonzero values{zeros}", fontsize=10)
         ax.set_ylabel("fraction")
     axes[-1].set_xlabel("log2 |value|")
     # one legend for all panels, below them: inside a panel it would cover the data of some model
