@@ -33,6 +33,9 @@ class Env:
     def delenv(self, name: str, raising: bool = True) -> None:
         os.environ.pop(name, None)
 
+    def setattr(self, target: object, name: str, value: object) -> None:
+        setattr(target, name, value)
+
 
 def cell(precision: str, comm: str, rank: int, run: Path) -> dict:
     set_race(precision, Env())

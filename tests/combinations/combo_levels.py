@@ -4,6 +4,7 @@ need into a :class:`~combo_checks.Findings`. Not collected by pytest."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ from combo_checks import (
 import mixprec
 from conftest import make_batches, make_tiny_lm
 from mixprec import GPT, Accelerator
+from mixprec.precision import auto
 from mixprec.precision.registry import resolve_precision
 
 RACES = {"auto-inrun": "in-run", "auto-aside": "aside"}
@@ -36,10 +38,19 @@ def precision_name(precision: str) -> str:
 
 
 def set_race(precision: str, monkeypatch) -> None:
+    """How the cell's auto races. An in-run race is timed on a planted clock on which every step takes 1 ms.
+    The cells' runs are shorter than the race (``EARLY_ROUNDS`` rounds of every mode), so it is still racing
+    at checkpoint-2, and the resumed run races again from there (checkpoints.md: such a resume is exact only
+    where its steps run in the same modes). On the thread's CPU time a step over the race's time limit (a busy
+    neighbour) is timed again in its mode, the two runs' steps then differ in mode, and the cell failed by
+    chance; on the planted clock both runs time the modes in the same order."""
     if precision in RACES:
         monkeypatch.setenv("MIXPREC_AUTO_RACE", RACES[precision])
     else:
         monkeypatch.delenv("MIXPREC_AUTO_RACE", raising=False)
+    if precision == "auto-inrun":
+        ticks = itertools.count()
+        monkeypatch.setattr(auto, "race_clock", lambda device: (lambda: next(ticks) * 1e-3, "planted clock"))
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
