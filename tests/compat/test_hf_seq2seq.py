@@ -8,6 +8,7 @@ against mixprec's or transformers' (our own code, from reading trainer_seq2seq.p
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -41,8 +42,8 @@ def pad_collate(features):
     def pad(key, value):
         return torch.stack([torch.nn.functional.pad(f[key], (0, longest - len(f[key])), value=value) for f in features])
 
-    ids, mask = pad("input_ids", PAD), pad("attention_mask", 0)
-    return {"input_ids": ids, "attention_mask": mask, "labels": pad("labels", -100)}
+    fill = {"attention_mask": 0, "labels": -100}
+    return {key: pad(key, fill.get(key, PAD)) for key in features[0]}
 
 
 def tiny_t5():
@@ -69,9 +70,7 @@ def trainer_for(tmp_path, compute_metrics=None, **kwargs):
         disable_tqdm=True,
         max_steps=4,
         per_device_eval_batch_size=4,
-        save_strategy="no",
-        **extra,
-        **kwargs,
+        **{"save_strategy": "no", **extra, **kwargs},
     )
     return Seq2SeqTrainer(
         tiny_t5(),
@@ -112,3 +111,68 @@ def test_without_generate_the_predictions_are_logits(tmp_path):
     out = trainer.predict(copy_task(6, 2))
     logits = out.predictions[0] if isinstance(out.predictions, tuple) else out.predictions
     assert logits.ndim == 3 and logits.shape[-1] == VOCAB and np.issubdtype(logits.dtype, np.floating)
+
+
+@pytest.fixture
+def generate_calls(monkeypatch):
+    """The keywords each ``generate`` call of the tiny T5 got."""
+    calls = []
+    generate = transformers.T5ForConditionalGeneration.generate
+
+    def recording(self, *args, **kwargs):
+        calls.append({k: v for k, v in kwargs.items() if k in ("max_length", "max_new_tokens", "num_beams")})
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.T5ForConditionalGeneration, "generate", recording)
+    return calls
+
+
+def test_a_none_given_to_predict_takes_the_arguments_generation_settings(tmp_path, generate_calls):
+    """Scripts pass ``max_length=data_args.val_max_target_length``, often None: the arguments' values hold."""
+    trainer = trainer_for(tmp_path, predict_with_generate=True, generation_max_length=4, generation_num_beams=2)
+    trainer.predict(copy_task(4, 2), max_length=None, num_beams=None)
+    assert generate_calls and all(call == {"max_length": 4, "num_beams": 2} for call in generate_calls)
+
+
+def test_max_new_tokens_keeps_generation_max_length_out(tmp_path, generate_calls):
+    trainer = trainer_for(tmp_path, predict_with_generate=True, generation_max_length=4)
+    trainer.predict(copy_task(4, 2), max_new_tokens=2)
+    assert generate_calls and all(call == {"max_new_tokens": 2} for call in generate_calls)
+
+
+@pytest.mark.parametrize("given", ["object", "folder", "file"])
+def test_a_generation_config_is_used_and_saved_with_the_checkpoints(tmp_path, given):
+    """A GenerationConfig, or the folder or file it was saved to, reaches the model, and the arguments still
+    save as JSON at each checkpoint (the object once made the first save fail: the run lost its steps)."""
+    config = transformers.GenerationConfig(max_length=3, num_beams=2, decoder_start_token_id=PAD)
+    config.save_pretrained(tmp_path / "gen", config_file_name="summarize.json" if given == "file" else None)
+    value = {"object": config, "folder": str(tmp_path / "gen"), "file": str(tmp_path / "gen" / "summarize.json")}
+    trainer = trainer_for(tmp_path, generation_config=value[given], save_strategy="steps", save_steps=2)
+    trainer.train()
+    model_config = trainer.model.generation_config
+    assert (model_config.max_length, model_config.num_beams) == (3, 2)
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert json.loads(trainer.args.to_json_string())["generation_config"] is not None
+
+
+def test_predicting_unlabelled_data_hands_compute_metrics_nothing(tmp_path):
+    """As HF: without labels there are predictions and no metrics (a script's metric reads the labels)."""
+
+    def metrics(pred):
+        raise AssertionError(f"compute_metrics called with label_ids={pred.label_ids}")
+
+    trainer = trainer_for(tmp_path, metrics)
+    # the decoder's inputs given, as labels would have made them (T5 cannot run without either)
+    start = torch.tensor([PAD])
+    unlabelled = [
+        {
+            "input_ids": r["input_ids"],
+            "attention_mask": r["attention_mask"],
+            "decoder_input_ids": torch.cat([start, r["labels"][:-1]]),
+        }
+        for r in copy_task(4, 2)
+    ]
+    out = trainer.predict(unlabelled)
+    assert out.label_ids is None and out.predictions is not None
+    speed = {"test_runtime", "test_samples_per_second", "test_steps_per_second", "test_model_preparation_time"}
+    assert set(out.metrics) <= speed

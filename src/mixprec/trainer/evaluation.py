@@ -216,7 +216,9 @@ def evaluation_loop(
     label_ids = _concat([lab for lab in labels if lab is not None]) if labels and labels[0] is not None else None
     if batch_metrics:
         computed = batch_result
-    elif compute_metrics is not None and predictions is not None:
+    elif (
+        compute_metrics is not None and predictions is not None and label_ids is not None
+    ):  # as HF: no labels, no metrics
         computed = compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids))
     else:
         computed = None

@@ -6,12 +6,18 @@ With ``predict_with_generate=True``, ``evaluate()`` and ``predict()`` hand ``com
 pad token before decoding), and the loss from the labels as usual. Generation runs under the training
 precision, like every forward of the prepared model. ``max_length`` / ``num_beams`` (and any other
 ``generate`` keyword) given to ``evaluate``/``predict`` win over ``generation_max_length`` /
-``generation_num_beams``, which win over the model's generation config.
+``generation_num_beams`` (a ``None`` given, as scripts pass an unset option, does not; nor is ``max_length``
+added to a call that gives ``max_new_tokens``), which win over the model's generation config. A
+``generation_config`` named by a folder or file is loaded when the Seq2SeqTrainer is built (as HF's
+``load_generation_config``), so one set after the arguments were made counts too.
 """
 
 from __future__ import annotations
 
+import copy
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,8 +37,8 @@ class Seq2SeqTrainingArguments(TrainingArguments):
     """``max_length`` for generation during evaluation and prediction (None: the model's)."""
     generation_num_beams: int | None = None
     """``num_beams`` for generation during evaluation and prediction (None: the model's)."""
-    generation_config: Any = None
-    """A ``transformers.GenerationConfig``, or a folder/file it loads from (``from_pretrained``)."""
+    generation_config: str | Path | None = None
+    """A ``transformers.GenerationConfig``, or a folder or file it loads from (``from_pretrained``)."""
     sortish_sampler: bool = False
     """HF's length-sorted sampler: refused (mixprec's order is seeded and exactly resumable)."""
 
@@ -44,10 +50,17 @@ class Seq2SeqTrainingArguments(TrainingArguments):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 fail(name, value, "must be a positive integer or None")
-        if isinstance(self.generation_config, (str, bytes)) or hasattr(self.generation_config, "__fspath__"):
-            from transformers import GenerationConfig
+        config = self.generation_config
+        if not (config is None or isinstance(config, (str, os.PathLike)) or hasattr(config, "to_diff_dict")):
+            fail("generation_config", config, "must be a transformers.GenerationConfig, a folder or a file")
 
-            self.generation_config = GenerationConfig.from_pretrained(self.generation_config)
+    def to_dict(self) -> dict[str, Any]:
+        """The Trainer's, with the generation config as its dict or its path as a string (HF's JSON)."""
+        values = super().to_dict()
+        config = values["generation_config"]
+        if config is not None:
+            values["generation_config"] = str(config) if isinstance(config, (str, os.PathLike)) else config.to_dict()
+        return values
 
 
 class Seq2SeqTrainer(Trainer):
@@ -57,16 +70,29 @@ class Seq2SeqTrainer(Trainer):
         super().__init__(*args, **kwargs)
         config = getattr(self.args, "generation_config", None)
         if config is not None:
-            self.accelerator.unwrap_model(self.model).generation_config = config
+            self.accelerator.unwrap_model(self.model).generation_config = self.load_generation_config(config)
         self._gen_kwargs: dict[str, Any] = {}
 
+    @staticmethod
+    def load_generation_config(config: Any) -> Any:
+        """A copy of a ``GenerationConfig``, or one loaded from a folder or from a file (HF's name and rule)."""
+        from transformers import GenerationConfig
+
+        if isinstance(config, GenerationConfig):
+            return copy.deepcopy(config)
+        path = Path(config)
+        if path.is_file():
+            return GenerationConfig.from_pretrained(path.parent, path.name)
+        return GenerationConfig.from_pretrained(config)
+
     def _generation_kwargs(self, given: dict[str, Any]) -> dict[str, Any]:
-        defaults = {
-            "max_length": getattr(self.args, "generation_max_length", None),
-            "num_beams": getattr(self.args, "generation_num_beams", None),
-        }
-        merged = {**defaults, **given}
-        return {k: v for k, v in merged.items() if v is not None}
+        """The call's ``generate`` keywords over the arguments' (HF's rule: a None given takes the argument's,
+        and ``max_new_tokens`` keeps ``generation_max_length`` out)."""
+        kwargs = {k: v for k, v in given.items() if v is not None}
+        defaults = {"num_beams": getattr(self.args, "generation_num_beams", None)}
+        if "max_new_tokens" not in kwargs:
+            defaults["max_length"] = getattr(self.args, "generation_max_length", None)
+        return {**{k: v for k, v in defaults.items() if v is not None}, **kwargs}
 
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval", **gen_kwargs: Any
