@@ -176,3 +176,20 @@ def test_predicting_unlabelled_data_hands_compute_metrics_nothing(tmp_path):
     assert out.label_ids is None and out.predictions is not None
     speed = {"test_runtime", "test_samples_per_second", "test_steps_per_second", "test_model_preparation_time"}
     assert set(out.metrics) <= speed
+
+
+def test_a_tokenizer_as_processing_class_pads_the_batches(tmp_path):
+    """As HF: with no data_collator, a tokenizer given as processing_class pads each batch (inputs of
+    different lengths; the targets here are of one length, as DataCollatorWithPadding leaves labels alone)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"<pad>": PAD, "</s>": EOS, **{f"w{i}": i for i in range(2, VOCAB)}}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w2"))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>")
+    rows = [{"input_ids": r["input_ids"].tolist(), "labels": r["labels"][:3].tolist()} for r in copy_task(8, 0)]
+    extra = {"save_plots": False} if IMPL == "mixprec" else {}
+    args = Seq2SeqTrainingArguments(
+        str(tmp_path / "out"), report_to="none", disable_tqdm=True, max_steps=2, save_strategy="no", **extra
+    )
+    trainer = Seq2SeqTrainer(tiny_t5(), args, train_dataset=rows, eval_dataset=rows, processing_class=tokenizer)
+    trainer.train()
+    assert np.isfinite(trainer.evaluate()["eval_loss"])

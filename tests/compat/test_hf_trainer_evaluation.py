@@ -212,3 +212,25 @@ def test_eval_use_gather_object(tmp_path):
     trainer.train()
     trainer.evaluate()
     trainer.predict(trainer.eval_dataset)
+
+
+def test_a_dict_of_evaluation_sets_is_evaluated_set_by_set(tmp_path):
+    """HF's several evaluation sets: each under eval_<name>_, in training's evaluations and in evaluate()."""
+    sets = {"val": RegressionDataset(16, seed=1), "test": RegressionDataset(8, seed=2)}
+    trainer = regression_trainer(
+        tmp_path, 1.5, 2.5, eval_dataset=sets, max_steps=2, eval_strategy="steps", eval_steps=2, save_strategy="no"
+    )
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if any(k.endswith("_loss") and k.startswith("eval") for k in h)]
+    assert [sorted(k for k in h if k.endswith("_loss")) for h in logged] == [["eval_val_loss"], ["eval_test_loss"]]
+    results = trainer.evaluate()
+    assert {"eval_val_loss", "eval_test_loss"} <= set(results) and "eval_loss" not in results
+    assert results["eval_test_loss"] == pytest.approx(trainer.evaluate(sets["test"])["eval_loss"])
+
+
+def test_an_edited_eval_batch_size_is_used_by_the_next_evaluation(tmp_path):
+    """HF builds the evaluation loader per call: a batch size set between two evaluations is the second's."""
+    trainer = regression_trainer(tmp_path, 1.5, 2.5, eval_len=8, per_device_eval_batch_size=4)
+    trainer.evaluate()
+    trainer.args.per_device_eval_batch_size = 2
+    assert [len(batch["input_x"]) for batch in trainer.get_eval_dataloader()] == [2, 2, 2, 2]

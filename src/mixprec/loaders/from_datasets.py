@@ -12,6 +12,7 @@ a Hugging Face ``datasets.Dataset`` split), and streams (a torch or ``datasets``
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -59,6 +60,19 @@ def check_dataset(dataset: Any, name: str) -> int | None:
 
 
 # -- collation -----------------------------------------------------------------------------------------
+
+
+def _padding_collator(processing_class: Any) -> Any:
+    """transformers' ``DataCollatorWithPadding`` over a tokenizer or feature extractor; None for anything else
+    (transformers is loaded already where one was made)."""
+    transformers = sys.modules.get("transformers")
+    kinds = (
+        getattr(transformers, "PreTrainedTokenizerBase", ()),
+        getattr(transformers, "SequenceFeatureExtractor", ()),
+    )
+    if transformers is None or not isinstance(processing_class, kinds):
+        return None
+    return transformers.DataCollatorWithPadding(processing_class)
 
 
 def default_collator(features: Sequence[Any]) -> Any:
@@ -118,14 +132,21 @@ class ColumnFilter:
 
     @classmethod
     def for_model(
-        cls, model: torch.nn.Module, collator: Any, remove_unused_columns: bool, label_names: Sequence[str]
+        cls,
+        model: torch.nn.Module,
+        collator: Any,
+        remove_unused_columns: bool,
+        label_names: Sequence[str],
+        processing_class: Any = None,
     ) -> ColumnFilter:
-        """The Trainer's filter: ``collator`` (default: :func:`default_collator`) over the keys ``model``'s
-        forward takes and the label columns, or over every key without ``remove_unused_columns``."""
+        """The Trainer's filter: ``collator`` over the keys ``model``'s forward takes and the label columns, or
+        over every key without ``remove_unused_columns``. With no collator, HF's default: transformers'
+        ``DataCollatorWithPadding`` for a tokenizer or feature extractor given as ``processing_class`` (each
+        batch padded to its longest), else :func:`default_collator`."""
         keep = forward_arg_names(model) if remove_unused_columns else None
         if keep is not None:  # HF keeps the label columns too ("label"/"label_ids": collators rename them)
             keep |= {*label_names, "label", "label_ids"}
-        return cls(collator or default_collator, keep)
+        return cls(collator or _padding_collator(processing_class) or default_collator, keep)
 
     def __call__(self, features: list[Any]) -> Any:
         if self.keep is not None and features and isinstance(features[0], Mapping):

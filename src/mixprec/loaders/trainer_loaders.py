@@ -13,8 +13,10 @@ def check_datasets(args: Any, train_dataset: Any, eval_dataset: Any) -> None:
     """Refuse, naming the argument, datasets the Trainer cannot read, and an evaluation with nothing to read."""
     if train_dataset is not None:
         check_dataset(train_dataset, "train_dataset")
-    if eval_dataset is not None:
-        check_dataset(eval_dataset, "eval_dataset")
+    sets = eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]
+    for name, dataset in sets:  # HF's dict of evaluation sets: each checked by its name
+        if dataset is not None:
+            check_dataset(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")
     if args.eval_strategy != "no" and eval_dataset is None:
         raise ValueError(
             f"TrainingArguments(eval_strategy={args.eval_strategy!r}) needs an eval_dataset: pass "
@@ -32,7 +34,7 @@ class TrainerLoaders:
         self.train_stream: ShardedStream | None = None
         """The training stream this process reads, when the training data is a stream (it cannot seek: a
         resume skips what was trained)."""
-        self._eval: dict[int, tuple[Any, Any]] = {}
+        self._eval: dict[int, tuple[Any, int, Any]] = {}  # the dataset, its batch size, its prepared loader
         self._train_seed: int | None = None
 
     def _shard(self, dataset: Any, batch_size: int) -> Any:
@@ -73,8 +75,10 @@ class TrainerLoaders:
         return self.accelerator.prepare_data_loader(loader)
 
     def evaluation(self, dataset: Any) -> Any:
-        """The prepared loader of ``dataset``, made at its first use."""
-        if id(dataset) not in self._eval:
+        """The prepared loader of ``dataset``, made at its first use, and again when
+        ``per_device_eval_batch_size`` was changed since (HF builds one per call)."""
+        made = self._eval.get(id(dataset))
+        if made is None or made[1] != self.args.per_device_eval_batch_size:
             check_dataset(dataset, "eval_dataset")
             loader = make_loader(
                 self._shard(dataset, self.args.per_device_eval_batch_size),
@@ -86,5 +90,6 @@ class TrainerLoaders:
                 **self.args.loader_kwargs(),
             )
             # the dataset is kept with its loader, so its id is not reused by another object while cached
-            self._eval[id(dataset)] = (dataset, self.accelerator.prepare_data_loader(loader))
-        return self._eval[id(dataset)][1]
+            batch = self.args.per_device_eval_batch_size
+            self._eval[id(dataset)] = (dataset, batch, self.accelerator.prepare_data_loader(loader))
+        return self._eval[id(dataset)][2]

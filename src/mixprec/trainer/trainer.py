@@ -105,7 +105,9 @@ class Trainer:
         check_compute_metrics(compute_metrics, args.batch_eval_metrics)
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self._label_names = list(args.label_names or ["labels"])
-        self.data_collator = ColumnFilter.for_model(model, data_collator, args.remove_unused_columns, self._label_names)
+        self.data_collator = ColumnFilter.for_model(
+            model, data_collator, args.remove_unused_columns, self._label_names, processing_class
+        )
         self.optimizer, self.lr_scheduler = optimizers
         self._trained = False
         self.diagnosis: Any = None
@@ -248,8 +250,10 @@ class Trainer:
         return len(dataloader.dataset)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
-        """The evaluation DataLoader over ``eval_dataset`` (or the Trainer's), split across processes."""
+        """The evaluation DataLoader over ``eval_dataset`` (or the Trainer's, or one of them by its name),
+        split across processes."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        dataset = self.eval_dataset[dataset] if isinstance(dataset, str) else dataset
         if dataset is None:
             raise ValueError("Trainer.evaluate() needs an eval_dataset: pass Trainer(eval_dataset=...) or evaluate(ds)")
         return self._loaders.evaluation(dataset)
@@ -390,8 +394,12 @@ class Trainer:
         return step(self.compute_loss, model, inputs, self._label_names, prediction_loss_only, keys)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:
-        """Loss and ``compute_metrics`` over the evaluation set, logged with prefix ``eval_``."""
+        """Loss and ``compute_metrics`` over the evaluation set, logged with prefix ``eval_``; a dict of sets
+        (HF's) is evaluated set by set, each under ``eval_<name>_``."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, dict):
+            parts = [self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}") for name, part in dataset.items()]
+            return {key: value for metrics in parts for key, value in metrics.items()}
         want = self.compute_metrics is not None and not self.args.prediction_loss_only
         with self._memory.measure("eval") as memory:
             metrics = self._run_eval(dataset, metric_key_prefix, want, ignore_keys).metrics
