@@ -101,12 +101,13 @@ def mean_over(summary: dict[str, Any]) -> str:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """A few readable lines for the end of a run."""
+    # this run's steps, as the rates and the loss below count them (a resumed run: the run's total beside)
+    steps, total = summary.get("train_loss_steps", summary["global_step"]), summary["global_step"]
     lines = [
         # the precision's reason was said when it was decided (or asked for): here the name alone (issue 29:
         # the same sentence three times per run)
-        f"trained {summary['global_step']} steps in {summary['train_runtime']:.1f}s ({summary['precision']}"
-        + (f"; {summary['comm']}" if summary.get("comm") else "")
-        + ")",
+        f"trained {steps} steps{f' ({total} in all)' if total != steps else ''} in {summary['train_runtime']:.1f}s"
+        f" ({summary['precision']}" + (f"; {summary['comm']}" if summary.get("comm") else "") + ")",
         f"  train loss {summary['train_loss']:.4f} ({mean_over(summary)}); skipped steps {summary['skipped_steps']}"
         + (f"; final loss scale {summary['final_loss_scale']:g}" if summary.get("final_loss_scale") else ""),
         f"  throughput {summary['train_samples_per_second']:.1f} samples/s"
