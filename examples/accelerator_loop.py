@@ -75,13 +75,14 @@ def main() -> None:
     model = GPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     train_dataloader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
-    # the last batch of an epoch always steps (accumulate() knows it is the last): round up
-    steps = args.epochs * math.ceil(len(train_dataloader) / args.accumulation)
-    # accelerate's convention: a prepared scheduler ticks once per process per optimizer step, so a schedule
-    # sized from the whole loader (above) spans the run; --max-steps counts optimizer steps of each process
+    # optimizer steps of each process: prepared, the loader gives each process its share of the batches, and
+    # the last batch of an epoch always steps (accumulate() knows it is the last): round up; --max-steps
+    # counts the same steps
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    steps = min(steps, args.max_steps * world if args.max_steps else steps)
-    lr_scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=max(steps, 1))
+    steps = args.epochs * math.ceil(math.ceil(len(train_dataloader) / world) / args.accumulation)
+    steps = min(steps, args.max_steps or steps)
+    # accelerate's convention: a prepared scheduler ticks once per process per optimizer step
+    lr_scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=max(steps * world, 1))
 
     # --- the seed's snippet ---------------------------------------------------------------------------
     accelerator = Accelerator(

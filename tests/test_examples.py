@@ -87,24 +87,32 @@ def test_example_runs(script: str, ran: dict[str, dict]) -> None:
         assert text in result["stdout"], result["stdout"][-2000:]
 
 
+def _torchrun(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+    """``script`` under torchrun with two processes; its exit status checked."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
+    proc = subprocess.run(
+        [*cmd, str(EXAMPLES / script), *args], capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
 def test_distributed_example_under_torchrun(distributed: str, tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={port}",
-        str(EXAMPLES / "distributed_comm.py"),
-        "--distributed",
-        distributed,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _torchrun(tmp_path, "distributed_comm.py", "--distributed", distributed)
     kind = {"ddp": "MULTI_CPU", "fsdp": "FSDP"}[distributed]
     assert f"2 process(es), {kind}, gradients in bf16" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_max_steps_counts_each_processs_optimizer_steps_under_torchrun(tmp_path: Path) -> None:
+    """--max-steps 3 with two processes: 3 steps, over which the schedule runs (it ran 6, the last 3 at the
+    schedule's end)."""
+    proc = _torchrun(tmp_path, "accelerator_loop.py", "--max-steps", "3", "--precision", "fp32", *QUICK)
+    assert "step 3/3" in proc.stdout and "done: 3 optimizer steps" in proc.stdout, proc.stdout[-2000:]
