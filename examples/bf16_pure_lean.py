@@ -15,6 +15,7 @@ import tempfile
 import torch
 
 from mixprec import GPT, GPTConfig, Trainer, TrainingArguments
+from mixprec.bench.footprint import training_state_bytes
 from mixprec.data import CausalLMDataset, stdlib_corpus
 
 parser = argparse.ArgumentParser(description=__doc__)
@@ -39,12 +40,10 @@ with tempfile.TemporaryDirectory() as out:
     trainer = Trainer(model=model, args=training_args, train_dataset=CausalLMDataset(train_tokens, seq_len=32))
     result = trainer.train()
 
-state = trainer.optimizer.state_dict()["state"]
-held = sum(p.numel() * p.element_size() for p in model.parameters())  # weights
-held += sum(p.numel() * p.element_size() for p in model.parameters())  # one gradient per weight, same dtype
-held += sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if torch.is_tensor(t))
-n = sum(p.numel() for p in model.parameters())
+# weights + one gradient per weight + optimizer state, counted from the tensors (torchao's quantised states
+# from the tensors they hold: their element_size() is the dtype they present, not their storage)
+held = training_state_bytes(model, trainer.optimizer)
 print(
     f"{args.precision} + {args.optim}: weights {next(model.parameters()).dtype}, "
-    f"{held / n:.2f} bytes/param (weights + gradients + optimizer state); loss {result.training_loss:.3f}"
+    f"{held['per_param']:.2f} bytes/param (weights + gradients + optimizer state); loss {result.training_loss:.3f}"
 )
