@@ -101,3 +101,44 @@ def test_one_process_for_the_communication_comparison_is_refused(capsys):
     assert stop.value.code == 2
     (line,) = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
     assert "--nproc-per-node: 1 process has no gradients to communicate: give N >= 2" in line
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # probe: --output was accepted with --nproc-per-node, then no chart was written and nothing said
+        (["--nproc-per-node", "2", "--output", "c.png"], "--output c.png: the chart is the one-process bench's"),
+        (["--nproc-per-node", "2", "--policy", "measured"], "a measured policy is timed in one process"),
+        (["--nproc-per-node", "2", "--policy", "bf16", "--precisions", "fp32"], "give --policy or --precisions"),
+        (["--comm-dtypes", "bf16"], "--comm-dtypes compares processes' gradient traffic: add --nproc-per-node 2"),
+    ],
+)
+def test_a_flag_the_other_mode_would_ignore_is_refused_before_any_work(capsys, argv, message):
+    assert main([*FAST, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.distributed
+def test_two_processes_json_is_one_document_of_the_comm_rows(tmp_path):
+    # probe: --json under --nproc-per-node was not forwarded to the processes; stdout was the text table
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    argv = [*FAST, "--nproc-per-node", "2", "--comm-dtypes", "fp32,bf16", "--json"]
+    argv += ["--policy", "bf16:fp32_ops=attention,norm"]  # a policy's commas travel to the processes intact
+    proc = subprocess.run(
+        [sys.executable, "-m", "mixprec.cli.main", *argv],
+        capture_output=True,
+        text=True,
+        env=dict(env, OMP_NUM_THREADS="1"),
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)  # the whole of stdout is one JSON document, from the main process only
+    assert doc["processes"] == 2 and doc["config"]["precision"] == "bf16:fp32_ops=attention,norm"
+    fp32, bf16 = doc["results"]
+    assert (fp32["comm"], bf16["comm"]) == ("fp32", "bf16")
+    assert bf16["bytes_per_step"] * 2 == fp32["bytes_per_step"] > 0 and bf16["bytes_vs_first"] == 0.5
+    assert fp32["timed_steps"] == 1 and bf16["step_time_s"] > 0
+    assert proc.stderr.count("gradients on the wire, 2 processes") == 1  # the table, on stderr

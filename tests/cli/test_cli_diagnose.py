@@ -4,6 +4,8 @@ one-line errors."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 
@@ -86,3 +88,25 @@ def test_an_unwritable_plot_path_is_refused_before_the_diagnosis(corpus, tmp_pat
     (line,) = captured.err.strip().splitlines()
     assert line.startswith(f"mixprec diagnose: error: --plot {plot}: ")
     assert "diagnosing" not in captured.out + captured.err  # nothing ran
+
+
+@pytest.mark.distributed
+def test_under_torchrun_the_main_process_alone_reports_and_plots(corpus, tmp_path):
+    # probe: each of the 2 processes printed its own report (two JSON documents on stdout) and wrote the plot
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
+    png = tmp_path / "hist.png"
+    argv = ["-m", "mixprec.cli.main", "diagnose", "--data", str(corpus), *FAST, "--json", "--plot", str(png)]
+    proc = subprocess.run(
+        [*launch, *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=dict(env, OMP_NUM_THREADS="1")
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr  # the processes leave the group together
+    report = json.loads(proc.stdout)  # one document: the main process's
+    assert report["recommended_precision"] in ("fp16", "bf16", "fp32")
+    assert proc.stderr.count("diagnosing built-in GPT") == 1
+    assert proc.stderr.count("histograms written to") == 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

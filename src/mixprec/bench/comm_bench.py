@@ -19,6 +19,7 @@ the hooks); it wraps the model in DDP itself rather than through the Accelerator
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from mixprec.bench.timing import Summary, summarize
 from mixprec.bench.workload import Workload
 from mixprec.precision.base import Precision
 from mixprec.strategies.comm import CommPrecision, make_comm
+from mixprec.tree import strict_json
 
 _ITEMSIZE = {
     "float": 4,
@@ -134,3 +136,26 @@ def format_comm_table(rows: list[CommRow], processes: int, description: str) -> 
         "step ms: median on the main process"
     )
     return "\n".join(lines)
+
+
+def comm_to_json(rows: list[CommRow], processes: int, description: str, config: dict[str, object]) -> str:
+    """The ``--json`` document of ``bench --nproc-per-node``: the table's figures, times in seconds, the ratios
+    against the first setting (fp32); ``config`` holds the settings it ran with (steps, rounds, precision...)."""
+    base = rows[0]
+    results = [
+        {
+            "comm": row.comm,
+            "bytes_per_step": row.bytes_per_step,
+            "bytes_vs_first": row.bytes_per_step / max(base.bytes_per_step, 1),
+            "step_time_s": row.step.median,
+            "step_time_spread_s": row.step.spread,
+            "step_time_min_s": row.step.minimum,
+            "step_time_max_s": row.step.maximum,
+            "timed_steps": row.step.count,
+            "step_time_vs_first": row.step.median / base.step.median,
+            "last_loss": row.last_loss,
+        }
+        for row in rows
+    ]
+    doc = {"processes": processes, "workload": description, "config": config, "results": results}
+    return json.dumps(strict_json(doc), indent=2, allow_nan=False)

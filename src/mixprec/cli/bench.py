@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from mixprec.bench import BenchConfig, Workload, format_table, run_bench, to_json, workload_from_dataset, write_chart
-from mixprec.bench.comm_bench import format_comm_table, run_comm_bench
+from mixprec.bench.comm_bench import comm_to_json, format_comm_table, run_comm_bench
 from mixprec.bench.runner import loss_of
 from mixprec.cli import torchrun
 from mixprec.cli._common import (
@@ -69,7 +69,9 @@ matmul of the same dtype measured at start on this machine (the peak is named in
 
 --nproc-per-node N (N >= 2) launches N processes (torch's launcher, one machine) that train DDP copies of the
 model with their gradients all-reduced in each of --comm-dtypes (default fp32,bf16,fp16), and reports bytes
-all-reduced per step (profiled) and step time per setting; --precisions then names one precision (default fp32).
+all-reduced per step (profiled) and step time per setting; --precisions then names one precision (default fp32),
+or --policy a spelled-out policy. --json prints the comparison as one JSON document; --output (the chart) and
+--policy measured are the one-process bench's, refused with --nproc-per-node; it measures no memory.
 """
 
 
@@ -191,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.nproc_per_node > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             return _run_comm(args)
+        if "comm_dtypes" in explicit_flags(args):  # it was ignored: one process communicates nothing
+            raise CliError("--comm-dtypes compares processes' gradient traffic: add --nproc-per-node 2 (or more)")
         return _run(args)
     finally:
         torch.set_num_threads(previous)  # a caller of main() (a notebook, a test) keeps its own setting
@@ -210,20 +214,49 @@ def _run_comm(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     if not names:
         raise CliError("--comm-dtypes: give at least one of fp32, bf16, fp16")
-    precisions = args.precisions.split(",") if "precisions" in explicit_flags(args) else ["fp32"]
+    precisions = _comm_precision(args)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in _workload_args(args).items() if v is not None]
+        # a policy's own commas would be split by --precisions: it travels under its own flag
+        flags += [f"--policy={args.policy}" if args.policy is not None else f"--precisions={precisions[0]}"]
+        flags += [f"--comm-dtypes={','.join(names)}"]
+        flags += [f"--{name}={getattr(args, name)}" for name in ("steps", "rounds", "warmup", "lr")]
+        flags += [f"--threads={args.threads}"] if args.threads is not None else []
+        flags += ["--json"] if args.json else []
+        launch = ["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "mixprec.cli.main", "bench"]
+        return torchrun.main([*launch, *flags])
+    return _comm_worker(args, precisions[0], names)
+
+
+def _comm_precision(args: argparse.Namespace) -> list[str]:
+    """The one precision the processes train in: --precisions (default fp32) or a spelled-out --policy. The
+    flags of the one-process bench that the comparison of communication dtypes has no use for are refused
+    here, before any process starts, rather than ignored (--no-memory is kept: it measures no memory)."""
+    if args.output:
+        raise CliError(
+            f"--output {args.output}: the chart is the one-process bench's (step time and memory per precision); "
+            "with --nproc-per-node use the table or --json"
+        )
+    explicit = explicit_flags(args)
+    if args.policy is not None:
+        if _measured_base(args.policy) is not None:
+            raise CliError(
+                f"--policy {args.policy}: a measured policy is timed in one process; run `mixprec bench --policy "
+                f"{args.policy}` first, then give the policy it prints to --policy with --nproc-per-node"
+            )
+        if "precisions" in explicit:
+            raise CliError("--nproc-per-node trains one precision: give --policy or --precisions, not both")
+        try:
+            return [canonical_name(args.policy)]
+        except ValueError as exc:
+            raise CliError(f"--policy: {exc}") from None
+    precisions = args.precisions.split(",") if "precisions" in explicit else ["fp32"]
     if len(precisions) != 1:
         raise CliError(
             f"--nproc-per-node compares communication dtypes: give one precision (--precisions fp32), "
             f"not {args.precisions!r}"
         )
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in _workload_args(args).items() if v is not None]
-        flags += [f"--precisions={precisions[0]}", f"--comm-dtypes={','.join(names)}"]
-        flags += [f"--{name}={getattr(args, name)}" for name in ("steps", "rounds", "warmup", "lr")]
-        flags += [f"--threads={args.threads}"] if args.threads is not None else []
-        launch = ["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "mixprec.cli.main", "bench"]
-        return torchrun.main([*launch, *flags])
-    return _comm_worker(args, precisions[0], names)
+    return precisions
 
 
 def _comm_worker(args: argparse.Namespace, precision_name: str, comms: list[str]) -> int:
@@ -243,7 +276,15 @@ def _comm_worker(args: argparse.Namespace, precision_name: str, comms: list[str]
             workload, precision, comms, steps=args.steps, rounds=args.rounds, warmup=args.warmup, lr=args.lr, log=log
         )
         if env_rank == 0:
-            print(format_comm_table(rows, dist.get_world_size(), f"{workload.description}; precision {precision.name}"))
+            description = f"{workload.description}; precision {precision.name}"
+            table = format_comm_table(rows, dist.get_world_size(), description)
+            if args.json:  # as the one-process bench: the document alone on stdout, the table on stderr
+                print(table, file=sys.stderr)
+                config = {"precision": precision.name, "steps": args.steps, "rounds": args.rounds}
+                config |= {"warmup": args.warmup, "lr": args.lr}
+                print(comm_to_json(rows, dist.get_world_size(), description, config), flush=True)
+            else:
+                print(table, flush=True)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -24,7 +24,6 @@ from mixprec.cli._common import (
 from mixprec.cli._subcommand import Subcommand
 from mixprec.diagnostics import diagnose
 from mixprec.models.outputs import extract_loss
-from mixprec.precision.base import default_device
 from mixprec.precision.registry import autocast_modes
 
 # Sized for the one-minute budget on 2 CPU cores: without native fp16 on the CPU, each fp16 pass of the
@@ -43,7 +42,8 @@ examples:
 The diagnosis runs a few forward/backward passes in fp32 with hooks, histograms each layer's activations
 and gradients against the fp16 and bf16 ranges, recommends a precision and an initial loss scale, and runs
 one pass under the target precision to find the first module whose output or gradient is inf/NaN.
-The model and its gradients are left as they were.
+The model and its gradients are left as they were. Under torchrun every process runs the diagnosis (the race
+is a collective) and the main process alone prints the report and writes the plot.
 """
 
 
@@ -72,13 +72,14 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--json", action="store_true", help="print only the report as JSON on stdout")
 
 
-def _speed(model: torch.nn.Module, batch: Any, report: Any, device: torch.device, log: Any) -> dict[str, Any]:
+def _speed(acc: Accelerator, model: torch.nn.Module, batch: Any, report: Any, log: Any) -> dict[str, Any]:
     """Race the modes the diagnosis judged safe on one batch, as ``mixprec train`` under auto does on its
     first (same race, same rule), and make the recommendation the fastest of them (issue 29: diagnose
     recommended fp16 where bench measured fp16 at 0.10x fp32 and auto picked bf16). Costs a few
-    forward+backward passes; the model is left as found (the race runs on a copy)."""
+    forward+backward passes; the model is left as found (the race runs on a copy). ``acc``: an "auto"
+    Accelerator (under torchrun every process races, and they agree on the main one's verdict)."""
     log("racing the safe modes on one batch (what auto would pick here)")
-    acc = Accelerator(mixed_precision="auto", device=device, verbose=False)
+    device = acc.device
     copy_ = acc.prepare(copy.deepcopy(model))
     batch = {k: v.to(device) for k, v in batch.items()}
     # left out of the race: each mode computing in a format the diagnosis judged (its modes' own) and not safe
@@ -104,12 +105,20 @@ def run(args: argparse.Namespace) -> int:
     plot = None if args.no_plot else args.plot
     if plot is not None:
         check_plot_file("--plot", plot)  # up front: not after the whole diagnosis
+    # Under torchrun every process diagnoses the same batches (the race in _speed is a collective), and the
+    # main process alone reports: one report, one plot, as train and bench (the probe: one per process).
+    acc = Accelerator(mixed_precision="auto", verbose=False)
+    main = acc.is_main_process
     model, train, _val, info = load_model_and_data(args, precision=precision)
-    device = default_device()
+    device = acc.device  # cuda:LOCAL_RANK under torchrun on GPUs, else the default device
     model.to(device)
     generator = torch.Generator().manual_seed(args.seed)
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, generator=generator)
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else print
+
+    def log(msg: str) -> None:  # progress: on stderr under --json (stdout holds the report alone)
+        if main:
+            print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
+
     log(
         f"diagnosing {info.model_description} on {device}; {info.corpus}; "
         f"{args.batches} batch(es) of {args.batch_size} x {info.seq_len} tokens"
@@ -123,13 +132,15 @@ def run(args: argparse.Namespace) -> int:
         nonfinite_batches=min(args.nonfinite_batches, args.batches),
         lr=args.lr,
     )
-    report.speed = _speed(model, next(iter(loader)), report, device, log)
-    if plot is not None:
-        log(f"histograms written to {report.plot(Path(plot))}")
-    if args.json:
-        print(json.dumps(report.to_dict()))
-    else:
-        print(report.table(top=args.top))
+    report.speed = _speed(acc, model, next(iter(loader)), report, log)
+    if main:
+        if plot is not None:
+            log(f"histograms written to {report.plot(Path(plot))}")
+        if args.json:
+            print(json.dumps(report.to_dict()), flush=True)
+        else:
+            print(report.table(top=args.top), flush=True)
+    acc.end_training()  # every process, once the main one has reported: leave the process group together
     return 0
 
 
