@@ -20,7 +20,11 @@ from mixprec.data import CausalLMDataset, stdlib_corpus
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--precision", default="bf16-pure", help="bf16-pure, bf16-pure-kahan, bf16, fp32 ...")
-parser.add_argument("--optim", default="adamw_torch", help="adamw_torch, adamw_torch_8bit, adamw_anyprecision ...")
+parser.add_argument(
+    "--optim",
+    default="adamw_torch",
+    help="adamw_torch, adamw_torch_8bit, adamw_torch_4bit (adamw_anyprecision: with --precision bf16 or fp32)",
+)
 args = parser.parse_args()
 
 torch.manual_seed(0)
