@@ -19,7 +19,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mixprec.checkpoint import load_json
 from mixprec.checkpoint.folder_checks import META
@@ -29,7 +29,15 @@ from mixprec.loaders.sharding import ShardedBatchSampler
 
 if TYPE_CHECKING:
     from mixprec.trainer.args import TrainingArguments
-    from mixprec.trainer.loop import Plan
+
+
+class _Length(Protocol):
+    steps_per_epoch: int
+    max_steps: int
+    num_epochs: int
+
+
+Plan = TypeVar("Plan", bound=_Length)  # loop.py's Plan (which imports this module, through checkpointing.py)
 
 logger = logging.getLogger("mixprec.trainer")
 
