@@ -8,7 +8,8 @@ atomic folder (``extra_json``)::
 
     trainer_state.json      TrainerState (HF's file name and fields)
     trainer_extra.json      the trainer's data position and running-loss window (an exact resume)
-    training_args.json      the arguments of the run (for people; never read back into the run)
+    training_args.json      the arguments of the run (for people; only its length is read back, by a resume
+                            with another number of processes: world_change.py)
     training_args.bin       } HF's names, for HF's scripts and tools (mixprec.trainer.hf_files): the same
     rng_state.pth           } arguments and generators, weights_only-loadable; never read back by mixprec
 
