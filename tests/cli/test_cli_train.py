@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -287,6 +288,27 @@ def test_torchrun_trains_on_two_processes_into_one_run_folder(tmp_path, corpus):
     assert len(runs) == 1 and (runs[0] / "checkpoint-2").is_dir() and (runs[0] / "run.json").is_file()
     assert proc.stdout.count("mixprec train: summary") == 1  # printed by the main process only
     assert "tokens/s (all 2 processes together)" in proc.stdout
+
+
+@pytest.mark.distributed
+def test_a_run_resumed_by_more_processes_trains_its_last_epochs(tmp_path, corpus, capsys):
+    # saved by 1 process (2 steps an epoch, 4 in all), resumed at checkpoint-2 by 2 (1 step an epoch): it said
+    # "nothing to train" (max_steps 2 at the new world size) and exited 0 with the last epoch never trained
+    run = tmp_path / "run"
+    assert main(["train", "--data", corpus, *FAST, "--epochs", "2", "--output-dir", str(run)]) == 0
+    shutil.rmtree(run / "checkpoint-4")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
+    argv = ["-m", "mixprec.cli.main", "train", "--resume", str(run)]
+    proc = subprocess.run([*launch, *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to train" not in proc.stderr
+    assert "checkpoint-2 was saved by 1 process and resumes with 2: the run keeps its step count" in proc.stderr
+    assert "4 (3 epochs), 0 skipped" in proc.stdout  # 1 epoch of 2 steps, then steps 3 and 4: an epoch each
+    assert json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
 
 
 def _console_script() -> Path:

@@ -36,7 +36,8 @@ TRAINER_STATE = "trainer_state"
 TRAINER_EXTRA = "trainer_extra"
 """``trainer_extra.json``: the Trainer's data position and running-loss window (an exact resume)."""
 TRAINER_ARGS = "training_args"
-"""``training_args.json``: the run's arguments, for people (never read back into the run)."""
+"""``training_args.json``: the run's arguments, for people (only its length, epochs or max_steps, is read back: by
+a resume with another number of processes, mixprec.trainer.world_change)."""
 TRAINER_REQUIRED = (META, f"{TRAINER_STATE}.json", f"{TRAINER_EXTRA}.json")
 AUTOMATIC_DIR = "checkpoints"
 AUTOMATIC_PREFIX = "checkpoint_"

@@ -98,6 +98,16 @@ class ShardedBatchSampler(Sampler[list[int]]):
         """Batches in a full epoch (the same on every process)."""
         return len(self._steps)
 
+    def batches_at(self, batches: int, num_processes: int) -> int:
+        """Where ``batches`` global steps of an epoch cut by ``num_processes`` processes (a checkpoint of another
+        world size) fall in this split: the steps its samples complete here, so a resume skips no sample and
+        reads at most one global batch again."""
+        saved = ShardedBatchSampler(
+            self.num_samples, self.batch_size, num_processes=num_processes, drop_last=self.drop_last
+        )
+        samples = saved._steps[min(batches, len(saved._steps)) - 1][1] if batches > 0 else 0
+        return sum(1 for _, end in self._steps if end <= samples)
+
 
 def epoch_seed(seed: int, epoch: int) -> int:
     # Distinct seeds per (seed, epoch); 2**31 - 1 is prime, so nearby seeds and epochs do not collide.

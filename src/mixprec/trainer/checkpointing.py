@@ -8,7 +8,8 @@ atomic folder (``extra_json``)::
 
     trainer_state.json      TrainerState (HF's file name and fields)
     trainer_extra.json      the trainer's data position and running-loss window (an exact resume)
-    training_args.json      the arguments of the run (for people; never read back into the run)
+    training_args.json      the arguments of the run (for people; only its length is read back, by a resume
+                            with another number of processes: world_change.py)
     training_args.bin       } HF's names, for HF's scripts and tools (mixprec.trainer.hf_files): the same
     rng_state.pth           } arguments and generators, weights_only-loadable; never read back by mixprec
 
@@ -31,6 +32,7 @@ from mixprec.checkpoint.folders import TRAINER_ARGS, TRAINER_EXTRA, TRAINER_STAT
 from mixprec.checkpoint.manager import Keep
 from mixprec.loaders.from_datasets import DataPosition
 from mixprec.strategies.restarts import agree_on_number, restarted_anywhere
+from mixprec.trainer import world_change
 from mixprec.trainer.hf_files import hf_files
 from mixprec.trainer.hf_loggers import hf_logger
 from mixprec.trainer.state import TrainerState
@@ -175,17 +177,26 @@ def _disk_full_explained(run: RunContext, name: str | None) -> Any:
         ) from None
 
 
-def load_trainer_checkpoint(run: RunContext, path: Path) -> DataPosition:
+def load_trainer_checkpoint(run: RunContext, path: Path, max_steps: int | None = None) -> DataPosition:
     """Restore model, optimizer, scheduler, scaler, data position and RNG states (the Accelerator's
     load_state), then the trainer's state (in place), loss window and log; return where the data stands.
     Nothing is unpickled: a tampered file raises (UnsafeCheckpointError) before training starts. The
     trainer's own files are read and parsed first, so a damaged one fails before the Accelerator loads
-    anything."""
+    anything. Saved by another number of processes: the data position is mapped to this one's split, and one
+    line says what the run keeps (its steps, ``max_steps`` of them) and what it cannot (world_change.py)."""
     saved, extra = load_json(path / f"{TRAINER_STATE}.json"), load_json(path / f"{TRAINER_EXTRA}.json")
     _warn_changed_args(run.args, saved)
     loaded = TrainerState(**{k: v for k, v in saved.items() if k in TrainerState.__dataclass_fields__})
     position = DataPosition.from_dict(extra["data_position"])
-    run.accelerator.load_state(path)
+    acc = run.accelerator
+    saved_processes = int(acc.load_state(path).get("num_processes", acc.num_processes))
+    if saved_processes != acc.num_processes:
+        moved = world_change.rescaled(position, run.train_loader, saved_processes, acc.num_processes)
+        if acc.is_main_process:
+            steps = (loaded.global_step, max_steps if max_steps is not None else loaded.max_steps)
+            said = world_change.explain(path, (saved_processes, position), (acc.num_processes, moved), steps)
+            logger.warning("%s", said)
+        position = moved
     state = run.state
     for name in TrainerState.__dataclass_fields__:  # which process this is stays as it was
         if name not in ("is_local_process_zero", "is_world_process_zero"):
@@ -197,11 +208,13 @@ def load_trainer_checkpoint(run: RunContext, path: Path) -> DataPosition:
     return position
 
 
-def resume_run(run: RunContext, checkpoint: Path, train_stream: Any = None) -> DataPosition:
-    """The run as ``checkpoint`` left it (:func:`load_trainer_checkpoint`), its callbacks' states restored and the
-    resume recorded. A stream (``train_stream``) cannot seek: its pass, reshuffled as it was, reads past what
-    was trained."""
-    start = load_trainer_checkpoint(run, checkpoint)
+def resume_run(
+    run: RunContext, checkpoint: Path, train_stream: Any = None, max_steps: int | None = None
+) -> DataPosition:
+    """The run as ``checkpoint`` left it (:func:`load_trainer_checkpoint`; ``max_steps``: the run's, for its
+    message), its callbacks' states restored and the resume recorded. A stream (``train_stream``) cannot seek:
+    its pass, reshuffled as it was, reads past what was trained."""
+    start = load_trainer_checkpoint(run, checkpoint, max_steps)
     if train_stream is not None:
         train_stream.skip_batches(start.batches_consumed)
         run.train_loader.set_epoch(start.epoch)

@@ -25,7 +25,7 @@ import torch
 from mixprec.loaders.from_datasets import DataPosition, is_stream
 from mixprec.scaling.record import ConsecutiveSkipsError
 from mixprec.trainer import checkpointing as ckpt  # by module: tests wrap save_trainer_checkpoint
-from mixprec.trainer import loss_items, weights
+from mixprec.trainer import loss_items, weights, world_change
 from mixprec.trainer.batches import count_samples, count_tokens, input_tokens_seen
 from mixprec.trainer.callbacks import export_callback_states, steps_to_first_look
 from mixprec.trainer.compile_gate import CompileGate
@@ -115,7 +115,10 @@ def fit(run: RunContext, plan: Plan, checkpoint: Any, train_stream: Any, example
     landed, the best model loaded (``load_best_model_at_end``), the summary. After a stop by signal, raises
     :class:`~mixprec.trainer.signals.TrainingInterrupted` naming the checkpoint it saved."""
     acc, args = run.accelerator, run.args
-    start = ckpt.resume_run(run, checkpoint, train_stream) if checkpoint is not None else DataPosition()
+    start = DataPosition()
+    if checkpoint is not None:
+        start = ckpt.resume_run(run, checkpoint, train_stream, plan.max_steps)
+        plan = world_change.reaching(plan, start, run.state.global_step, args.gradient_accumulation_steps)
     plan.apply_to(run.state, args)
     model = run.model
     model.train()

@@ -27,7 +27,7 @@ from mixprec.accelerator.prepared import is_prepared, release
 from mixprec.loaders.from_datasets import ColumnFilter, is_stream
 from mixprec.loaders.trainer_loaders import TrainerLoaders, check_datasets
 from mixprec.trainer import checkpointing as ckpt
-from mixprec.trainer import evaluation, loss_items, weights
+from mixprec.trainer import evaluation, loss_items, weights, world_change
 from mixprec.trainer.activation_checkpointing import enable_activation_checkpointing
 from mixprec.trainer.args import TrainingArguments
 from mixprec.trainer.batches import loss_and_outputs
@@ -322,6 +322,8 @@ class Trainer:
         if checkpoint is None:
             self._loaders.reseed(loader)
         plan = Plan.for_dataset(self.train_dataset, loader, args)
+        if checkpoint is not None:  # saved by another number of processes: the run's steps as saved
+            plan = world_change.planned(plan, world_change.SavedRun.read(checkpoint), args, acc.num_processes)
         if checkpoint is None:
             self.record_event("train_begin", 0, resumed_from=None, precision=acc.mixed_precision)
             if args.diagnose_at_start:
