@@ -34,7 +34,7 @@ from mixprec.strategies.restarts import agree_on_number, restarted_anywhere
 from mixprec.trainer.hf_files import hf_files
 from mixprec.trainer.hf_loggers import hf_logger
 from mixprec.trainer.state import TrainerState
-from mixprec.trainer.weights import model_config_file
+from mixprec.trainer.weights import adapter_files, model_config_file
 
 if TYPE_CHECKING:
     from mixprec.trainer.context import RunContext
@@ -132,13 +132,16 @@ def save_trainer_checkpoint(run: RunContext, position: DataPosition) -> Path:
         TRAINER_STATE: state.to_dict(),
         TRAINER_EXTRA: {"data_position": position.to_dict(), "meter": run.meter.state_dict()},
         TRAINER_ARGS: args.to_dict(),
-        **model_config_file(acc.unwrap_model(run.model)),
+        **model_config_file(acc.unwrap_model(run.model)),  # none for a peft model: its adapter files instead
     }
     keep = Keep(folders, args.save_total_limit, protect=state.best_model_checkpoint)
     # HF's training_args.bin / rng_state.pth (hf_files.py) from the main process, in the folder and its manifest
     hf = hf_files(args, acc.num_processes) if acc.is_main_process else None
     with _disk_full_explained(run, None if args.async_save else path.name):  # async: maybe the previous one
-        acc.checkpoints.save(path, extra_json=files, extra_torch=hf, async_save=args.async_save, keep=keep)
+        peft_files = adapter_files(acc.unwrap_model(run.model))
+        acc.checkpoints.save(
+            path, extra_json=files, extra_torch=hf, async_save=args.async_save, keep=keep, pre_hook=peft_files
+        )
     run.events.fire("on_save", checkpoint=str(path))
     return path
 
