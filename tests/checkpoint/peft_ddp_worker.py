@@ -1,8 +1,8 @@
-"""A peft LoRA model's checkpoints under DDP, on 2 processes (launched by test_peft_ddp.py with torchrun; not
-collected by pytest). ``python peft_ddp_worker.py OUT``: a Trainer run of 4 steps saving and evaluating every 2,
-with ``load_best_model_at_end``; then a second run resumed from its checkpoint-2. Each process writes
-OUT/rank<i>.json: whether its adapters equal the best checkpoint's after the first run, and checkpoint-4's after
-the resume (every process loads the checkpoints, which hold the adapters only)."""
+"""A peft LoRA model's checkpoints under DDP or FSDP2, on 2 processes (launched by test_peft_ddp.py with torchrun;
+not collected by pytest). ``python peft_ddp_worker.py OUT ddp|fsdp``: a Trainer run of 4 steps saving and
+evaluating every 2, with ``load_best_model_at_end``; then a second run resumed from its checkpoint-2. Each process
+writes OUT/rank<i>.json: whether its adapters equal the best checkpoint's after the first run, and checkpoint-4's
+after the resume (every process loads the checkpoints, which hold the adapters only)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def rows(n: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": r, "labels": r} for r in ids]
 
 
-def run(out: Path, resume: str | None = None) -> Trainer:
+def run(out: Path, distributed: str, resume: str | None = None) -> Trainer:
     best = {"load_best_model_at_end": True, "metric_for_best_model": "loss", "greater_is_better": True}
     args = TrainingArguments(
         output_dir=str(out),
@@ -45,7 +45,7 @@ def run(out: Path, resume: str | None = None) -> Trainer:
         report_to="none",
         disable_tqdm=True,
         save_plots=False,
-        distributed="ddp",
+        distributed=distributed,
         **({} if resume else best),
     )
     trainer = Trainer(model=lora_gpt2(), args=args, train_dataset=rows(16), eval_dataset=rows(4))
@@ -55,15 +55,17 @@ def run(out: Path, resume: str | None = None) -> Trainer:
 
 def same_adapters(trainer: Trainer, folder: str) -> bool:
     saved = load_tensors(Path(folder) / "model.safetensors")
-    mine = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    # under FSDP2 each process holds shards: the full tensors are gathered (a collective, same order everywhere)
+    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in trainer.model.named_parameters()}
+    mine = {n: p.detach() for n, p in full.items() if p.requires_grad}
     return saved.keys() == mine.keys() and all(torch.equal(saved[n], mine[n]) for n in saved)
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    first = run(out / "run")
+    out, distributed = Path(sys.argv[1]), sys.argv[2]
+    first = run(out / "run", distributed)
     best = first.state.best_model_checkpoint
-    resumed = run(out / "resumed", resume=str(out / "run" / "checkpoint-2"))
+    resumed = run(out / "resumed", distributed, resume=str(out / "run" / "checkpoint-2"))
     result = {
         "best": Path(best).name,
         "best_loaded": same_adapters(first, best),

@@ -18,8 +18,10 @@ import torch
 def saved_keys(model: torch.nn.Module) -> set[str] | None:
     """The state-dict keys a checkpoint of ``model`` holds: its trainable parameters' for a peft model (whose
     frozen base is loaded from its own folder); None for every other model (all of them)."""
-    # peft is not imported for this: a PeftModel is a peft class holding a peft_config
-    if not (type(model).__module__.startswith("peft.") and hasattr(model, "peft_config")):
+    # peft is not imported for this: a PeftModel is a peft class holding a peft_config. Its class's bases
+    # count: FSDP2's fully_shard swaps in a subclass of torch's making (FSDPPeftModelForCausalLM)
+    peft_class = any(cls.__module__.startswith("peft.") for cls in type(model).__mro__)
+    if not (peft_class and hasattr(model, "peft_config")):
         return None
     return {name for name, p in model.named_parameters() if p.requires_grad}
 
