@@ -11,6 +11,8 @@ atomic folder (``extra_json``)::
     training_args.json      the arguments of the run (for people; never read back into the run)
     training_args.bin       } HF's names, for HF's scripts and tools (mixprec.trainer.hf_files): the same
     rng_state.pth           } arguments and generators, weights_only-loadable; never read back by mixprec
+    adapter_config.json     } a peft model's, by peft's save_pretrained (mixprec.trainer.weights.adapter_files),
+    adapter_model.safetensors } as HF's checkpoints: PeftModel.from_pretrained loads them; never read back
 
 Resuming, from the Trainer (``resume_from_checkpoint=True``) or from the command line (``--resume``), goes
 through one listing, ``trainer_folders(output_dir).find_resumable()``.
