@@ -163,3 +163,22 @@ def test_load_best_model_at_end_restores_the_best_checkpoints_adapters_over_the_
     for name, p in model.named_parameters():
         expected = best[name] if p.requires_grad else frozen[name]
         assert torch.equal(p, expected), name
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_trainer_checkpoint_of_a_peft_model_loads_with_peft_as_hfs_does(tmp_path, async_save):
+    import json
+
+    model = lora_gpt2(torch.bfloat16)
+    args = lora_args(tmp_path, "bf16", async_save=async_save)
+    Trainer(model=model, args=args, train_dataset=rows(24)).train()
+    folder = tmp_path / "checkpoint-6"  # the last: the model's adapters now
+    # peft's files, listed and checksummed in the manifest like every file of the folder
+    listed = json.loads((folder / "manifest.json").read_text())["files"]
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(listed)
+    # no base config.json: from_pretrained("checkpoint-N") would build a random model from it, silently
+    assert not (folder / "config.json").exists()
+    reloaded = peft.PeftModel.from_pretrained(lora_gpt2(torch.bfloat16).get_base_model(), str(folder))
+    mine = dict(model.named_parameters())
+    for name, p in reloaded.named_parameters():
+        assert torch.equal(p, mine[name]), name  # the checkpoint's adapters over the same frozen base

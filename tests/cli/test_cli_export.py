@@ -36,3 +36,23 @@ def test_export_writes_the_full_weights_and_refuses_a_damaged_folder(tmp_path: P
     err = capsys.readouterr().err
     assert "not a complete sharded checkpoint" in err and "Traceback" not in err
     assert not (tmp_path / "again.safetensors").exists()
+
+
+def test_export_takes_one_model_of_a_checkpoint_holding_several(tmp_path: Path, capsys) -> None:
+    # a save_state checkpoint with fsdp_state_dict_type="sharded" and two models: model_0.dcp, model_1.dcp,
+    # listed in the checkpoint's own manifest
+    from mixprec.checkpoint.manifest import write_manifest
+
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)]
+    for i, model in enumerate(models):
+        save_sharded(model, tmp_path / "staged" / f"model_{i}.dcp")
+        (tmp_path / "ckpt").mkdir(exist_ok=True)
+        (tmp_path / "staged" / f"model_{i}.dcp" / "manifest.json").unlink()  # only the checkpoint's manifest
+        (tmp_path / "staged" / f"model_{i}.dcp").rename(tmp_path / "ckpt" / f"model_{i}.dcp")
+    write_manifest(tmp_path / "ckpt")
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "x.safetensors")]) == 2
+    assert "holds 2 models' sharded weights" in (err := capsys.readouterr().err) and "model_0.dcp" in err
+    assert main(["export", str(tmp_path / "ckpt" / "model_1.dcp"), str(tmp_path / "one.safetensors")]) == 0
+    exported = load_file(tmp_path / "one.safetensors")
+    assert all(torch.equal(exported[k], v) for k, v in models[1].state_dict().items())

@@ -14,6 +14,7 @@ import torch
 
 from mixprec.checkpoint import CheckpointError, load_tensors
 from mixprec.checkpoint.sharded import check_sharded, export_safetensors
+from mixprec.cli.main import main
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -81,9 +82,18 @@ def test_a_sharded_save_state_loads_weights_and_optimizer_exactly_with_another_n
     assert (state / "optimizer_0.dcp" / ".metadata").is_file() and (state / "manifest.json").is_file()
     run_worker(loaded_by, "state-load", str(tmp_path / "loaded"), str(tmp_path / "saved"))
     assert_identical(tmp_path / "loaded" / "full.safetensors", tmp_path / "saved" / "full.safetensors")
+    # `mixprec export CHECKPOINT model.safetensors`: one file of its model (model_0.dcp), as the guide says
+    assert main(["export", str(state), str(tmp_path / "export.safetensors")]) == 0
+    assert_identical(tmp_path / "export.safetensors", tmp_path / "saved" / "full.safetensors")
     saved = torch.load(tmp_path / "saved" / "optimizer.pt", weights_only=True)
     loaded = torch.load(tmp_path / "loaded" / "optimizer.pt", weights_only=True)
     assert saved["state"].keys() == loaded["state"].keys() and saved["state"]
     for name, moments in saved["state"].items():
         for key, value in moments.items():
             assert torch.equal(torch.as_tensor(loaded["state"][name][key]), torch.as_tensor(value)), (name, key)
+    # a damaged shard is refused by name (the checkpoint's manifest lists every process's shards)
+    shard = state / "model_0.dcp" / shards[0]
+    shard.write_bytes(b"\0" + shard.read_bytes()[1:])
+    with pytest.raises(CheckpointError, match=shards[0]):
+        export_safetensors(state, tmp_path / "bad.safetensors")
+    assert not (tmp_path / "bad.safetensors").exists()

@@ -157,10 +157,13 @@ class CheckpointManager:
         extra_torch: Mapping[str, Any] | None = None,
         async_save: bool = False,
         keep: Keep | None = None,
+        pre_hook: Callable[[list[torch.nn.Module], list[Any], str], None] | None = None,
     ) -> Path:
         """Write one folder (collective). With no ``output_dir``: the project's next automatic checkpoint,
         pruned to ``total_limit``; else ``keep`` (the caller's naming and limit) says what to prune. The
-        pruning runs on the writer thread after the folder is committed: :meth:`wait` waits for it too."""
+        pruning runs on the writer thread after the folder is committed: :meth:`wait` waits for it too.
+        ``pre_hook``: the caller's own save hook (the Trainer's peft files), called as the registered ones are,
+        after them."""
         run = self._run()
         automatic = output_dir is None and self.project.automatic_checkpoint_naming
         if output_dir is None and not automatic:
@@ -175,7 +178,8 @@ class CheckpointManager:
                 raise ValueError(f"save_state(extra_json=...): {ITERATION_FILE!r} is reserved (the project iteration)")
             extra[ITERATION_FILE] = {"iteration": self.project.iteration}
             keep = Keep(self.automatic("save_state()"), self.project.total_limit)
-        hook = self._pre_hook(run.registry.models) if self._save_hooks else None
+        hooks = [*self._save_hooks.values(), *([pre_hook] if pre_hook is not None else [])]
+        hook = self._pre_hook(run.registry.models, hooks) if hooks else None
         writer = self._writer if async_save else None
         if writer is None:  # a synchronous save after an asynchronous one: that one lands first
             self.wait()
@@ -206,10 +210,12 @@ class CheckpointManager:
                 "an asynchronous save_state failed on the main process (see its error); the previous one is intact"
             )
 
-    def _pre_hook(self, models: list[torch.nn.Module]) -> Callable[[Path, list[Any]], None]:
+    def _pre_hook(
+        self, models: list[torch.nn.Module], hooks: list[Callable[..., None]]
+    ) -> Callable[[Path, list[Any]], None]:
         def call_hooks(folder: Path, weights: list[Any]) -> None:
             given = list(weights)
-            for hook in list(self._save_hooks.values()):
+            for hook in hooks:
                 hook(list(models), weights, str(folder))
             if len(weights) != len(given):
                 raise ValueError(

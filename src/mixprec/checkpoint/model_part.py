@@ -18,8 +18,10 @@ import torch
 def saved_keys(model: torch.nn.Module) -> set[str] | None:
     """The state-dict keys a checkpoint of ``model`` holds: its trainable parameters' for a peft model (whose
     frozen base is loaded from its own folder); None for every other model (all of them)."""
-    # peft is not imported for this: a PeftModel is a peft class holding a peft_config
-    if not (type(model).__module__.startswith("peft.") and hasattr(model, "peft_config")):
+    # peft is not imported for this: a PeftModel is a peft class holding a peft_config. Its class's bases
+    # count: FSDP2's fully_shard swaps in a subclass of torch's making (FSDPPeftModelForCausalLM)
+    peft_class = any(cls.__module__.startswith("peft.") for cls in type(model).__mro__)
+    if not (peft_class and hasattr(model, "peft_config")):
         return None
     return {name for name, p in model.named_parameters() if p.requires_grad}
 
@@ -36,8 +38,14 @@ def completed(strategy: Any, model: torch.nn.Module, state: dict[str, torch.Tens
     """``state`` with the entries a checkpoint leaves out (a peft model's frozen base) taken from ``model``
     itself, through the distributed strategy's ``model_state_dict``, so that loading it changes only what was
     saved. Collective under FSDP2 (the model's full state is gathered); elsewhere the entries are the model's
-    own tensors, not copies."""
+    own tensors, not copies.
+
+    The strategy gives the full state to the main process only. Every other process completes ``state`` from
+    its own module: under DDP (and any strategy that replicates the model) each process loads the dict it is
+    given, so an adapters-only one would fail there as missing keys; under FSDP2 the dict of a process other
+    than the main one is not read (the main process's is scattered), and ``state_dict()`` is its own shards,
+    no copy and no collective."""
     if saved_keys(model) is None:
         return state
     full = strategy.model_state_dict(model)  # every process calls it: a collective under FSDP2
-    return state if full is None else {**full, **state}
+    return {**(full if full is not None else model.state_dict()), **state}

@@ -1,4 +1,5 @@
-"""``mixprec export``: one safetensors file with the full weights of a sharded FSDP2 checkpoint, for inference
+"""``mixprec export``: one safetensors file with the full weights of a sharded FSDP2 checkpoint (a save_sharded
+folder, or a save_state / Trainer checkpoint saved with ``fsdp_state_dict_type="sharded"``), for inference
 or for a run on another number of processes that wants plain weights (see :mod:`mixprec.checkpoint.sharded`)."""
 
 from __future__ import annotations
@@ -13,13 +14,20 @@ EPILOG = """\
 examples:
   mixprec export runs/x/sharded model.safetensors     a folder written by save_sharded(), by any number
                                                       of processes, into one file; no process group needed
+  mixprec export runs/x/checkpoint-500 model.safetensors
+                                                      the model of a checkpoint saved with
+                                                      fsdp_state_dict_type="sharded" (its model_0.dcp)
 
 The folder's manifest is verified first: a damaged or unfinished checkpoint is refused by name.
 """
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("folder", metavar="SHARDED_FOLDER", help="the folder save_sharded() wrote")
+    parser.add_argument(
+        "folder",
+        metavar="SHARDED_FOLDER",
+        help="the folder save_sharded() wrote, or a checkpoint saved with fsdp_state_dict_type='sharded'",
+    )
     parser.add_argument("output", metavar="OUTPUT", help="the .safetensors file to write (replaced atomically)")
 
 

@@ -12,6 +12,8 @@ atomic folder (``extra_json``)::
                             with another number of processes: world_change.py)
     training_args.bin       } HF's names, for HF's scripts and tools (mixprec.trainer.hf_files): the same
     rng_state.pth           } arguments and generators, weights_only-loadable; never read back by mixprec
+    adapter_config.json     } a peft model's, by peft's save_pretrained (mixprec.trainer.weights.adapter_files),
+    adapter_model.safetensors } as HF's checkpoints: PeftModel.from_pretrained loads them; never read back
 
 Resuming, from the Trainer (``resume_from_checkpoint=True``) or from the command line (``--resume``), goes
 through one listing, ``trainer_folders(output_dir).find_resumable()``.
@@ -36,7 +38,7 @@ from mixprec.trainer import world_change
 from mixprec.trainer.hf_files import hf_files
 from mixprec.trainer.hf_loggers import hf_logger
 from mixprec.trainer.state import TrainerState
-from mixprec.trainer.weights import model_config_file
+from mixprec.trainer.weights import adapter_files, model_config_file
 
 if TYPE_CHECKING:
     from mixprec.trainer.context import RunContext
@@ -134,13 +136,16 @@ def save_trainer_checkpoint(run: RunContext, position: DataPosition) -> Path:
         TRAINER_STATE: state.to_dict(),
         TRAINER_EXTRA: {"data_position": position.to_dict(), "meter": run.meter.state_dict()},
         TRAINER_ARGS: args.to_dict(),
-        **model_config_file(acc.unwrap_model(run.model)),
+        **model_config_file(acc.unwrap_model(run.model)),  # none for a peft model: its adapter files instead
     }
     keep = Keep(folders, args.save_total_limit, protect=state.best_model_checkpoint)
     # HF's training_args.bin / rng_state.pth (hf_files.py) from the main process, in the folder and its manifest
     hf = hf_files(args, acc.num_processes) if acc.is_main_process else None
     with _disk_full_explained(run, None if args.async_save else path.name):  # async: maybe the previous one
-        acc.checkpoints.save(path, extra_json=files, extra_torch=hf, async_save=args.async_save, keep=keep)
+        peft_files = adapter_files(acc.unwrap_model(run.model))
+        acc.checkpoints.save(
+            path, extra_json=files, extra_torch=hf, async_save=args.async_save, keep=keep, pre_hook=peft_files
+        )
     run.events.fire("on_save", checkpoint=str(path))
     return path
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mixprec.checkpoint import save_json, save_tensors
+from mixprec.checkpoint.model_part import saved_keys
 
 if TYPE_CHECKING:
     import torch
@@ -29,11 +31,34 @@ WEIGHTS_NAME = "model.safetensors"
 
 def model_config_file(model: Any) -> dict[str, Any]:
     """``{"config": ...}`` (written as config.json) for a model with an HF-style config, so
-    ``from_pretrained("checkpoint-N")`` finds one next to model.safetensors; {} otherwise."""
+    ``from_pretrained("checkpoint-N")`` finds one next to model.safetensors; {} otherwise, and for a peft
+    model: its checkpoint holds the adapters only (:func:`adapter_files`), and the base's config.json beside
+    them would make ``from_pretrained`` build a randomly initialised model from it, silently."""
+    if saved_keys(model) is not None:
+        return {}
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_json_string"):
         return {}
     return {"config": json.loads(config.to_json_string())}
+
+
+def adapter_files(model: Any) -> Callable[[list[Any], list[Any], str], None] | None:
+    """For a peft model, the checkpoint save hook that writes peft's files into the unfinished folder (so
+    they are in its manifest), as HF's Trainer's checkpoints hold them: adapter_config.json,
+    adapter_model.safetensors (and README.md), which ``PeftModel.from_pretrained(base, "checkpoint-N")``
+    loads. They are written by peft's ``save_pretrained`` from the state the checkpoint saves (the trainable
+    parameters, gathered under FSDP2), so they cost the adapters' size again; mixprec's resume reads
+    model.safetensors. None for any other model. A sharded FSDP2 state (``model_0.dcp``) has no gathered
+    state to write them from: ``mixprec export`` makes one file of it."""
+    if saved_keys(model) is None:
+        return None
+
+    def write(models: list[Any], weights: list[Any], folder: str) -> None:
+        index = next((i for i, m in enumerate(models) if m is model), None)
+        if index is not None and index < len(weights):
+            model.save_pretrained(folder, state_dict=weights[index], safe_serialization=True)
+
+    return write
 
 
 def save_model(
