@@ -54,6 +54,9 @@ def test_a_resume_at_another_world_size_keeps_the_runs_steps_and_schedule(tmp_pa
     assert whole["max_steps"] == whole["global_step"] == 24 // saved_by
     saved = "1 process" if saved_by == 1 else "2 processes"
     assert f"checkpoint-{step} was saved by {saved} and resumes with {resumed_by}: the run keeps its step" in said
+    # the resumed run's checkpoints say which world size counted its steps: a second resume keeps them too
+    later = max((tmp_path / "resumed" / "run").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert json.loads((later / "trainer_extra.json").read_text())["sized_by"] == saved_by
     for report in reports:
         assert report["world_size"] == resumed_by and report["first_step"] == step
         assert report["max_steps"] == report["global_step"] == whole["max_steps"]  # every step trained
@@ -66,7 +69,7 @@ def test_a_resume_at_another_world_size_keeps_the_runs_steps_and_schedule(tmp_pa
 
 def test_an_epoch_sized_plan_keeps_the_saved_steps_and_a_step_sized_one_its_own(tmp_path):
     plan = Plan(batches_per_epoch=12, steps_per_epoch=12, max_steps=24, num_epochs=2)  # 1 process, 2 epochs
-    saved = SavedRun(num_processes=2, max_steps=12, num_train_epochs=2.0, sized_in_steps=False)
+    saved = SavedRun(num_processes=2, sized_by=2, max_steps=12, num_train_epochs=2.0, sized_in_steps=False)
     epochs = TrainingArguments(output_dir=str(tmp_path), num_train_epochs=2)
     assert planned(plan, saved, epochs, num_processes=1).max_steps == 12
     assert planned(plan, saved, epochs, num_processes=2) is plan  # the same world size: HF's plan, unchanged
@@ -74,6 +77,11 @@ def test_an_epoch_sized_plan_keeps_the_saved_steps_and_a_step_sized_one_its_own(
     assert planned(plan, saved, more, num_processes=1).max_steps == 18
     steps = TrainingArguments(output_dir=str(tmp_path), max_steps=24)
     assert planned(plan, saved, steps, num_processes=1) is plan
+    # and again: the run's next checkpoint, saved by 1 process, still counts the 2 processes' steps
+    kept = planned(plan, saved, epochs, num_processes=1)
+    again = SavedRun(num_processes=1, sized_by=kept.sized_by, max_steps=12, num_train_epochs=2.0, sized_in_steps=False)
+    assert kept.sized_by == 2 and planned(plan, again, epochs, num_processes=1).max_steps == 12
+    assert planned(kept, again, epochs, num_processes=2) is kept  # back at the size that counted them
     # two saved steps' worth of epochs at 2 processes: epoch 1, batch 5 of 6 -> 10 of 12 here; 7 steps left
     later = Plan(batches_per_epoch=12, steps_per_epoch=12, max_steps=12, num_epochs=1)
     assert reaching(later, DataPosition(1, 10), 5, accumulation=1).num_epochs == 3

@@ -134,7 +134,7 @@ def save_trainer_checkpoint(run: RunContext, position: DataPosition) -> Path:
         state.best_model_checkpoint = str(best)
     files = {
         TRAINER_STATE: state.to_dict(),
-        TRAINER_EXTRA: {"data_position": position.to_dict(), "meter": run.meter.state_dict()},
+        TRAINER_EXTRA: {"data_position": position.to_dict(), "meter": run.meter.state_dict(), "sized_by": run.sized_by},
         TRAINER_ARGS: args.to_dict(),
         **model_config_file(acc.unwrap_model(run.model)),  # none for a peft model: its adapter files instead
     }

@@ -58,6 +58,9 @@ class RunContext:
     """The ``diagnose_at_start`` report, if one ran."""
     memory: MemoryMetrics | None = None
     """HF's memory metrics (``skip_memory_metrics=False``); the summary ends the "train" stage."""
+    sized_by: int = 0
+    """The number of processes whose epochs counted the run's steps (a resume at another world size keeps
+    them: world_change.py); set by the loop."""
 
     @property
     def state(self) -> TrainerState:

@@ -52,6 +52,8 @@ class Plan:
     steps_per_epoch: int
     max_steps: int
     num_epochs: int
+    sized_by: int = 0
+    """The number of processes whose epochs counted ``max_steps`` (0: this run's; world_change.py)."""
 
     @classmethod
     def for_dataset(cls, dataset: Any, loader: Any, args: TrainingArguments) -> Plan:
@@ -120,6 +122,7 @@ def fit(run: RunContext, plan: Plan, checkpoint: Any, train_stream: Any, example
         start = ckpt.resume_run(run, checkpoint, train_stream, plan.max_steps)
         plan = world_change.reaching(plan, start, run.state.global_step, args.gradient_accumulation_steps)
     plan.apply_to(run.state, args)
+    run.sized_by = plan.sized_by or acc.num_processes  # saved with each checkpoint: a later resume keeps it
     model = run.model
     model.train()
     if args.eval_on_start and checkpoint is None:

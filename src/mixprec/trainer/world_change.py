@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mixprec.checkpoint import load_json
 from mixprec.checkpoint.folder_checks import META
-from mixprec.checkpoint.folders import TRAINER_ARGS, TRAINER_STATE
+from mixprec.checkpoint.folders import TRAINER_ARGS, TRAINER_EXTRA, TRAINER_STATE
 from mixprec.loaders.from_datasets import DataPosition
 from mixprec.loaders.sharding import ShardedBatchSampler
 
@@ -35,6 +35,7 @@ class _Length(Protocol):
     steps_per_epoch: int
     max_steps: int
     num_epochs: int
+    sized_by: int
 
 
 Plan = TypeVar("Plan", bound=_Length)  # loop.py's Plan (which imports this module, through checkpointing.py)
@@ -47,6 +48,9 @@ class SavedRun:
     """The length of the run a checkpoint belongs to, and the world size that saved it."""
 
     num_processes: int
+    sized_by: int
+    """The number of processes whose epochs counted ``max_steps``: the saver's, or, after a resume at another
+    world size, the run's first (a second resume at the new size keeps the steps too)."""
     max_steps: int
     num_train_epochs: float | None
     """The saved arguments' (None where they cannot be read)."""
@@ -59,6 +63,7 @@ class SavedRun:
         try:
             meta, state = load_json(checkpoint / META), load_json(checkpoint / f"{TRAINER_STATE}.json")
             processes, max_steps = int(meta["num_processes"]), int(state["max_steps"])
+            sized_by = int(load_json(checkpoint / f"{TRAINER_EXTRA}.json").get("sized_by") or processes)
         except Exception:  # noqa: BLE001 - a damaged or foreign folder: load_trainer_checkpoint names the problem
             return None
         try:
@@ -66,20 +71,20 @@ class SavedRun:
             epochs, sized_in_steps = float(saved_args["num_train_epochs"]), int(saved_args["max_steps"]) > 0
         except Exception:  # noqa: BLE001 - the arguments are a record for people: without them, the same epochs
             epochs, sized_in_steps = None, False
-        return cls(processes, max_steps, epochs, sized_in_steps)
+        return cls(processes, sized_by, max_steps, epochs, sized_in_steps)
 
 
 def planned(plan: Plan, saved: SavedRun | None, args: TrainingArguments, num_processes: int) -> Plan:
     """The plan of a run resumed from a checkpoint ``saved`` by another number of processes: an epoch-sized run
     keeps the saved total of optimizer steps (scaled where the epochs asked for changed too). A run sized in
     steps (``max_steps``), a stream and a resume at the same world size keep the plan they have (HF's)."""
-    if saved is None or saved.num_processes == num_processes or args.max_steps > 0 or saved.sized_in_steps:
+    if saved is None or saved.sized_by == num_processes or args.max_steps > 0 or saved.sized_in_steps:
         return plan
     max_steps = saved.max_steps
     if saved.num_train_epochs and args.num_train_epochs != saved.num_train_epochs:  # resumed for more (or fewer)
         max_steps = math.ceil(saved.max_steps * args.num_train_epochs / saved.num_train_epochs)
     num_epochs = max(plan.num_epochs, math.ceil(max_steps / plan.steps_per_epoch))
-    return dataclasses.replace(plan, max_steps=max_steps, num_epochs=num_epochs)
+    return dataclasses.replace(plan, max_steps=max_steps, num_epochs=num_epochs, sized_by=saved.sized_by)
 
 
 def reaching(plan: Plan, start: DataPosition, global_step: int, accumulation: int) -> Plan:
