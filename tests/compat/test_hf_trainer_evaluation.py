@@ -9,7 +9,9 @@ A regression model y = a x + b with known a, b, so every loss, prediction and me
 
 from __future__ import annotations
 
+import itertools
 import os
+import types
 
 import numpy as np
 import pytest
@@ -226,6 +228,16 @@ def test_a_dict_of_evaluation_sets_is_evaluated_set_by_set(tmp_path):
     results = trainer.evaluate()
     assert {"eval_val_loss", "eval_test_loss"} <= set(results) and "eval_loss" not in results
     assert results["eval_test_loss"] == pytest.approx(trainer.evaluate(sets["test"])["eval_loss"])
+    assert trainer.evaluate("test")["eval_loss"] == pytest.approx(results["eval_test_loss"])  # a set by its name
+
+
+def test_a_set_named_is_sized_by_its_samples_not_its_name(tmp_path, monkeypatch):
+    if IMPL != "mixprec":
+        pytest.skip("reads mixprec's clock")
+    ticks = itertools.count()  # a clock read twice an evaluation, one second apart: the rate is the sample count
+    monkeypatch.setattr("mixprec.trainer.evaluation.time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    trainer = regression_trainer(tmp_path, 1.5, 2.5, eval_dataset={"test": RegressionDataset(8, seed=2)})
+    assert trainer.evaluate("test")["eval_samples_per_second"] == 8  # len("test") was 4
 
 
 def test_an_edited_eval_batch_size_is_used_by_the_next_evaluation(tmp_path):
@@ -234,3 +246,9 @@ def test_an_edited_eval_batch_size_is_used_by_the_next_evaluation(tmp_path):
     trainer.evaluate()
     trainer.args.per_device_eval_batch_size = 2
     assert [len(batch["input_x"]) for batch in trainer.get_eval_dataloader()] == [2, 2, 2, 2]
+    if IMPL == "mixprec":  # each size's loader is made once (one more per switch kept them all)
+        first = trainer.get_eval_dataloader()
+        trainer.args.per_device_eval_batch_size = 4
+        trainer.get_eval_dataloader()
+        trainer.args.per_device_eval_batch_size = 2
+        assert trainer.get_eval_dataloader() is first

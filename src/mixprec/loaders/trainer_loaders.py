@@ -34,7 +34,7 @@ class TrainerLoaders:
         self.train_stream: ShardedStream | None = None
         """The training stream this process reads, when the training data is a stream (it cannot seek: a
         resume skips what was trained)."""
-        self._eval: dict[int, tuple[Any, int, Any]] = {}  # the dataset, its batch size, its prepared loader
+        self._eval: dict[tuple[int, int], tuple[Any, Any]] = {}  # (id, batch size): the dataset, its loader
         self._train_seed: int | None = None
 
     def _shard(self, dataset: Any, batch_size: int) -> Any:
@@ -75,10 +75,10 @@ class TrainerLoaders:
         return self.accelerator.prepare_data_loader(loader)
 
     def evaluation(self, dataset: Any) -> Any:
-        """The prepared loader of ``dataset``, made at its first use, and again when
-        ``per_device_eval_batch_size`` was changed since (HF builds one per call)."""
-        made = self._eval.get(id(dataset))
-        if made is None or made[1] != self.args.per_device_eval_batch_size:
+        """The prepared loader of ``dataset`` at ``per_device_eval_batch_size``, made at its first use (a batch
+        size edited since gets its own: HF builds one per call)."""
+        key = (id(dataset), self.args.per_device_eval_batch_size)
+        if key not in self._eval:
             check_dataset(dataset, "eval_dataset")
             loader = make_loader(
                 self._shard(dataset, self.args.per_device_eval_batch_size),
@@ -90,6 +90,5 @@ class TrainerLoaders:
                 **self.args.loader_kwargs(),
             )
             # the dataset is kept with its loader, so its id is not reused by another object while cached
-            batch = self.args.per_device_eval_batch_size
-            self._eval[id(dataset)] = (dataset, batch, self.accelerator.prepare_data_loader(loader))
-        return self._eval[id(dataset)][2]
+            self._eval[key] = (dataset, self.accelerator.prepare_data_loader(loader))
+        return self._eval[key][1]

@@ -369,8 +369,9 @@ class Trainer:
     # -- evaluation and prediction -------------------------------------------------------------------
 
     def _run_eval(self, dataset: Any, prefix: str, want_predictions: bool, ignore_keys: Any = None) -> EvalResult:
-        loader = self.get_eval_dataloader(dataset)
         dataset = dataset if dataset is not None else self.eval_dataset
+        dataset = self.eval_dataset[dataset] if isinstance(dataset, str) else dataset  # HF's: a set by its name
+        loader = self.get_eval_dataloader(dataset)
         self.callback_handler.eval_dataloader = loader
         return evaluation_loop(
             self._prepared_model(),
