@@ -231,6 +231,13 @@ def test_a_dict_of_evaluation_sets_is_evaluated_set_by_set(tmp_path):
     assert trainer.evaluate("test")["eval_loss"] == pytest.approx(results["eval_test_loss"])  # a set by its name
 
 
+def test_an_empty_dict_of_evaluation_sets_is_refused_by_name(tmp_path):
+    if IMPL != "mixprec":
+        pytest.skip("HF accepts it and evaluates nothing")
+    with pytest.raises(ValueError, match=r"eval_dataset=\{\}\) holds no evaluation set"):
+        regression_trainer(tmp_path, eval_dataset={})
+
+
 def test_a_set_named_is_sized_by_its_samples_not_its_name(tmp_path, monkeypatch):
     if IMPL != "mixprec":
         pytest.skip("reads mixprec's clock")

@@ -13,6 +13,8 @@ def check_datasets(args: Any, train_dataset: Any, eval_dataset: Any) -> None:
     """Refuse, naming the argument, datasets the Trainer cannot read, and an evaluation with nothing to read."""
     if train_dataset is not None:
         check_dataset(train_dataset, "train_dataset")
+    if isinstance(eval_dataset, dict) and not eval_dataset:
+        raise ValueError("Trainer(eval_dataset={}) holds no evaluation set: pass {name: dataset, ...} or None")
     sets = eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]
     for name, dataset in sets:  # HF's dict of evaluation sets: each checked by its name
         if dataset is not None:
