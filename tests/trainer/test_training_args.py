@@ -368,6 +368,12 @@ def test_fsdp_state_dict_type_takes_both_spellings_and_needs_fsdp_for_sharded() 
         TrainingArguments(output_dir="unused", distributed="fsdp", fsdp_state_dict_type="local")
 
 
+def test_async_saves_of_sharded_state_are_refused_when_the_arguments_are_made() -> None:
+    """Not at the first save, after the steps before it (the checkpoint writer refuses them there)."""
+    with pytest.raises(ValueError, match=r"async_save=True\): is not supported with fsdp_state_dict_type='sharded'"):
+        TrainingArguments(output_dir="unused", distributed="fsdp", fsdp_state_dict_type="sharded", async_save=True)
+
+
 def test_hfs_fsdp_config_sets_the_checkpoint_type_and_refuses_the_rest(tmp_path) -> None:
     args = TrainingArguments(
         output_dir="unused", fsdp="full_shard", fsdp_config={"fsdp_state_dict_type": "SHARDED_STATE_DICT"}

@@ -80,6 +80,13 @@ class HFFieldRules:
         args.fsdp_state_dict_type = parse_state_dict_type(
             args.fsdp_state_dict_type, args.distributed, "TrainingArguments"
         )
+        if args.async_save and args.fsdp_state_dict_type == "sharded":  # up front, not at the first save
+            fail(
+                "async_save",
+                True,
+                "is not supported with fsdp_state_dict_type='sharded' (DCP shards are written "
+                "synchronously); set async_save=False, or use full state dicts",
+            )
         if args.tf32 is not None:  # process-wide, as HF sets it (only CUDA matmuls read it)
             torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
             torch.backends.cudnn.allow_tf32 = bool(args.tf32)
