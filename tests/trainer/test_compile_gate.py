@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from torch._inductor.exc import InductorError
 
 from mixprec import Trainer, TrainingArguments
 from mixprec.precision import registry
@@ -102,14 +103,26 @@ def test_a_named_precision_compiles_as_asked_and_reports_compile_and_steps_apart
     assert summary["time"]["step_ms"]["forward"] > 0 and summary["time"]["step_ms"]["backward"] > 0
 
 
-def test_a_compile_that_fails_at_its_first_step_is_said_and_the_run_trains_on_eagerly(tmp_path, monkeypatch, caplog):
-    # a policy keeping norm in fp32 crashed torch.compile of an HF GPT-2 (dynamo's NameError on its torch
-    # function mode): the run died at its first compiled step
+@pytest.mark.parametrize(
+    "error",
+    [
+        # a policy keeping norm in fp32 crashed torch.compile of an HF GPT-2 (dynamo's NameError on its torch
+        # function mode): the run died at its first compiled step
+        lambda: torch._dynamo.exc.InternalTorchDynamoError("NameError: name '___guard' is not defined"),
+        # inductor's own errors come through unwrapped: a CPU without a working C++ compiler (CXX) crashed the
+        # run where dynamo's fell back
+        lambda: InductorError(RuntimeError("InvalidCxxCompiler: No working C++ compiler"), None),
+    ],
+    ids=["dynamo", "inductor"],
+)
+def test_a_compile_that_fails_at_its_first_step_is_said_and_the_run_trains_on_eagerly(
+    tmp_path, monkeypatch, caplog, error
+):
     from mixprec.trainer import compile_gate
 
-    def broken(model, args):  # torch.compile that fails while tracing, as dynamo's internal errors do
+    def broken(model, args):  # torch.compile that fails while compiling, before the forward computes
         def fail(*a, **k):
-            raise torch._dynamo.exc.InternalTorchDynamoError("NameError: name '___guard' is not defined")
+            raise error()
 
         model._compiled_call_impl = fail
 
@@ -117,7 +130,7 @@ def test_a_compile_that_fails_at_its_first_step_is_said_and_the_run_trains_on_ea
     with caplog.at_level("WARNING", logger="mixprec.trainer"):
         trainer, summary = _run(tmp_path, "broken", steps=10, precision="fp32")
     assert trainer.state.global_step == 10 and not _compiled(trainer)
-    assert summary["compile"]["verdict"] == "failed" and "InternalTorchDynamoError" in summary["compile"]["explain"]
+    assert summary["compile"]["verdict"] == "failed" and type(error()).__name__ in summary["compile"]["explain"]
     assert any("torch.compile failed on this model" in r.message for r in caplog.records)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     eager, _ = _run(tmp_path, "eager", steps=10, precision="fp32")

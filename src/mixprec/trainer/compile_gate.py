@@ -121,14 +121,16 @@ class CompileGate:
 
     def call(self, step: Callable[..., Any], *args: Any) -> Any:
         """``step(*args)``, a micro-batch. On the first compiled step a failure of torch.compile itself (dynamo,
-        the backend) is said, the model uncompiled and the micro-batch run again eagerly: nothing ran (the
-        failure comes while tracing, before the forward computes), and the run goes on without compiling."""
+        or inductor, whose errors come unwrapped: a CPU without a working C++ compiler) is said, the model
+        uncompiled and the micro-batch run again eagerly: nothing ran (the failure comes while tracing or
+        compiling, before the forward computes), and the run goes on without compiling. A backend whose
+        backward alone fails to compile raises from inside the backward, after the forward ran: not caught."""
         if self._phase != self._COMPILED or self._steps:
             return step(*args)
         try:
             return step(*args)
         except Exception as err:
-            if not type(err).__module__.startswith("torch._dynamo"):
+            if not type(err).__module__.startswith(("torch._dynamo", "torch._inductor")):
                 raise
             said = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
             logger.warning("torch.compile failed on this model (%s: %s); training on eagerly", type(err).__name__, said)
