@@ -125,6 +125,7 @@ def save_trainer_checkpoint(run: RunContext, position: DataPosition) -> Path:
     prunes to ``save_total_limit`` (never the best checkpoint) on its writer thread, once the folder has
     landed (with ``async_save`` too)."""
     args, state, acc = run.args, run.state, run.accelerator
+    model = acc.unwrap_model(run.model)
     folders = trainer_folders(args.output_dir)
     path = folders.folder(state.global_step)
     best = folders.folder(state.best_global_step) if state.best_global_step else None
@@ -136,13 +137,13 @@ def save_trainer_checkpoint(run: RunContext, position: DataPosition) -> Path:
         TRAINER_STATE: state.to_dict(),
         TRAINER_EXTRA: {"data_position": position.to_dict(), "meter": run.meter.state_dict(), "sized_by": run.sized_by},
         TRAINER_ARGS: args.to_dict(),
-        **model_config_file(acc.unwrap_model(run.model)),  # none for a peft model: its adapter files instead
+        **model_config_file(model),  # none for a peft model: its adapter files instead
     }
     keep = Keep(folders, args.save_total_limit, protect=state.best_model_checkpoint)
     # HF's training_args.bin / rng_state.pth (hf_files.py) from the main process, in the folder and its manifest
     hf = hf_files(args, acc.num_processes) if acc.is_main_process else None
     with _disk_full_explained(run, None if args.async_save else path.name):  # async: maybe the previous one
-        peft_files = adapter_files(acc.unwrap_model(run.model))
+        peft_files = adapter_files(model)
         acc.checkpoints.save(
             path, extra_json=files, extra_torch=hf, async_save=args.async_save, keep=keep, pre_hook=peft_files
         )
